@@ -1,0 +1,73 @@
+package pgcoord
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Sentinel errors. Test for them with errors.Is: pgcoord wraps them with
+// context, and errors that came from PostgreSQL also keep the
+// *pgconn.PgError reachable with errors.As.
+var (
+	// ErrLocked is returned by TryLock, TryRLock, XactTryLock and other
+	// non-blocking acquires when another holder has the key.
+	ErrLocked = errors.New("pgcoord: key is locked by another holder")
+
+	// ErrLockLost is returned by Err (of a Lock or a Session) and wraps the
+	// cause when the connection that held the lock failed, was terminated,
+	// or could not prove it was alive within the loss deadline. Whatever the
+	// lock protected must be treated as no longer protected.
+	ErrLockLost = errors.New("pgcoord: lock lost")
+
+	// ErrNotHeld is returned by Unlock when the lock was already released,
+	// or by the server when it did not hold the lock it was asked to release.
+	ErrNotHeld = errors.New("pgcoord: lock not held")
+
+	// ErrDeadlock is returned by a blocking acquire that PostgreSQL chose as
+	// the victim of a deadlock (SQLSTATE 40P01). Take keys with LockAll,
+	// XactLock or InTx, which use one canonical order, to avoid it.
+	ErrDeadlock = errors.New("pgcoord: deadlock detected")
+
+	// ErrTooManyLocks is returned when the server's shared lock table is full
+	// (SQLSTATE 53200); raise max_locks_per_transaction or hold fewer keys.
+	ErrTooManyLocks = errors.New("pgcoord: out of shared memory for locks")
+
+	// ErrReadOnly is returned when the server is a standby in recovery, whose
+	// advisory locks exclude nobody on the primary.
+	ErrReadOnly = errors.New("pgcoord: server is a read-only standby")
+
+	// ErrTransactionPooling is returned, or wrapped by ErrLockLost, when the
+	// server backend behind a session changed between statements, as it does
+	// behind PgBouncer in transaction pooling mode. Session locks cannot work
+	// there; use XactLock, XactRLock or InTx instead.
+	ErrTransactionPooling = errors.New("pgcoord: backend changed between statements (transaction pooling?); use the Xact* functions")
+
+	// ErrClosed is returned by every method of a Client or Session after
+	// Close, and by acquires that were waiting when Close was called.
+	ErrClosed = errors.New("pgcoord: closed")
+
+	// ErrInvalidKey is returned for the zero Key, HashKey with no parts, an
+	// empty key list, or a key string or pg_locks row that cannot be decoded.
+	ErrInvalidKey = errors.New("pgcoord: invalid key")
+)
+
+// pgError maps the PostgreSQL errors that pgcoord gives a meaning to onto
+// sentinels, keeping the original error reachable; other errors are wrapped
+// with op for context.
+func pgError(op string, err error) error {
+	if err == nil {
+		return nil
+	}
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		switch pe.Code {
+		case "40P01":
+			return fmt.Errorf("pgcoord: %s: %w: %w", op, ErrDeadlock, err)
+		case "53200":
+			return fmt.Errorf("pgcoord: %s: %w: %w", op, ErrTooManyLocks, err)
+		}
+	}
+	return fmt.Errorf("pgcoord: %s: %w", op, err)
+}
