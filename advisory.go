@@ -1,0 +1,335 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// LockOption modifies one acquire.
+type LockOption interface {
+	applyLock(*lockConfig) error
+}
+
+type lockConfig struct {
+	fence bool
+}
+
+type lockOptionFunc func(*lockConfig) error
+
+func (f lockOptionFunc) applyLock(c *lockConfig) error { return f(c) }
+
+// WithFence makes an exclusive single-key acquire also issue a fencing
+// token: [Lock.Fence] is then strictly greater than every fence issued
+// before for that key, and is committed before the acquire returns. It
+// needs the tables that [Migrate] creates (otherwise the acquire fails with
+// an error wrapping [ErrNotMigrated] and takes nothing). Shared locks and
+// LockAll reject it, since a fence orders single exclusive holders.
+func WithFence() LockOption {
+	return lockOptionFunc(func(c *lockConfig) error { c.fence = true; return nil })
+}
+
+// request is one acquire: keys in canonical order and how to take them.
+type request struct {
+	keys   []Key
+	shared bool
+	try    bool
+	fence  bool
+}
+
+func newRequest(keys []Key, shared, try bool, opts []LockOption) (request, error) {
+	ks, err := canonicalKeys(keys)
+	if err != nil {
+		return request{}, err
+	}
+	r := request{keys: ks, shared: shared, try: try}
+	var lc lockConfig
+	for _, o := range opts {
+		if o == nil {
+			return r, errors.New("pgcoord: nil LockOption")
+		}
+		if err := o.applyLock(&lc); err != nil {
+			return r, err
+		}
+	}
+	if lc.fence && (shared || len(ks) > 1) {
+		return r, errors.New("pgcoord: WithFence applies only to exclusive single-key locks (Lock, TryLock)")
+	}
+	r.fence = lc.fence
+	return r, nil
+}
+
+// Lock blocks until it holds key exclusively, on a dedicated connection of
+// the Client's, and returns the held lock. ctx bounds only the wait: once
+// Lock returns, the lock is held until Unlock or loss, whatever happens to
+// ctx. If the wait fails or is cancelled, nothing stays locked. Errors:
+// ctx's error (or cause) if it ended first, [ErrClosed], [ErrDeadlock],
+// [ErrTooManyLocks], [ErrInvalidKey], [ErrNotMigrated] (with WithFence), or
+// the connection error.
+func (c *Client) Lock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return c.acquire(ctx, nil, []Key{key}, false, false, opts)
+}
+
+// TryLock takes key exclusively if nobody holds it, without waiting. It
+// returns an error wrapping [ErrLocked] if another holder has it, in this
+// process or any other. ctx bounds the round trip. Other errors are as for
+// Lock.
+func (c *Client) TryLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return c.acquire(ctx, nil, []Key{key}, false, true, opts)
+}
+
+// RLock blocks until it holds key shared: any number of shared holders
+// coexist, and exclude exclusive ones. A waiting exclusive holder is not
+// starved: PostgreSQL queues new shared requests behind it. ctx and errors
+// are as for Lock.
+func (c *Client) RLock(ctx context.Context, key Key) (*Lock, error) {
+	return c.acquire(ctx, nil, []Key{key}, true, false, nil)
+}
+
+// TryRLock takes key shared if no exclusive holder has it, without
+// waiting; otherwise it returns an error wrapping [ErrLocked]. ctx and
+// other errors are as for Lock.
+func (c *Client) TryRLock(ctx context.Context, key Key) (*Lock, error) {
+	return c.acquire(ctx, nil, []Key{key}, true, true, nil)
+}
+
+// LockAll blocks until it holds every key exclusively, or none. Keys are
+// deduplicated and taken in one canonical order (the order XactLock also
+// uses), so two LockAll calls with overlapping keys never deadlock each
+// other. ctx and errors are as for Lock; on error no key stays locked.
+func (c *Client) LockAll(ctx context.Context, keys ...Key) (*Lock, error) {
+	return c.acquire(ctx, nil, keys, false, false, nil)
+}
+
+// Do holds key exclusively for the duration of fn. fn's context is
+// cancelled, with the lock's error as cause, if the lock is lost while fn
+// runs; fn must then stop touching whatever the lock protects. ctx bounds
+// the wait and is the parent of fn's context. Do returns the acquire
+// error, or fn's error joined with an error wrapping [ErrLockLost] if the
+// lock was lost while fn ran, and the Unlock error if releasing failed.
+func (c *Client) Do(ctx context.Context, key Key, fn func(ctx context.Context) error, opts ...LockOption) error {
+	l, err := c.Lock(ctx, key, opts...)
+	if err != nil {
+		return err
+	}
+	return l.do(ctx, fn)
+}
+
+func (l *Lock) do(ctx context.Context, fn func(ctx context.Context) error) error {
+	fctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	stop := context.AfterFunc(doneContext{l.done}, func() {
+		if err := l.Err(); err != ErrNotHeld {
+			cancel(err)
+		}
+	})
+	defer stop()
+	err := fn(fctx)
+	if lost := l.Err(); lost != nil {
+		return errors.Join(err, fmt.Errorf("pgcoord: Do %s: lock ended while fn ran: %w", keyList(l.keys), lost))
+	}
+	stop()
+	return errors.Join(err, l.Unlock(ctx))
+}
+
+// Lock is [Client.Lock] on this session's connection.
+func (s *Session) Lock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return s.c.acquire(ctx, s, []Key{key}, false, false, opts)
+}
+
+// TryLock is [Client.TryLock] on this session's connection.
+func (s *Session) TryLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return s.c.acquire(ctx, s, []Key{key}, false, true, opts)
+}
+
+// RLock is [Client.RLock] on this session's connection.
+func (s *Session) RLock(ctx context.Context, key Key) (*Lock, error) {
+	return s.c.acquire(ctx, s, []Key{key}, true, false, nil)
+}
+
+// TryRLock is [Client.TryRLock] on this session's connection.
+func (s *Session) TryRLock(ctx context.Context, key Key) (*Lock, error) {
+	return s.c.acquire(ctx, s, []Key{key}, true, true, nil)
+}
+
+// LockAll is [Client.LockAll] on this session's connection. A session that
+// is chosen as a deadlock victim while holding other locks is lost (its
+// connection is closed, freeing all its locks) so the other side can go on.
+func (s *Session) LockAll(ctx context.Context, keys ...Key) (*Lock, error) {
+	return s.c.acquire(ctx, s, keys, false, false, nil)
+}
+
+// acquire takes keys on s, or on a managed session of the Client's if s
+// is nil. Goroutines of this Client first pass the in-process gate of each
+// key, in canonical order, so only one of them at a time waits on the
+// server for a key.
+func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, try bool, opts []LockOption) (*Lock, error) {
+	r, err := newRequest(keys, shared, try, opts)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.enter(); err != nil {
+		return nil, err
+	}
+	defer c.wg.Done()
+	ctx, cancel := c.acquireCtx(ctx)
+	defer cancel()
+
+	for i, k := range r.keys {
+		ok, err := c.gates.enter(ctx, k, shared, try)
+		if err == nil && !ok {
+			err = fmt.Errorf("pgcoord: %s: %w (by this process)", k, ErrLocked)
+		}
+		if err != nil {
+			for _, k := range r.keys[:i] {
+				c.gates.leave(k, shared)
+			}
+			return nil, c.acquireErr(ctx, r, err)
+		}
+	}
+	if s == nil {
+		s, err = c.borrow(ctx)
+		if err != nil {
+			c.leaveAll(r)
+			return nil, c.acquireErr(ctx, r, err)
+		}
+	}
+	l, gatesLeft, err := s.take(ctx, r)
+	if err != nil {
+		if !gatesLeft {
+			c.leaveAll(r)
+		}
+		if s.managed {
+			c.giveBack(s)
+		}
+		return nil, c.acquireErr(ctx, r, err)
+	}
+	return l, nil
+}
+
+func (c *Client) leaveAll(r request) {
+	for _, k := range r.keys {
+		c.gates.leave(k, r.shared)
+	}
+}
+
+// acquireErr names the keys in an acquire error and puts the context's
+// cause (ErrClosed when the Client closed) in front.
+func (c *Client) acquireErr(ctx context.Context, r request, err error) error {
+	cause := context.Cause(ctx)
+	if dl, ok := ctx.Deadline(); ok && cause == nil && !time.Now().Before(dl) {
+		// A dial or read timed out on ctx's deadline a moment before ctx
+		// itself noticed.
+		cause = context.DeadlineExceeded
+	}
+	if cause != nil && !errors.Is(err, cause) {
+		err = fmt.Errorf("%w: %w", cause, err)
+	}
+	return fmt.Errorf("pgcoord: lock %s: %w", keyList(r.keys), err)
+}
+
+// take acquires r's keys on the session's backend, after the Client's
+// gates admitted this goroutine. On error, gatesLeft reports whether the
+// gates were already given back (by the failed lock's end).
+func (s *Session) take(ctx context.Context, r request) (l *Lock, gatesLeft bool, err error) {
+	// Keys this backend already holds shared are shared again without a
+	// round trip; the gates guarantee nobody here holds them exclusively.
+	s.state.Lock()
+	if s.err != nil {
+		s.state.Unlock()
+		return nil, false, s.err
+	}
+	var need []Key
+	for _, k := range r.keys {
+		if s.held[k] == nil {
+			need = append(need, k)
+		}
+	}
+	s.state.Unlock()
+
+	if len(need) > 0 {
+		sql, args := lockSQL(lockFunc(r.shared, r.try), need)
+		got := true
+		err := s.run(ctx, !r.try, func(ctx context.Context, conn *pgx.Conn) error {
+			if r.try {
+				return conn.QueryRow(ctx, sql, args...).Scan(&got)
+			}
+			_, err := conn.Exec(ctx, sql, args...)
+			return err
+		})
+		if err != nil {
+			if !errorIsLoss(err) {
+				s.releaseAfterError(ctx, need, r.shared)
+				err = pgError("acquire", err)
+				if errors.Is(err, ErrDeadlock) {
+					// Free this backend's other locks so the other side of
+					// the cycle can go on.
+					s.lose(err)
+				}
+			}
+			return nil, false, err
+		}
+		if !got {
+			return nil, false, ErrLocked
+		}
+	}
+
+	l = &Lock{s: s, keys: r.keys, shared: r.shared, done: make(chan struct{})}
+	s.state.Lock()
+	if s.err != nil {
+		err := s.err // lost meanwhile: the server freed the keys
+		s.state.Unlock()
+		return nil, false, err
+	}
+	for _, k := range r.keys {
+		if h := s.held[k]; h != nil {
+			h.count++
+		} else {
+			s.held[k] = &heldKey{shared: r.shared, count: 1}
+		}
+	}
+	s.locks[l] = struct{}{}
+	s.state.Unlock()
+
+	if r.fence {
+		err := s.run(ctx, true, func(ctx context.Context, conn *pgx.Conn) error {
+			var err error
+			l.fence, err = nextFence(ctx, conn, s.c.cfg, r.keys[0])
+			return err
+		})
+		if err != nil {
+			s.state.Lock()
+			_, mine := s.locks[l]
+			delete(s.locks, l)
+			var free []Key
+			if mine {
+				free = s.forget(l.keys)
+			}
+			s.state.Unlock()
+			if !errorIsLoss(err) {
+				s.releaseAfterError(ctx, free, r.shared)
+			}
+			l.end(ErrNotHeld)
+			return nil, true, err
+		}
+	}
+	return l, false, nil
+}
+
+// doneContext adapts a done channel to a context for context.AfterFunc.
+type doneContext struct{ done <-chan struct{} }
+
+func (d doneContext) Deadline() (deadline time.Time, ok bool) { return }
+func (d doneContext) Done() <-chan struct{}                   { return d.done }
+func (d doneContext) Err() error {
+	select {
+	case <-d.done:
+		return context.Canceled
+	default:
+		return nil
+	}
+}
+func (d doneContext) Value(any) any { return nil }

@@ -1,0 +1,148 @@
+package pgcoord
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// testTimeout bounds every wait in a test: generous for a loaded 2-core
+// machine, short enough that a hang fails instead of stalling the suite.
+const testTimeout = 30 * time.Second
+
+func testCtx(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// newTestClient returns a Client with its own pool on dsn, closed at the
+// end of the test.
+func newTestClient(t testing.TB, dsn string, opts ...Option) *Client {
+	t.Helper()
+	return newTestClientOn(t, pgtest.Pool(t, dsn), opts...)
+}
+
+func newTestClientOn(t testing.TB, pool *pgxpool.Pool, opts ...Option) *Client {
+	t.Helper()
+	c, err := New(pool, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := c.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return c
+}
+
+// holder is one granted or waiting advisory lock as pg_locks shows it.
+type holder struct {
+	pid     int32
+	shared  bool
+	granted bool
+}
+
+// lockState reads pg_locks for the database of dsn and groups the rows by
+// decoded key.
+func lockState(t testing.TB, dsn string) map[Key][]holder {
+	t.Helper()
+	out := make(map[Key][]holder)
+	for _, r := range pgtest.AdvisoryLocks(t, dsn) {
+		k, err := KeyFromLock(r.ClassID, r.ObjID, r.ObjSubID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[k] = append(out[k], holder{pid: r.PID, shared: r.Mode == "ShareLock", granted: r.Granted})
+	}
+	return out
+}
+
+// grantedTo returns the pids that hold k (granted) in pg_locks.
+func grantedTo(t testing.TB, dsn string, k Key) []int32 {
+	t.Helper()
+	var pids []int32
+	for _, h := range lockState(t, dsn)[k] {
+		if h.granted {
+			pids = append(pids, h.pid)
+		}
+	}
+	return pids
+}
+
+// waitingOn reports how many backends wait (not granted) for k.
+func waitingOn(t testing.TB, dsn string, k Key) int {
+	t.Helper()
+	n := 0
+	for _, h := range lockState(t, dsn)[k] {
+		if !h.granted {
+			n++
+		}
+	}
+	return n
+}
+
+// heldOnlyBy asserts that exactly the given backend holds k, in pg_locks.
+func heldOnlyBy(t testing.TB, dsn string, k Key, pid int32) {
+	t.Helper()
+	if got := grantedTo(t, dsn, k); len(got) != 1 || got[0] != pid {
+		t.Fatalf("pg_locks: %v held by %v, want only backend %d", k, got, pid)
+	}
+}
+
+// notHeld asserts that nobody holds or waits for k, in pg_locks.
+func notHeld(t testing.TB, dsn string, k Key) {
+	t.Helper()
+	if rows := lockState(t, dsn)[k]; len(rows) != 0 {
+		t.Fatalf("pg_locks: %v still has %+v, want no holder or waiter", k, rows)
+	}
+}
+
+// result of an acquire run in a goroutine.
+type result struct {
+	l   *Lock
+	err error
+}
+
+// goLock runs acquire in a goroutine and returns where its result arrives.
+func goLock(acquire func() (*Lock, error)) <-chan result {
+	ch := make(chan result, 1)
+	go func() {
+		l, err := acquire()
+		ch <- result{l, err}
+	}()
+	return ch
+}
+
+// receive waits, bounded, for a result.
+func receive(t testing.TB, ch <-chan result) result {
+	t.Helper()
+	select {
+	case r := <-ch:
+		return r
+	case <-time.After(testTimeout):
+		t.Fatal("acquire did not return in time")
+		return result{}
+	}
+}
+
+// stillWaiting asserts that an acquire has not returned yet.
+func stillWaiting(t testing.TB, ch <-chan result) {
+	t.Helper()
+	select {
+	case r := <-ch:
+		t.Fatalf("acquire returned (%v, %v) while it should still wait", r.l, r.err)
+	default:
+	}
+}
+
+func mustUnlock(t testing.TB, l *Lock) {
+	t.Helper()
+	if err := l.Unlock(context.Background()); err != nil {
+		t.Fatalf("Unlock: %v", err)
+	}
+}
