@@ -55,15 +55,24 @@ func HashKey(parts ...string) Key {
 	if len(parts) == 0 {
 		return Key{}
 	}
-	d := xxhash.New()
-	_, _ = d.WriteString(hashDomain)
-	var n [8]byte
+	return Key{kind: kindInt64, v: int64(xxhash.Sum64(hashInput(parts)))}
+}
+
+// hashInput is the byte string HashKey hashes: the domain, then each part
+// as an 8-byte big-endian length and its bytes. It is injective: the
+// lengths say where every part ends.
+func hashInput(parts []string) []byte {
+	n := len(hashDomain)
 	for _, p := range parts {
-		binary.BigEndian.PutUint64(n[:], uint64(len(p)))
-		_, _ = d.Write(n[:])
-		_, _ = d.WriteString(p)
+		n += 8 + len(p)
 	}
-	return Key{kind: kindInt64, v: int64(d.Sum64())}
+	b := make([]byte, 0, n)
+	b = append(b, hashDomain...)
+	for _, p := range parts {
+		b = binary.BigEndian.AppendUint64(b, uint64(len(p)))
+		b = append(b, p...)
+	}
+	return b
 }
 
 // Int64Key returns the key that PostgreSQL's pg_advisory_lock(bigint) takes.

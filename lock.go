@@ -2,7 +2,6 @@ package pgcoord
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"github.com/jackc/pgx/v5"
 	"strings"
@@ -218,9 +217,4 @@ func keyList(keys []Key) string {
 		s[i] = k.String()
 	}
 	return "[" + strings.Join(s, " ") + "]"
-}
-
-// isCanceled reports whether err is the end of a wait that ctx cut short.
-func isCanceled(ctx context.Context, err error) bool {
-	return ctx.Err() != nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)
 }
