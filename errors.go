@@ -48,6 +48,16 @@ var (
 	// Close, and by acquires that were waiting when Close was called.
 	ErrClosed = errors.New("pgcoord: closed")
 
+	// ErrStaleFence is returned by CheckFence when a newer fence has been
+	// issued for the key: a later holder exists, and the write must not
+	// happen.
+	ErrStaleFence = errors.New("pgcoord: stale fence: a newer holder exists")
+
+	// ErrNotMigrated is returned by features that need pgcoord's tables
+	// (fences) when they do not exist in the configured schema; run Migrate
+	// with the same schema first.
+	ErrNotMigrated = errors.New("pgcoord: tables missing; run pgcoord.Migrate first")
+
 	// ErrInvalidKey is returned for the zero Key, HashKey with no parts, an
 	// empty key list, or a key string or pg_locks row that cannot be decoded.
 	ErrInvalidKey = errors.New("pgcoord: invalid key")

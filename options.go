@@ -18,7 +18,7 @@ const (
 	DefaultSchema       = "pgcoord"
 )
 
-// Option configures a [Client] (New, Open) or [Migrate]. Invalid values and
+// Option configures a [Client] (New, Open), [Migrate] or [CheckFence]. Invalid values and
 // options that do not apply are reported as errors by the function they are
 // passed to, never silently replaced.
 type Option interface {
@@ -36,6 +36,7 @@ type scope uint8
 const (
 	scopeClient scope = 1 << iota
 	scopeMigrate
+	scopeFence
 )
 
 func (o optionFunc) apply(c *config) error {
@@ -49,8 +50,11 @@ func (o optionFunc) apply(c *config) error {
 }
 
 func (s scope) String() string {
-	if s == scopeMigrate {
+	switch s {
+	case scopeMigrate:
 		return "Migrate"
+	case scopeFence:
+		return "CheckFence"
 	}
 	return "New/Open"
 }
@@ -144,10 +148,10 @@ func WithApplicationName(name string) Option {
 }
 
 // WithSchema sets the schema that holds pgcoord's tables (default
-// [DefaultSchema]). Pass the same schema to [Migrate] and to [New] or
-// [Open]. The name is always quoted, so it is used exactly as given.
+// [DefaultSchema]). Pass the same schema to [Migrate], to [New] or [Open],
+// and to [CheckFence]. The name is always quoted, so it is used exactly as given.
 func WithSchema(name string) Option {
-	return optionFunc{"WithSchema", scopeClient | scopeMigrate, func(c *config) error {
+	return optionFunc{"WithSchema", scopeClient | scopeMigrate | scopeFence, func(c *config) error {
 		if name == "" || len(name) >= 64 {
 			return fmt.Errorf("schema name must be 1 to 63 bytes, got %d bytes", len(name))
 		}

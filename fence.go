@@ -1,0 +1,127 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// fenceRow returns the fences table's key_space and key for k: objsubid and
+// (classid << 32) | objid, exactly as k appears in pg_locks.
+func fenceRow(k Key) (space int16, key int64) {
+	classid, objid, objsubid := k.lockColumns()
+	return objsubid, int64(uint64(classid)<<32 | uint64(objid))
+}
+
+// nextFence issues the next fence for k: 1 the first time, then one more
+// than the last fence issued for k. It runs one statement; when q is not in
+// a transaction, the new fence is committed before nextFence returns. The
+// statement waits while a transaction that called CheckFence on k is open.
+// It returns an error wrapping ErrNotMigrated when the fences table does not
+// exist in the configured schema.
+func nextFence(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, c *config, k Key) (int64, error) {
+	if err := k.check(); err != nil {
+		return 0, err
+	}
+	space, key := fenceRow(k)
+	var fence int64
+	err := q.QueryRow(ctx, "INSERT INTO "+c.table("fences")+` AS f (key_space, key, fence) VALUES ($1, $2, 1)
+		ON CONFLICT (key_space, key) DO UPDATE SET fence = f.fence + 1
+		RETURNING f.fence`, space, key).Scan(&fence)
+	if err != nil {
+		return 0, notMigrated(c, "issue fence for key "+k.String(), err)
+	}
+	return fence, nil
+}
+
+// CheckFence verifies, inside tx, that fence is still the newest fence
+// issued for key, and keeps it so until tx ends. Call it in the transaction
+// that writes the data the lock protects, before committing:
+//
+//	tx, err := pool.Begin(ctx)
+//	...
+//	if err := pgcoord.CheckFence(ctx, tx, key, l.Fence()); err != nil {
+//		return err // do not write: errors.Is(err, pgcoord.ErrStaleFence) means another holder exists
+//	}
+//	// write, then commit
+//
+// CheckFence reads the key's row in the fences table with SELECT ... FOR
+// SHARE. The row stays share-locked until tx commits or rolls back, and
+// issuing a new fence updates that row, so no newer fence can be issued
+// (a new holder's Lock with [WithFence] waits) while tx is open. Hence a
+// write committed in tx after a nil CheckFence can never interleave with a
+// newer holder's writes: the newer holder gets its fence only after tx has
+// ended.
+//
+// It returns nil when the stored fence equals fence. It returns an error
+// wrapping [ErrStaleFence], naming both fences, when a newer fence has been
+// issued. It also wraps ErrStaleFence when fence was never issued for key
+// (it is greater than the newest stored fence, or no fence exists for key):
+// that happens with a wrong key, schema or database, or when a database
+// failover lost recently issued fences, and in every case the write must not
+// happen and retrying cannot make it safe. Other errors: [ErrInvalidKey] for
+// an invalid key, a plain error for fence <= 0 (fences start at 1),
+// [ErrNotMigrated] when the fences
+// table does not exist in the schema, and the server's error, wrapped, when
+// the query fails. Under REPEATABLE READ or SERIALIZABLE, a fence issued
+// after tx's snapshot was taken makes the server report a serialization
+// failure (SQLSTATE 40001). After any error, roll tx back.
+//
+// ctx governs the query, including the wait for a new fence being issued at
+// the same moment. Options: only [WithSchema] applies; pass the schema given
+// to [Migrate] and the Client.
+//
+// Limits. Fences protect writes to data in the same database, checked in the
+// same transaction. For an external resource (a file store, another
+// database, an API), pass the fence along with each write and have the
+// resource reject fences lower than the highest it has seen. With
+// asynchronous replication, a failover to a standby can lose the most
+// recently issued fences (and the writes made under them), so a fence can
+// be issued twice. Setting synchronous_standby_names on the primary, with
+// synchronous_commit = on (the default) or remote_apply, and failing over
+// only to a standby named there, removes that window.
+func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence int64, opts ...Option) error {
+	c, err := newConfig(scopeFence, opts)
+	if err != nil {
+		return err
+	}
+	if tx == nil {
+		return errors.New("pgcoord: CheckFence: tx is nil")
+	}
+	if err := key.check(); err != nil {
+		return fmt.Errorf("pgcoord: CheckFence: %w", err)
+	}
+	if fence <= 0 {
+		return fmt.Errorf("pgcoord: CheckFence: fence %d is not a fence (fences start at 1; was the lock taken with WithFence?)", fence)
+	}
+	space, k := fenceRow(key)
+	var stored int64
+	err = tx.QueryRow(ctx, "SELECT fence FROM "+c.table("fences")+" WHERE key_space = $1 AND key = $2 FOR SHARE", space, k).Scan(&stored)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return fmt.Errorf("pgcoord: CheckFence: %w: fence %d for key %s was never issued: no fence exists for the key in schema %s", ErrStaleFence, fence, key, c.quotedSchema())
+	case err != nil:
+		return notMigrated(c, "CheckFence", err)
+	case stored > fence:
+		return fmt.Errorf("pgcoord: CheckFence: %w: fence %d for key %s is stale: fence %d has been issued", ErrStaleFence, fence, key, stored)
+	case stored < fence:
+		return fmt.Errorf("pgcoord: CheckFence: %w: fence %d for key %s was never issued: the newest is %d", ErrStaleFence, fence, key, stored)
+	}
+	return nil
+}
+
+// notMigrated wraps err with ErrNotMigrated, naming the schema, when the
+// server reports that pgcoord's table or schema does not exist (SQLSTATE
+// 42P01 or 3F000), and maps it with pgError otherwise.
+func notMigrated(c *config, op string, err error) error {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) && (pe.Code == "42P01" || pe.Code == "3F000") {
+		return fmt.Errorf("pgcoord: %s: %w (schema %s): %w", op, ErrNotMigrated, c.quotedSchema(), err)
+	}
+	return pgError(op, err)
+}

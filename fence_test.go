@@ -1,0 +1,405 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"math"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// migratedPool returns a pool on a fresh database migrated into schema.
+func migratedPool(t *testing.T, ctx context.Context, schema string) (string, *pgxpool.Pool) {
+	t.Helper()
+	dsn := pgtest.DB(t)
+	pool := pgtest.Pool(t, dsn)
+	if err := Migrate(ctx, pool, WithSchema(schema)); err != nil {
+		t.Fatalf("Migrate: %v", err)
+	}
+	return dsn, pool
+}
+
+func mustFenceConfig(t *testing.T, s scope, opts ...Option) *config {
+	t.Helper()
+	c, err := newConfig(s, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func mustNextFence(t *testing.T, ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, c *config, k Key) int64 {
+	t.Helper()
+	f, err := nextFence(ctx, q, c, k)
+	if err != nil {
+		t.Fatalf("nextFence(%v): %v", k, err)
+	}
+	return f
+}
+
+// storedFences reads the whole fences table as "space/key=fence".
+func storedFences(t *testing.T, ctx context.Context, pool *pgxpool.Pool, c *config) []string {
+	t.Helper()
+	rows, err := pool.Query(ctx, "SELECT key_space || '/' || key || '=' || fence FROM "+c.table("fences")+" ORDER BY key_space, key")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func TestNextFenceIncreasingAndPerKey(t *testing.T) {
+	ctx := testCtx(t)
+	_, pool := migratedPool(t, ctx, DefaultSchema)
+	c := mustFenceConfig(t, scopeClient)
+
+	a, b := HashKey("fence", "a"), HashKey("fence", "b")
+	for want := int64(1); want <= 5; want++ {
+		if got := mustNextFence(t, ctx, pool, c, a); got != want {
+			t.Fatalf("fence %d of key a = %d", want, got)
+		}
+	}
+	if got := mustNextFence(t, ctx, pool, c, b); got != 1 {
+		t.Fatalf("first fence of key b = %d, want 1", got)
+	}
+	// Same 64 bits, different key spaces: different rows.
+	if got := mustNextFence(t, ctx, pool, c, Int64Key(1<<32|2)); got != 1 {
+		t.Fatalf("first fence of Int64Key(1<<32|2) = %d, want 1", got)
+	}
+	if got := mustNextFence(t, ctx, pool, c, PairKey(1, 2)); got != 1 {
+		t.Fatalf("first fence of PairKey(1, 2) = %d, want 1", got)
+	}
+	if got := mustNextFence(t, ctx, pool, c, PairKey(1, 2)); got != 2 {
+		t.Fatalf("second fence of PairKey(1, 2) = %d, want 2", got)
+	}
+	av, _ := a.Int64()
+	bv, _ := b.Int64()
+	want := []string{
+		"1/" + strconv.FormatInt(1<<32|2, 10) + "=1",
+		"1/" + strconv.FormatInt(av, 10) + "=5",
+		"1/" + strconv.FormatInt(bv, 10) + "=1",
+		"2/" + strconv.FormatInt(1<<32|2, 10) + "=2",
+	}
+	got := storedFences(t, ctx, pool, c)
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Fatalf("fences table = %q, want %q", got, want)
+	}
+
+	if _, err := nextFence(ctx, pool, c, Key{}); !errors.Is(err, ErrInvalidKey) {
+		t.Fatalf("nextFence(zero Key) = %v, want ErrInvalidKey", err)
+	}
+}
+
+// TestNextFenceRowsMatchPgLocks checks that a key's row in fences carries
+// the key as pg_locks shows it: objsubid and (classid << 32) | objid.
+func TestNextFenceRowsMatchPgLocks(t *testing.T) {
+	ctx := testCtx(t)
+	dsn, pool := migratedPool(t, ctx, DefaultSchema)
+	c := mustFenceConfig(t, scopeClient)
+	conn := pgtest.Conn(t, dsn)
+	pid := conn.PgConn().PID()
+
+	for _, k := range []Key{
+		Int64Key(0), Int64Key(-1), Int64Key(math.MinInt64), Int64Key(math.MaxInt64), Int64Key(1<<32 | 2),
+		PairKey(1, 2), PairKey(-1, -2), PairKey(math.MinInt32, 5), PairKey(0, math.MinInt32),
+		HashKey("invoice", "42"),
+	} {
+		mustNextFence(t, ctx, pool, c, k)
+		arg, args := k.sqlArgs(1, nil)
+		if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock("+arg+")", args...); err != nil {
+			t.Fatal(err)
+		}
+		var held []pgtest.AdvisoryLock
+		for _, l := range pgtest.AdvisoryLocks(t, dsn) {
+			if uint32(l.PID) == pid {
+				held = append(held, l)
+			}
+		}
+		if len(held) != 1 {
+			t.Fatalf("%v: %d advisory locks held by the test connection, want 1: %+v", k, len(held), held)
+		}
+		l := held[0]
+		lockValue := int64(uint64(l.ClassID)<<32 | uint64(l.ObjID))
+		var fence int64
+		err := pool.QueryRow(ctx, "SELECT fence FROM "+c.table("fences")+" WHERE key_space = $1 AND key = $2", l.ObjSubID, lockValue).Scan(&fence)
+		if err != nil || fence != 1 {
+			t.Fatalf("%v: fences row for pg_locks (objsubid %d, key %d): fence %d, err %v; want fence 1", k, l.ObjSubID, lockValue, fence, err)
+		}
+		if _, err := conn.Exec(ctx, "SELECT pg_advisory_unlock_all()"); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func TestNextFenceConcurrentUnique(t *testing.T) {
+	ctx := testCtx(t)
+	const workers, each = 8, 25
+	dsn := pgtest.DB(t)
+	pool := pgtest.Pool(t, dsn, func(c *pgxpool.Config) { c.MaxConns = workers })
+	if err := Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	c := mustFenceConfig(t, scopeClient)
+	k := PairKey(7, -7)
+
+	var mu sync.Mutex
+	var got []int64
+	errs := make(chan error, workers)
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for range each {
+				f, err := nextFence(ctx, pool, c, k)
+				if err != nil {
+					errs <- err
+					return
+				}
+				mu.Lock()
+				got = append(got, f)
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	slices.Sort(got)
+	for i, f := range got {
+		if f != int64(i+1) {
+			t.Fatalf("fences issued concurrently are not exactly 1..%d: position %d holds %d", workers*each, i, f)
+		}
+	}
+}
+
+func TestNextFenceNotMigrated(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	pool := pgtest.Pool(t, dsn)
+	c := mustFenceConfig(t, scopeClient)
+	_, err := nextFence(ctx, pool, c, Int64Key(1))
+	if !errors.Is(err, ErrNotMigrated) || !strings.Contains(err.Error(), `"pgcoord"`) {
+		t.Fatalf("nextFence before Migrate = %v, want ErrNotMigrated naming the schema", err)
+	}
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) {
+		t.Fatalf("nextFence error %v does not keep the *pgconn.PgError", err)
+	}
+
+	// Migrated, but into another schema than the one asked for.
+	if err := Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	other := mustFenceConfig(t, scopeClient, WithSchema("elsewhere"))
+	if _, err := nextFence(ctx, pool, other, Int64Key(1)); !errors.Is(err, ErrNotMigrated) || !strings.Contains(err.Error(), `"elsewhere"`) {
+		t.Fatalf("nextFence in an unmigrated schema = %v, want ErrNotMigrated naming it", err)
+	}
+	// The schema exists, the table does not.
+	if _, err := pool.Exec(ctx, "CREATE SCHEMA elsewhere"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nextFence(ctx, pool, other, Int64Key(1)); !errors.Is(err, ErrNotMigrated) {
+		t.Fatalf("nextFence in a schema without fences = %v, want ErrNotMigrated", err)
+	}
+}
+
+// checkInTx runs CheckFence in a new transaction and rolls it back.
+func checkInTx(t *testing.T, ctx context.Context, pool *pgxpool.Pool, k Key, fence int64, opts ...Option) error {
+	t.Helper()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	return CheckFence(ctx, tx, k, fence, opts...)
+}
+
+func TestCheckFence(t *testing.T) {
+	ctx := testCtx(t)
+	_, pool := migratedPool(t, ctx, DefaultSchema)
+	c := mustFenceConfig(t, scopeClient)
+	k := HashKey("account", "17")
+
+	if err := checkInTx(t, ctx, pool, k, 1); !errors.Is(err, ErrStaleFence) || !strings.Contains(err.Error(), "never issued") {
+		t.Fatalf("CheckFence before any fence = %v, want ErrStaleFence (never issued)", err)
+	}
+	f1 := mustNextFence(t, ctx, pool, c, k)
+	if err := checkInTx(t, ctx, pool, k, f1); err != nil {
+		t.Fatalf("CheckFence(current fence %d) = %v, want nil", f1, err)
+	}
+	f2 := mustNextFence(t, ctx, pool, c, k)
+	err := checkInTx(t, ctx, pool, k, f1)
+	if !errors.Is(err, ErrStaleFence) || !strings.Contains(err.Error(), strconv.FormatInt(f1, 10)) || !strings.Contains(err.Error(), strconv.FormatInt(f2, 10)) {
+		t.Fatalf("CheckFence(old fence %d) after fence %d = %v, want ErrStaleFence naming both", f1, f2, err)
+	}
+	if err := checkInTx(t, ctx, pool, k, f2); err != nil {
+		t.Fatalf("CheckFence(current fence %d) = %v, want nil", f2, err)
+	}
+	if err := checkInTx(t, ctx, pool, k, f2+1); !errors.Is(err, ErrStaleFence) || !strings.Contains(err.Error(), "never issued") {
+		t.Fatalf("CheckFence(future fence %d) = %v, want ErrStaleFence (never issued)", f2+1, err)
+	}
+	// The same bits in the other key space have no fence.
+	v, _ := k.Int64()
+	if err := checkInTx(t, ctx, pool, PairKey(int32(uint64(v)>>32), int32(v)), f2); !errors.Is(err, ErrStaleFence) {
+		t.Fatalf("CheckFence on the pair key with the same bits = %v, want ErrStaleFence", err)
+	}
+
+	for _, bad := range []int64{0, -1, math.MinInt64} {
+		err := checkInTx(t, ctx, pool, k, bad)
+		if err == nil || errors.Is(err, ErrStaleFence) || !strings.HasPrefix(err.Error(), "pgcoord: ") {
+			t.Fatalf("CheckFence(fence %d) = %v, want a clear non-stale error", bad, err)
+		}
+	}
+	if err := checkInTx(t, ctx, pool, Key{}, f2); !errors.Is(err, ErrInvalidKey) {
+		t.Fatalf("CheckFence(zero Key) = %v, want ErrInvalidKey", err)
+	}
+	if err := checkInTx(t, ctx, pool, k, f2, WithHeartbeat(time.Second)); err == nil {
+		t.Fatal("CheckFence accepted WithHeartbeat")
+	}
+	if err := CheckFence(ctx, nil, k, f2); err == nil {
+		t.Fatal("CheckFence(nil tx) = nil")
+	}
+	if err := checkInTx(t, ctx, pool, k, f2, WithSchema("missing")); !errors.Is(err, ErrNotMigrated) {
+		t.Fatalf("CheckFence in an unmigrated schema = %v, want ErrNotMigrated", err)
+	}
+}
+
+// TestCheckFenceHoldsOffNewerFence checks that while a transaction holds a
+// successful CheckFence, issuing a newer fence waits on the row lock, and
+// goes through only when the transaction ends (commit or rollback).
+func TestCheckFenceHoldsOffNewerFence(t *testing.T) {
+	for _, end := range []string{"commit", "rollback"} {
+		t.Run(end, func(t *testing.T) {
+			ctx := testCtx(t)
+			dsn, pool := migratedPool(t, ctx, DefaultSchema)
+			c := mustFenceConfig(t, scopeClient)
+			k := Int64Key(-42)
+			f1 := mustNextFence(t, ctx, pool, c, k)
+			if _, err := pool.Exec(ctx, "CREATE TABLE public.ledger (fence bigint)"); err != nil {
+				t.Fatal(err)
+			}
+
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+			if err := CheckFence(ctx, tx, k, f1); err != nil {
+				t.Fatalf("CheckFence: %v", err)
+			}
+			if _, err := tx.Exec(ctx, "INSERT INTO public.ledger VALUES ($1)", f1); err != nil {
+				t.Fatal(err)
+			}
+			holder := tx.Conn().PgConn().PID()
+
+			issuer := pgtest.Conn(t, dsn)
+			issuerPID := issuer.PgConn().PID()
+			type issued struct {
+				fence int64
+				err   error
+			}
+			done := make(chan issued, 1)
+			go func() {
+				f, err := nextFence(ctx, issuer, c, k)
+				done <- issued{f, err}
+			}()
+
+			pgtest.Eventually(t, 10*time.Second, "nextFence never waited on the CheckFence transaction", func() bool {
+				var waiting bool
+				err := pool.QueryRow(ctx, `SELECT wait_event_type IS NOT DISTINCT FROM 'Lock' AND $2::int = ANY (pg_blocking_pids(pid))
+					FROM pg_stat_activity WHERE pid = $1`, issuerPID, holder).Scan(&waiting)
+				return err == nil && waiting
+			})
+			select {
+			case r := <-done:
+				t.Fatalf("nextFence returned (%d, %v) while the CheckFence transaction was open", r.fence, r.err)
+			default:
+			}
+
+			if end == "commit" {
+				err = tx.Commit(ctx)
+			} else {
+				err = tx.Rollback(ctx)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			var r issued
+			select {
+			case r = <-done:
+			case <-ctx.Done():
+				t.Fatal("nextFence did not finish after the CheckFence transaction ended")
+			}
+			if r.err != nil || r.fence != f1+1 {
+				t.Fatalf("nextFence after the transaction ended = (%d, %v), want %d", r.fence, r.err, f1+1)
+			}
+			var rows int
+			if err := pool.QueryRow(ctx, "SELECT count(*) FROM public.ledger").Scan(&rows); err != nil {
+				t.Fatal(err)
+			}
+			if want := map[string]int{"commit": 1, "rollback": 0}[end]; rows != want {
+				t.Fatalf("ledger has %d rows after %s, want %d", rows, end, want)
+			}
+			if err := checkInTx(t, ctx, pool, k, f1); !errors.Is(err, ErrStaleFence) {
+				t.Fatalf("CheckFence(%d) after fence %d was issued = %v, want ErrStaleFence", f1, r.fence, err)
+			}
+		})
+	}
+}
+
+func TestFenceHostileSchemaNames(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	pool := pgtest.Pool(t, dsn)
+	for i, name := range []string{`odd "name"; drop`, `f"; DELETE FROM fences; --`, strings.Repeat(`'`, 60)} {
+		if err := Migrate(ctx, pool, WithSchema(name)); err != nil {
+			t.Fatalf("Migrate(WithSchema(%q)): %v", name, err)
+		}
+		c := mustFenceConfig(t, scopeClient, WithSchema(name))
+		k := Int64Key(int64(i))
+		mustNextFence(t, ctx, pool, c, k)
+		f := mustNextFence(t, ctx, pool, c, k)
+		if f != 2 {
+			t.Fatalf("schema %q: second fence = %d, want 2", name, f)
+		}
+		if err := checkInTx(t, ctx, pool, k, f, WithSchema(name)); err != nil {
+			t.Fatalf("schema %q: CheckFence: %v", name, err)
+		}
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_class c JOIN pg_namespace s ON s.oid = c.relnamespace
+			WHERE s.nspname = $1 AND c.relname = 'fences'`, name).Scan(&n); err != nil || n != 1 {
+			t.Fatalf("schema %q: %d fences tables (err %v), want 1", name, n, err)
+		}
+	}
+	// Each schema kept its own rows: nothing was deleted by a name.
+	var total int64
+	if err := pool.QueryRow(ctx, `SELECT sum(fence) FROM (
+		SELECT fence FROM `+pgx.Identifier{`odd "name"; drop`, "fences"}.Sanitize()+`
+		UNION ALL SELECT fence FROM `+pgx.Identifier{`f"; DELETE FROM fences; --`, "fences"}.Sanitize()+`
+		UNION ALL SELECT fence FROM `+pgx.Identifier{strings.Repeat(`'`, 60), "fences"}.Sanitize()+`) f`).Scan(&total); err != nil {
+		t.Fatal(err)
+	}
+	if total != 6 {
+		t.Fatalf("sum of fences over the three schemas = %d, want 6", total)
+	}
+	if err := checkInTx(t, ctx, pool, Int64Key(1), 1, WithSchema("nul\x00")); err == nil || !strings.Contains(err.Error(), "NUL") {
+		t.Fatalf("CheckFence(WithSchema with NUL) = %v, want a clear error", err)
+	}
+}

@@ -1,0 +1,207 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+func migrated(t testing.TB, dsn string) *pgxpool.Pool {
+	t.Helper()
+	pool := pgtest.Pool(t, dsn)
+	if err := Migrate(testCtx(t), pool); err != nil {
+		t.Fatal(err)
+	}
+	return pool
+}
+
+// Fences from three Clients taking one key 1,000 times are strictly
+// increasing in acquisition order, also across a server restart.
+func TestFencesIncreaseAcrossClientsAndRestart(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	srv := pgtest.NewServer(t)
+	dsn := srv.DB(t)
+	migrated(t, dsn)
+	clients := []*Client{newTestClient(t, dsn), newTestClient(t, dsn), newTestClient(t, dsn)}
+	k := HashKey("fenced", "job")
+
+	var mu sync.Mutex
+	var fences []int64 // appended while holding the lock: acquisition order
+	round := func(n int) {
+		var wg sync.WaitGroup
+		for i, c := range clients {
+			wg.Go(func() {
+				for j := range n / len(clients) {
+					l, err := c.Lock(ctx, k, WithFence())
+					if err != nil {
+						t.Errorf("client %d, round %d: %v", i, j, err)
+						return
+					}
+					mu.Lock()
+					fences = append(fences, l.Fence())
+					mu.Unlock()
+					if err := l.Unlock(ctx); err != nil {
+						t.Errorf("client %d: Unlock: %v", i, err)
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+	}
+	round(501)
+	srv.Restart(t)
+	round(501)
+	if t.Failed() {
+		return
+	}
+	if len(fences) != 1002 {
+		t.Fatalf("%d fences, want 1002", len(fences))
+	}
+	for i := 1; i < len(fences); i++ {
+		if fences[i] <= fences[i-1] {
+			t.Fatalf("fence %d is %d after %d: not strictly increasing", i, fences[i], fences[i-1])
+		}
+	}
+	t.Logf("fences %d..%d", fences[0], fences[len(fences)-1])
+}
+
+// A holder that lost its lock while paused keeps its old fence; its late
+// write is refused, and the data shows only the new holder's write.
+func TestPausedHolderWriteIsFenced(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	pool := migrated(t, dsn)
+	if _, err := pool.Exec(ctx, "CREATE TABLE balance (id int PRIMARY KEY, amount int, writer text)"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, "INSERT INTO balance VALUES (1, 100, 'initial')"); err != nil {
+		t.Fatal(err)
+	}
+	a, b := newTestClient(t, dsn), newTestClient(t, dsn)
+	k := HashKey("balance", "1")
+
+	la, err := a.Lock(ctx, k, WithFence())
+	if err != nil {
+		t.Fatal(err)
+	}
+	fenceA := la.Fence()
+	// A "pauses"; meanwhile its backend is terminated and its lock freed.
+	pgtest.Terminate(t, dsn, la.s.PID())
+
+	lb, err := b.Lock(ctx, k, WithFence())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lb.Fence() <= fenceA {
+		t.Fatalf("B's fence %d is not greater than A's %d", lb.Fence(), fenceA)
+	}
+	write := func(fence int64, who string, amount int) error {
+		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			if err := CheckFence(ctx, tx, k, fence); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, "UPDATE balance SET amount = $1, writer = $2 WHERE id = 1", amount, who)
+			return err
+		})
+	}
+	if err := write(lb.Fence(), "B", 200); err != nil {
+		t.Fatalf("B's write: %v", err)
+	}
+	// A wakes up, unaware, and writes with its old fence.
+	if err := write(fenceA, "A", 999); !errors.Is(err, ErrStaleFence) {
+		t.Fatalf("A's late write: %v, want ErrStaleFence", err)
+	}
+	var amount int
+	var writer string
+	if err := pool.QueryRow(ctx, "SELECT amount, writer FROM balance WHERE id = 1").Scan(&amount, &writer); err != nil {
+		t.Fatal(err)
+	}
+	if amount != 200 || writer != "B" {
+		t.Fatalf("balance = %d by %s, want 200 by B", amount, writer)
+	}
+	mustUnlock(t, lb)
+}
+
+// While a transaction that passed CheckFence is open, a newer holder's
+// fenced acquire does not complete: it gets its fence only after that
+// transaction ends, so the two writers cannot interleave.
+func TestFencedAcquireWaitsForCheckedTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	pool := migrated(t, dsn)
+	a, b := newTestClient(t, dsn), newTestClient(t, dsn)
+	k := Int64Key(77)
+
+	la, err := a.Lock(ctx, k, WithFence())
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background())
+	if err := CheckFence(ctx, tx, k, la.Fence()); err != nil {
+		t.Fatal(err)
+	}
+	mustUnlock(t, la) // A's lock ends while its checked transaction is open
+
+	bch := goLock(func() (*Lock, error) { return b.Lock(ctx, k, WithFence()) })
+	// B holds the advisory lock but waits for the fence row.
+	pgtest.Eventually(t, testTimeout, "B holds the key and waits for the fence row", func() bool {
+		pids := grantedTo(t, dsn, k)
+		if len(pids) != 1 {
+			return false
+		}
+		var waiting bool
+		err := pool.QueryRow(ctx, "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pids[0]).Scan(&waiting)
+		return err == nil && waiting
+	})
+	stillWaiting(t, bch)
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := receive(t, bch)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if r.l.Fence() != la.Fence()+1 {
+		t.Fatalf("B's fence %d, want %d", r.l.Fence(), la.Fence()+1)
+	}
+	mustUnlock(t, r.l)
+}
+
+func TestWithFenceNeedsMigrateAndExclusiveSingleKey(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	c := newTestClient(t, dsn)
+	k := HashKey("nomigrate")
+	if _, err := c.Lock(ctx, k, WithFence()); !errors.Is(err, ErrNotMigrated) {
+		t.Fatalf("fenced Lock before Migrate: %v, want ErrNotMigrated", err)
+	}
+	notHeld(t, dsn, k)
+	s := newTestSession(t, c)
+	if _, err := s.TryLock(ctx, k, WithFence()); !errors.Is(err, ErrNotMigrated) {
+		t.Fatalf("fenced TryLock before Migrate: %v, want ErrNotMigrated", err)
+	}
+	notHeld(t, dsn, k)
+	if s.Err() != nil {
+		t.Fatalf("session ended by a failed fence: %v", s.Err())
+	}
+	if _, err := newRequest([]Key{k, Int64Key(1)}, false, false, []LockOption{WithFence()}); err == nil {
+		t.Fatal("WithFence on two keys: no error")
+	}
+	if _, err := newRequest([]Key{k}, true, false, []LockOption{WithFence()}); err == nil {
+		t.Fatal("WithFence on a shared lock: no error")
+	}
+}
