@@ -190,19 +190,35 @@ func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, tr
 			return nil, c.acquireErr(ctx, r, err)
 		}
 	}
-	if s == nil {
-		s, err = c.borrow(ctx)
+	if s != nil {
+		l, gatesLeft, err := s.take(ctx, r)
 		if err != nil {
-			c.leaveAll(r)
+			if !gatesLeft {
+				c.leaveAll(r)
+			}
 			return nil, c.acquireErr(ctx, r, err)
 		}
+		return l, nil
+	}
+	s, reused, err := c.borrow(ctx)
+	if err != nil {
+		c.leaveAll(r)
+		return nil, c.acquireErr(ctx, r, err)
 	}
 	l, gatesLeft, err := s.take(ctx, r)
+	if err != nil && reused && !gatesLeft && errorIsLoss(err) && ctx.Err() == nil {
+		// An idle connection died unnoticed (a server restart, say):
+		// its backend is gone with whatever it held, so try once more on
+		// a new one.
+		if s, err = c.open(ctx); err == nil {
+			l, gatesLeft, err = s.take(ctx, r)
+		}
+	}
 	if err != nil {
 		if !gatesLeft {
 			c.leaveAll(r)
 		}
-		if s.managed {
+		if s != nil {
 			c.giveBack(s)
 		}
 		return nil, c.acquireErr(ctx, r, err)

@@ -143,18 +143,25 @@ func (c *Client) untrack(s *Session) {
 	delete(c.sessions, s)
 }
 
-// borrow returns an idle managed session or opens a new one.
-func (c *Client) borrow(ctx context.Context) (*Session, error) {
+// borrow returns an idle managed session (reused reports true) or opens a
+// new one.
+func (c *Client) borrow(ctx context.Context) (s *Session, reused bool, err error) {
 	c.mu.Lock()
 	for len(c.idle) > 0 {
 		s := c.idle[len(c.idle)-1]
 		c.idle = c.idle[:len(c.idle)-1]
 		if s.Err() == nil {
 			c.mu.Unlock()
-			return s, nil
+			return s, true, nil
 		}
 	}
 	c.mu.Unlock()
+	s, err = c.open(ctx)
+	return s, false, err
+}
+
+// open opens a new managed session.
+func (c *Client) open(ctx context.Context) (*Session, error) {
 	s, err := c.newSession(ctx, true)
 	if err != nil {
 		return nil, err

@@ -16,9 +16,9 @@ import (
 
 // serverBound returns S, the time after which the server drops the backend
 // of a client it has heard nothing from, given the client loss deadline L.
-// It is 2L: keepalive probes start after L/2 of silence and the connection
-// is declared dead after 3L/2 of unanswered probes (or of unacknowledged
-// data, via tcp_user_timeout). The client gives up after L, so it knows it
+// It is 2L: keepalive probes start after L/2 of silence, one a second, and
+// the connection is declared dead when they have gone unanswered until 2L
+// (or data has gone unacknowledged for 2L, via tcp_user_timeout). The client gives up after L, so it knows it
 // lost its locks at least L before anyone else can take them.
 func serverBound(loss time.Duration) time.Duration { return 2 * loss }
 
@@ -26,9 +26,9 @@ func serverBound(loss time.Duration) time.Duration { return 2 * loss }
 // own backend. They need no special privilege.
 func sessionSettings(c *config) map[string]string {
 	loss := c.lossDeadline
-	idle := max(loss/2, time.Second)
-	interval := time.Second
-	count := max(int((serverBound(loss)-idle)/interval), 1)
+	const interval = time.Second
+	idle := (loss/2 + time.Second - 1).Truncate(time.Second) // L/2, rounded up
+	count := int((serverBound(loss) - idle + interval - 1) / interval)
 	secs := func(d time.Duration) string { return strconv.FormatInt(int64(d/time.Second), 10) }
 	return map[string]string{
 		// The server notices a silent client within serverBound(loss).

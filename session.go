@@ -35,8 +35,9 @@ type Session struct {
 	err    error              // why the session ended; nil while open
 	done   chan struct{}
 	lease  *time.Timer
-	stopHB chan struct{}
-	hbDone chan struct{}
+	stopHB  chan struct{}
+	hbDone  chan struct{}
+	cleaned chan struct{} // closed when the connection is closed and the heartbeat has stopped
 }
 
 // heldKey is a key this session's backend holds. PostgreSQL stacks session
@@ -79,6 +80,7 @@ func (c *Client) newSession(ctx context.Context, managed bool) (*Session, error)
 		done:    make(chan struct{}),
 		stopHB:  make(chan struct{}),
 		hbDone:  make(chan struct{}),
+		cleaned: make(chan struct{}),
 	}
 	s.lease = time.AfterFunc(c.cfg.lossDeadline, s.checkLease)
 	go s.heartbeat()
@@ -134,16 +136,18 @@ func (s *Session) Close(ctx context.Context) error {
 
 func (s *Session) close(ctx context.Context) error {
 	if !s.end(ErrClosed) {
+		<-s.cleaned // ended by loss: wait for its cleanup
 		return nil
 	}
 	ctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
 	defer cancel()
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	// Ending the connection releases all session locks at once: pgx sends
 	// Terminate, the backend exits and its locks go with it.
 	err := s.conn.Close(ctx)
+	s.mu.Unlock()
 	<-s.hbDone
+	close(s.cleaned)
 	if err != nil {
 		return fmt.Errorf("pgcoord: close session: %w", err)
 	}
@@ -182,16 +186,16 @@ func (s *Session) lose(cause error) {
 	}
 	s.c.cfg.logger.Warn("pgcoord: session lost", "pid", s.pid, "err", cause)
 	_ = s.conn.PgConn().Conn().Close()
-	s.c.untrack(s)
-	s.c.wg.Add(1)
+	// The statement that noticed the loss may still hold s.mu; finish
+	// closing once it lets go. Client.Close waits for this through
+	// s.cleaned.
 	go func() {
-		defer s.c.wg.Done()
 		s.mu.Lock()
-		defer s.mu.Unlock()
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		_ = s.conn.Close(ctx)
+		closeConn(s.conn, time.Second)
+		s.mu.Unlock()
 		<-s.hbDone
+		close(s.cleaned)
+		s.c.untrack(s)
 	}()
 }
 

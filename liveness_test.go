@@ -1,0 +1,109 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// The liveness settings are really in force on a lock connection's backend.
+func TestSessionAppliesServerLiveness(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	c := newTestClient(t, dsn, WithLossDeadline(4*time.Second), WithApplicationName("liveness-test"))
+	s := newTestSession(t, c)
+	want := map[string]string{
+		"tcp_keepalives_idle":              "2",
+		"tcp_keepalives_interval":          "1",
+		"tcp_keepalives_count":             "6",
+		"tcp_user_timeout":                 "8000",
+		"client_connection_check_interval": "1s",
+		"idle_session_timeout":             "0",
+		"statement_timeout":                "0",
+		"lock_timeout":                     "0",
+		"application_name":                 "liveness-test",
+	}
+	err := s.run(ctx, false, func(ctx context.Context, conn *pgx.Conn) error {
+		for name, w := range want {
+			var got string
+			if err := conn.QueryRow(ctx, "SELECT current_setting($1)", name).Scan(&got); err != nil {
+				return err
+			}
+			if got != w && !(name == "tcp_user_timeout" && got == "8s") {
+				t.Errorf("%s = %q on the lock connection, want %q", name, got, w)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := serverBound(4 * time.Second); got != 8*time.Second {
+		t.Fatalf("serverBound(4s) = %v", got)
+	}
+}
+
+// A role's statement_timeout must not cut a long wait short.
+func TestLongWaitSurvivesRoleStatementTimeout(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	admin := pgtest.Conn(t, dsn)
+	if _, err := admin.Exec(ctx, "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = 50', current_database()); END $$"); err != nil {
+		t.Fatal(err)
+	}
+	holder, waiter := newTestClient(t, dsn), newTestClient(t, dsn)
+	k := HashKey("long-wait")
+	h, err := holder.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wch := goLock(func() (*Lock, error) { return waiter.Lock(ctx, k) })
+	// Wait in pg_locks for much longer than the 50 ms statement timeout:
+	// the waiter must still be there, waiting.
+	deadline := time.Now().Add(500 * time.Millisecond)
+	for i := 0; i < 1000 && time.Now().Before(deadline); i++ {
+		if n := waitingOn(t, dsn, k); n != 1 {
+			select {
+			case r := <-wch:
+				t.Fatalf("waiter returned early: %v", r.err)
+			default:
+			}
+		}
+	}
+	stillWaiting(t, wch)
+	mustUnlock(t, h)
+	r := receive(t, wch)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	mustUnlock(t, r.l)
+}
+
+// A hot standby grants advisory locks that exclude nobody on the primary:
+// sessions refuse it.
+func TestStandbyIsRefused(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	primary := pgtest.NewServer(t)
+	primary.DB(t) // the standby copies the primary, databases included
+	standby := primary.StartStandby(t)
+	c := newTestClient(t, standby.ConnString("postgres"))
+	if _, err := c.Lock(ctx, Int64Key(1)); !errors.Is(err, ErrReadOnly) {
+		t.Fatalf("Lock on a standby: %v, want ErrReadOnly", err)
+	}
+	if _, err := c.NewSession(ctx); !errors.Is(err, ErrReadOnly) {
+		t.Fatalf("NewSession on a standby: %v, want ErrReadOnly", err)
+	}
+	standby.Promote(t)
+	l, err := c.Lock(ctx, Int64Key(1))
+	if err != nil {
+		t.Fatalf("Lock after promotion: %v", err)
+	}
+	mustUnlock(t, l)
+}
