@@ -1,0 +1,338 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Transaction-level locks
+//
+// XactLock, XactRLock, XactTryLock, XactTryRLock and InTx take PostgreSQL's
+// transaction-level advisory locks (pg_advisory_xact_lock and friends). Such
+// a lock belongs to the transaction, not to the connection: PostgreSQL
+// releases it when the transaction ends, and there is no way to release it
+// earlier. Nothing is left on the connection afterwards, whatever happened.
+//
+// All keys given to one call are validated, deduplicated and taken in the
+// canonical order (the order LockAll uses), in one statement and one round
+// trip: SELECT pg_advisory_xact_lock($1::int8), pg_advisory_xact_lock(...).
+// PostgreSQL evaluates the select list of a single-row SELECT without FROM
+// left to right, each call returning before the next starts, so the keys are
+// taken one after the other in that order (TestXactLockOrder checks it in
+// pg_locks). Two transactions that lock overlapping sets of keys, each in one
+// call, cannot deadlock on those keys. Keys taken by separate calls in one
+// transaction are ordered only within each call.
+//
+// When the keys are released, as PostgreSQL behaves (each point is checked
+// by a test that reads pg_locks):
+//
+//   - COMMIT or ROLLBACK releases every key.
+//   - A statement error (including a cancelled statement and a deadlock)
+//     aborts the transaction at once, and PostgreSQL releases its locks, the
+//     advisory ones included, at that moment, not at ROLLBACK. The
+//     transaction block stays open in the failed state until ROLLBACK and
+//     every further statement fails with SQLSTATE 25P02, but the keys protect
+//     nothing any more: another transaction can take them right away. The
+//     trap is work outside the database (a call to a payment provider, a file
+//     write) done after an ignored error in the belief that the keys are
+//     still held. An error inside a savepoint aborts only that subtransaction:
+//     keys taken after the savepoint are released, keys taken before it stay
+//     held. InTx rolls back as soon as fn returns an error or panics; if fn
+//     ignores a statement error and returns nil, COMMIT turns into ROLLBACK
+//     and InTx returns an error wrapping pgx.ErrTxCommitRollback.
+//   - ROLLBACK TO SAVEPOINT releases the keys taken after that savepoint,
+//     while the transaction goes on (a subtransaction's locks go with it, as
+//     row and table locks do). A key that was already held before the
+//     savepoint stays held. RELEASE SAVEPOINT keeps the keys, now owned by
+//     the enclosing transaction. pgx's nested transactions (Begin on a
+//     pgx.Tx) are savepoints: XactLock on a nested transaction is undone by
+//     its Rollback, and InTx given a pgx.Tx keeps its keys after returning
+//     nil, until the outer transaction ends. Take keys before any savepoint
+//     you may roll back to, or take them again after rolling back to it.
+//
+// Transaction pooling (PgBouncer pool_mode=transaction) hands each
+// transaction to whatever server connection is free. The Xact functions use
+// no session state: the lock and the statements that rely on it live in one
+// transaction, on one server connection, and nothing outlives it. They work
+// in every pgx query mode, including QueryExecModeExec and
+// QueryExecModeSimpleProtocol, which need no named prepared statements (for
+// PgBouncer before 1.21, or without max_prepared_statements).
+//
+// A wait that ends because ctx is done aborts the transaction: pgx cancels
+// the statement on the server, and with its default settings also closes the
+// connection. Either way PostgreSQL releases the transaction's keys,
+// including those taken before the one waited on, and the transaction cannot
+// be used any more: roll it back.
+
+// xactRollbackTimeout bounds the ROLLBACK that InTx sends after an error or a
+// panic; it runs even when the caller's ctx is already done.
+const xactRollbackTimeout = 10 * time.Second
+
+// TxBeginner starts a transaction. *pgxpool.Pool, *pgx.Conn and pgx.Tx (whose
+// Begin starts a nested transaction implemented with a savepoint) satisfy it.
+type TxBeginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// xactMode selects the PostgreSQL function a call uses.
+type xactMode struct {
+	op  string // name of the pgcoord function, for errors
+	fn  string // PostgreSQL function
+	try bool
+}
+
+var (
+	modeXactLock     = xactMode{"XactLock", "pg_advisory_xact_lock", false}
+	modeXactRLock    = xactMode{"XactRLock", "pg_advisory_xact_lock_shared", false}
+	modeXactTryLock  = xactMode{"XactTryLock", "pg_try_advisory_xact_lock", true}
+	modeXactTryRLock = xactMode{"XactTryRLock", "pg_try_advisory_xact_lock_shared", true}
+)
+
+// XactLock takes exclusive transaction-level advisory locks on keys in tx,
+// waiting until every key is free. The keys are validated, deduplicated and
+// taken in the canonical order in one statement, so concurrent callers that
+// lock overlapping sets of keys, each set in one call, cannot deadlock on
+// them. The locks are released when tx commits or rolls back, and cannot be
+// released earlier.
+// Only a pgx.Tx is accepted: outside a transaction block each statement is
+// its own transaction, and the lock would be gone when XactLock returned.
+//
+// ctx governs the wait. If ctx is done before every key is held, pgx cancels
+// the statement (and, with pgx's default settings, closes the connection):
+// tx is aborted and PostgreSQL releases all of its keys, including those
+// taken before the one waited on. tx cannot be used any more; roll it back.
+// The same holds for every error from the server: it aborts tx and releases
+// its keys. A nil tx or an invalid key list is reported without touching tx.
+//
+// Traps: a statement error later in tx releases the keys at once, although
+// tx stays open in the failed state until ROLLBACK, so nothing done after an
+// ignored error is protected; ROLLBACK TO a savepoint taken before XactLock
+// releases the keys while tx goes on. [InTx] rolls back on any error and
+// refuses to commit after an ignored one. XactLock uses no session state and
+// works behind PgBouncer's transaction pooling, in every pgx query mode.
+//
+// XactLock returns an error wrapping [ErrInvalidKey] for an empty or invalid
+// key list (before sending anything), [ErrDeadlock] if PostgreSQL chose tx as
+// a deadlock victim (possible only with keys taken by other calls or with
+// other locks, such as row locks), [ErrTooManyLocks] if the server's lock
+// table is full, and the context's error when ctx ended the wait; other
+// errors are pgx's, wrapped.
+func XactLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
+	return xactAcquire(ctx, modeXactLock, tx, keys)
+}
+
+// XactRLock is [XactLock] for shared locks: any number of transactions can
+// hold a key shared at once, and they exclude exclusive holders. PostgreSQL
+// queues a new shared request behind a waiting exclusive one, so writers are
+// not starved. Everything XactLock says about order, ctx, release and errors
+// applies.
+func XactRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
+	return xactAcquire(ctx, modeXactRLock, tx, keys)
+}
+
+// XactTryLock is [XactLock] without waiting: it tries the keys in canonical
+// order, in one statement, and stops at the first key held by another
+// transaction, returning an error wrapping [ErrLocked] that names it.
+//
+// Partial success: transaction-level locks cannot be released before the
+// transaction ends, and a failed try is not an error to PostgreSQL, so tx is
+// not aborted. When XactTryLock returns ErrLocked, the keys before the held
+// one in canonical order stay locked by tx until it ends; the held key and
+// the keys after it were not taken. The caller should roll tx back (which
+// releases those keys) and retry later, rather than go on holding a subset.
+//
+// ctx bounds the statement. Other errors are those of XactLock, and abort tx
+// as they do there.
+func XactTryLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
+	return xactAcquire(ctx, modeXactTryLock, tx, keys)
+}
+
+// XactTryRLock is [XactTryLock] for shared locks: it fails with an error
+// wrapping [ErrLocked] only when another transaction holds a key exclusively
+// or is waiting to (PostgreSQL does not let a new shared holder overtake a
+// waiting exclusive request). What XactTryLock says about partial success
+// applies.
+func XactTryRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
+	return xactAcquire(ctx, modeXactTryRLock, tx, keys)
+}
+
+// InTx begins a transaction on db, takes exclusive transaction-level locks on
+// keys in canonical order (as [XactLock] does), calls fn, and commits. If the
+// lock, fn or the commit fails, or fn panics, the transaction is rolled back
+// and every key is released; a panic is re-raised after the rollback. It
+// makes no round trips beyond BEGIN, one lock statement, fn's own and COMMIT.
+// Like pgx.BeginFunc, but with the keys held for exactly the life of the
+// transaction.
+//
+// ctx governs BEGIN, the wait for the keys and COMMIT; fn should use the ctx
+// it captures for its own statements. The rollback after a failure uses a
+// context that is not cancelled with ctx, bounded by a timeout, so a
+// cancelled ctx still ends the transaction on the server.
+//
+// fn should return a statement's error rather than ignore it: the error has
+// already aborted the transaction and released the keys (see XactLock), so
+// whatever fn does after it is not protected. If fn returns nil anyway,
+// COMMIT turns into ROLLBACK and InTx returns an error wrapping
+// pgx.ErrTxCommitRollback.
+//
+// When db is itself a pgx.Tx, InTx runs in a nested transaction (a
+// savepoint): on success the savepoint is released and the keys stay held
+// until the outer transaction ends; on failure ROLLBACK TO SAVEPOINT releases
+// them while the outer transaction goes on.
+//
+// fn's error is returned unchanged (a rollback error after it is dropped: a
+// failed rollback closes the connection, which ends the transaction on the
+// server). Other errors: those of XactLock ([ErrInvalidKey], checked before
+// BEGIN; [ErrDeadlock]; [ErrTooManyLocks]; the context's error), and BEGIN or
+// COMMIT errors from pgx, wrapped. A nil db or fn is an error.
+//
+// InTx works behind PgBouncer's transaction pooling, since it uses no session
+// state.
+func InTx(ctx context.Context, db TxBeginner, keys []Key, fn func(tx pgx.Tx) error) error {
+	if db == nil {
+		return errors.New("pgcoord: InTx: nil TxBeginner")
+	}
+	if fn == nil {
+		return errors.New("pgcoord: InTx: nil fn")
+	}
+	ks, err := canonicalKeys(keys)
+	if err != nil {
+		return fmt.Errorf("pgcoord: InTx: %w", err)
+	}
+	mode := modeXactLock
+	mode.op = "InTx"
+
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("pgcoord: InTx: begin: %w", err)
+	}
+	// Runs with done still false only if fn panicked or called
+	// runtime.Goexit: roll back, and let the panic go on.
+	done := false
+	defer func() {
+		if !done {
+			rollbackTx(ctx, tx)
+		}
+	}()
+
+	if err := xactExec(ctx, mode, tx, ks); err != nil {
+		done = true
+		rollbackTx(ctx, tx)
+		return err
+	}
+	if err := fn(tx); err != nil {
+		done = true
+		rollbackTx(ctx, tx)
+		return err
+	}
+	done = true
+	if err := tx.Commit(ctx); err != nil {
+		return xactError(ctx, "InTx: commit", err)
+	}
+	return nil
+}
+
+// rollbackTx rolls tx back with a context that ctx's cancellation does not
+// reach, bounded by xactRollbackTimeout. The error is dropped: pgx closes
+// the connection when a rollback fails, which ends the transaction on the
+// server.
+func rollbackTx(ctx context.Context, tx pgx.Tx) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), xactRollbackTimeout)
+	defer cancel()
+	_ = tx.Rollback(ctx)
+}
+
+// xactAcquire validates tx and keys and runs the lock statement.
+func xactAcquire(ctx context.Context, mode xactMode, tx pgx.Tx, keys []Key) error {
+	if tx == nil {
+		return fmt.Errorf("pgcoord: %s: nil pgx.Tx; begin a transaction first, or use InTx", mode.op)
+	}
+	ks, err := canonicalKeys(keys)
+	if err != nil {
+		return fmt.Errorf("pgcoord: %s: %w", mode.op, err)
+	}
+	return xactExec(ctx, mode, tx, ks)
+}
+
+// xactExec takes the canonical keys ks in tx with one statement.
+func xactExec(ctx context.Context, mode xactMode, tx pgx.Tx, ks []Key) error {
+	sql, args := xactStatement(mode, ks)
+	if !mode.try {
+		if _, err := tx.Exec(ctx, sql, args...); err != nil {
+			return xactError(ctx, mode.op, err)
+		}
+		return nil
+	}
+	var failed int32
+	if err := tx.QueryRow(ctx, sql, args...).Scan(&failed); err != nil {
+		return xactError(ctx, mode.op, err)
+	}
+	if failed == 0 {
+		return nil
+	}
+	if held := failed - 1; held > 0 {
+		return fmt.Errorf("pgcoord: %s: %w: %v (the %d key(s) before it in canonical order stay locked by this transaction until it ends; roll back to release them)",
+			mode.op, ErrLocked, ks[failed-1], held)
+	}
+	return fmt.Errorf("pgcoord: %s: %w: %v", mode.op, ErrLocked, ks[failed-1])
+}
+
+// xactStatement builds the one statement that takes ks in order.
+//
+// Blocking modes call the function once per key in the select list, which
+// PostgreSQL evaluates left to right:
+//
+//	SELECT pg_advisory_xact_lock($1::int8), pg_advisory_xact_lock($2::int4, $3::int4)
+//
+// Try modes use CASE, whose WHEN conditions PostgreSQL documents to be
+// evaluated in order and only as far as needed, so the statement stops at the
+// first key it cannot take and returns its 1-based position (0: all taken):
+//
+//	SELECT CASE WHEN NOT pg_try_advisory_xact_lock($1::int8) THEN 1 WHEN NOT ... THEN 2 ELSE 0 END
+func xactStatement(mode xactMode, ks []Key) (string, []any) {
+	var b strings.Builder
+	b.Grow(16 + len(ks)*(len(mode.fn)+32))
+	args := make([]any, 0, 2*len(ks))
+	b.WriteString("SELECT ")
+	if mode.try {
+		b.WriteString("CASE")
+	}
+	for i, k := range ks {
+		var list string
+		list, args = k.sqlArgs(len(args)+1, args)
+		switch {
+		case mode.try:
+			b.WriteString(" WHEN NOT ")
+		case i > 0:
+			b.WriteString(", ")
+		}
+		b.WriteString(mode.fn)
+		b.WriteByte('(')
+		b.WriteString(list)
+		b.WriteByte(')')
+		if mode.try {
+			b.WriteString(" THEN ")
+			b.WriteString(strconv.Itoa(i + 1))
+		}
+	}
+	if mode.try {
+		b.WriteString(" ELSE 0 END")
+	}
+	return b.String(), args
+}
+
+// xactError maps err through pgError and, when ctx is done, makes sure the
+// context's error is reachable with errors.Is as well.
+func xactError(ctx context.Context, op string, err error) error {
+	err = pgError(op, err)
+	if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
+		err = fmt.Errorf("%w (%w)", err, cerr)
+	}
+	return err
+}
