@@ -28,13 +28,13 @@ type Session struct {
 	mu      sync.Mutex // serialises use of conn
 	waiting bool       // a blocking acquire is in flight (guarded by state)
 
-	state  sync.Mutex
-	lastOK time.Time          // start of the last statement that succeeded
-	held   map[Key]*heldKey   // keys this backend holds, each exactly once
-	locks  map[*Lock]struct{} // live handles
-	err    error              // why the session ended; nil while open
-	done   chan struct{}
-	lease  *time.Timer
+	state   sync.Mutex
+	lastOK  time.Time          // start of the last statement that succeeded
+	held    map[Key]*heldKey   // keys this backend holds, each exactly once
+	locks   map[*Lock]struct{} // live handles
+	err     error              // why the session ended; nil while open
+	done    chan struct{}
+	lease   *time.Timer
 	stopHB  chan struct{}
 	hbDone  chan struct{}
 	cleaned chan struct{} // closed when the connection is closed and the heartbeat has stopped
