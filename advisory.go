@@ -210,7 +210,7 @@ func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, tr
 		// An idle connection died unnoticed (a server restart, say):
 		// its backend is gone with whatever it held, so try once more on
 		// a new one.
-		if s, err = c.open(ctx); err == nil {
+		if s, err = c.open(ctx, true); err == nil {
 			l, gatesLeft, err = s.take(ctx, r)
 		}
 	}

@@ -156,13 +156,14 @@ func (c *Client) borrow(ctx context.Context) (s *Session, reused bool, err error
 		}
 	}
 	c.mu.Unlock()
-	s, err = c.open(ctx)
+	s, err = c.open(ctx, true)
 	return s, false, err
 }
 
-// open opens a new managed session.
-func (c *Client) open(ctx context.Context) (*Session, error) {
-	s, err := c.newSession(ctx, true)
+// open opens a new session, managed by the Client for single-lock use or
+// handed to the caller, and tracks it so Close can end it.
+func (c *Client) open(ctx context.Context, managed bool) (*Session, error) {
+	s, err := c.newSession(ctx, managed)
 	if err != nil {
 		return nil, err
 	}

@@ -107,3 +107,36 @@ func TestStandbyIsRefused(t *testing.T) {
 	}
 	mustUnlock(t, l)
 }
+
+// A wait longer than the loss deadline is not a loss: the lock it ends
+// with is proved alive afresh, and stays held.
+func TestWaitLongerThanLossDeadline(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	opts := []Option{WithLossDeadline(time.Second), WithHeartbeat(200 * time.Millisecond)}
+	holder, waiter := newTestClient(t, dsn, opts...), newTestClient(t, dsn, opts...)
+	k := HashKey("long-wait-lease")
+	h, err := holder.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	wch := goLock(func() (*Lock, error) { return waiter.Lock(ctx, k) })
+	pgtest.Eventually(t, testTimeout, "waiter queued for twice the loss deadline", func() bool {
+		return waitingOn(t, dsn, k) == 1 && time.Since(start) > 2*time.Second
+	})
+	mustUnlock(t, h)
+	r := receive(t, wch)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	// Several heartbeats and one full loss deadline later it is still held.
+	select {
+	case <-r.l.Done():
+		t.Fatalf("lock ended right after a long wait: %v", r.l.Err())
+	case <-time.After(1500 * time.Millisecond):
+	}
+	heldOnlyBy(t, dsn, k, r.l.s.PID())
+	mustUnlock(t, r.l)
+}

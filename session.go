@@ -95,15 +95,7 @@ func (c *Client) NewSession(ctx context.Context) (*Session, error) {
 		return nil, err
 	}
 	defer c.wg.Done()
-	s, err := c.newSession(ctx, false)
-	if err != nil {
-		return nil, err
-	}
-	if !c.track(s) {
-		s.close(context.Background())
-		return nil, ErrClosed
-	}
-	return s, nil
+	return c.open(ctx, false)
 }
 
 // Done returns a channel that is closed when the session ends: by Close,
@@ -216,6 +208,12 @@ func (s *Session) run(ctx context.Context, waits bool, f func(ctx context.Contex
 	}
 	start := time.Now()
 	err := f(ctx, s.conn)
+	if err == nil && waits && time.Since(start) > s.c.cfg.heartbeat {
+		// A long wait does not tell when the server last heard from us:
+		// prove the connection alive afresh before trusting what it won.
+		start = time.Now()
+		err = s.ping(ctx)
+	}
 	s.state.Lock()
 	s.waiting = false
 	if err == nil {
@@ -223,7 +221,7 @@ func (s *Session) run(ctx context.Context, waits bool, f func(ctx context.Contex
 		s.lease.Reset(s.c.cfg.lossDeadline - time.Since(start))
 	}
 	s.state.Unlock()
-	if err != nil && s.conn.IsClosed() {
+	if err != nil && (s.conn.IsClosed() || errors.Is(err, ErrTransactionPooling)) {
 		s.lose(err)
 		if e := s.Err(); e != nil {
 			return e
@@ -252,12 +250,8 @@ func (s *Session) heartbeat() {
 		s.state.Unlock()
 		ctx, cancel := context.WithDeadline(context.Background(), deadline)
 		start := time.Now()
-		var pid int32
-		err := s.conn.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid)
+		err := s.ping(ctx)
 		cancel()
-		if err == nil && pid != s.pid {
-			err = fmt.Errorf("%w: backend pid changed from %d to %d", ErrTransactionPooling, s.pid, pid)
-		}
 		if err == nil {
 			s.state.Lock()
 			s.lastOK = start
@@ -269,6 +263,23 @@ func (s *Session) heartbeat() {
 			s.lose(fmt.Errorf("heartbeat: %w", err))
 		}
 	}
+}
+
+// ping proves the connection alive with one round trip, and that the
+// backend behind it is still the one that holds the session's locks. The
+// caller holds s.mu. ctx's cancellation is ignored; it is bounded by the
+// loss deadline.
+func (s *Session) ping(ctx context.Context) error {
+	ctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+	defer cancel()
+	var pid int32
+	if err := s.conn.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		return err
+	}
+	if pid != s.pid {
+		return fmt.Errorf("%w: backend pid changed from %d to %d", ErrTransactionPooling, s.pid, pid)
+	}
+	return nil
 }
 
 // checkLease runs when nothing has proved the connection alive for the
