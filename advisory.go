@@ -99,7 +99,8 @@ func (c *Client) TryRLock(ctx context.Context, key Key) (*Lock, error) {
 // LockAll blocks until it holds every key exclusively, or none. Keys are
 // deduplicated and taken in one canonical order (the order XactLock also
 // uses), so two LockAll calls with overlapping keys never deadlock each
-// other. ctx and errors are as for Lock; on error no key stays locked.
+// other. Up to 1000 keys take one round trip; larger sets take one per
+// 1000. ctx and errors are as for Lock; on error no key stays locked.
 func (c *Client) LockAll(ctx context.Context, keys ...Key) (*Lock, error) {
 	return c.acquire(ctx, nil, keys, false, false, nil)
 }
@@ -121,17 +122,21 @@ func (c *Client) Do(ctx context.Context, key Key, fn func(ctx context.Context) e
 func (l *Lock) do(ctx context.Context, fn func(ctx context.Context) error) error {
 	fctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	stop := context.AfterFunc(doneContext{l.done}, func() {
-		if err := l.Err(); err != ErrNotHeld {
-			cancel(err)
+	fnDone, watched := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(watched)
+		select {
+		case <-l.done:
+			cancel(l.Err())
+		case <-fnDone:
 		}
-	})
-	defer stop()
+	}()
 	err := fn(fctx)
+	close(fnDone)
+	<-watched
 	if lost := l.Err(); lost != nil {
 		return errors.Join(err, fmt.Errorf("pgcoord: Do %s: lock ended while fn ran: %w", keyList(l.keys), lost))
 	}
-	stop()
 	return errors.Join(err, l.Unlock(ctx))
 }
 
@@ -266,10 +271,10 @@ func (s *Session) take(ctx context.Context, r request) (l *Lock, gatesLeft bool,
 	}
 	s.state.Unlock()
 
-	if len(need) > 0 {
-		sql, args := lockSQL(lockFunc(r.shared, r.try), need)
-		got := true
-		err := s.run(ctx, !r.try, func(ctx context.Context, conn *pgx.Conn) error {
+	got := true
+	for _, chunk := range chunked(need) {
+		sql, args := lockSQL(lockFunc(r.shared, r.try), chunk)
+		err = s.run(ctx, !r.try, func(ctx context.Context, conn *pgx.Conn) error {
 			if r.try {
 				return conn.QueryRow(ctx, sql, args...).Scan(&got)
 			}
@@ -277,20 +282,23 @@ func (s *Session) take(ctx context.Context, r request) (l *Lock, gatesLeft bool,
 			return err
 		})
 		if err != nil {
-			if !errorIsLoss(err) {
-				s.releaseAfterError(ctx, need, r.shared)
-				err = pgError("acquire", err)
-				if errors.Is(err, ErrDeadlock) {
-					// Free this backend's other locks so the other side of
-					// the cycle can go on.
-					s.lose(err)
-				}
+			break
+		}
+	}
+	if err != nil {
+		if !errorIsLoss(err) {
+			s.releaseAfterError(ctx, need, r.shared)
+			err = pgError("acquire", err)
+			if errors.Is(err, ErrDeadlock) {
+				// Free this backend's other locks so the other side of the
+				// cycle can go on.
+				s.lose(err)
 			}
-			return nil, false, err
 		}
-		if !got {
-			return nil, false, ErrLocked
-		}
+		return nil, false, err
+	}
+	if !got {
+		return nil, false, ErrLocked
 	}
 
 	l = &Lock{s: s, keys: r.keys, shared: r.shared, done: make(chan struct{})}
@@ -334,18 +342,3 @@ func (s *Session) take(ctx context.Context, r request) (l *Lock, gatesLeft bool,
 	}
 	return l, false, nil
 }
-
-// doneContext adapts a done channel to a context for context.AfterFunc.
-type doneContext struct{ done <-chan struct{} }
-
-func (d doneContext) Deadline() (deadline time.Time, ok bool) { return }
-func (d doneContext) Done() <-chan struct{}                   { return d.done }
-func (d doneContext) Err() error {
-	select {
-	case <-d.done:
-		return context.Canceled
-	default:
-		return nil
-	}
-}
-func (d doneContext) Value(any) any { return nil }

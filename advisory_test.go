@@ -650,3 +650,73 @@ func mustInt64(k Key) int64 {
 	}
 	return v
 }
+
+// When the server's lock table is full, LockAll fails with ErrTooManyLocks,
+// the keys of the failed call are released and earlier locks stay held.
+func TestLockAllTooManyLocks(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	srv := pgtest.NewServer(t) // a private server: this fills its lock table
+	dsn := srv.DB(t)
+	s := newTestSession(t, newTestClient(t, dsn))
+	const batch = 20_000 // keys per LockAll: 20 statements of 1,000
+	var held []*Lock
+	var err error
+	for i := 0; i < 50 && err == nil; i++ {
+		keys := make([]Key, batch)
+		for j := range keys {
+			keys[j] = Int64Key(int64(i*batch + j))
+		}
+		var l *Lock
+		if l, err = s.LockAll(ctx, keys...); err == nil {
+			held = append(held, l)
+		}
+	}
+	if !errors.Is(err, ErrTooManyLocks) {
+		t.Fatalf("LockAll until the lock table is full: %v, want ErrTooManyLocks", err)
+	}
+	if len(err.Error()) > 500 {
+		t.Errorf("error message of %d bytes: keys should be abbreviated", len(err.Error()))
+	}
+	t.Logf("full after %d keys: %v", len(held)*batch, err)
+	if s.Err() != nil {
+		t.Fatalf("session ended: %v", s.Err())
+	}
+	if n := len(lockState(t, dsn)); n != len(held)*batch {
+		t.Fatalf("%d keys locked after the failed LockAll, want the %d of the earlier calls", n, len(held)*batch)
+	}
+	for _, l := range held {
+		mustUnlock(t, l)
+	}
+	if n := len(lockState(t, dsn)); n != 0 {
+		t.Fatalf("%d keys still locked after unlocking everything", n)
+	}
+}
+
+func TestOpen(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	if _, err := Open(ctx, "postgres://%%%"); err == nil {
+		t.Fatal("Open with a bad connection string: no error")
+	}
+	if _, err := Open(ctx, dsn, WithHeartbeat(-1)); err == nil {
+		t.Fatal("Open with a bad option: no error")
+	}
+	c, err := Open(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := c.Lock(ctx, Int64Key(3))
+	if err != nil {
+		t.Fatal(err)
+	}
+	heldOnlyBy(t, dsn, Int64Key(3), l.s.PID())
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.pool.Ping(ctx); err == nil {
+		t.Fatal("Close did not close the pool Open made")
+	}
+	pgtest.Eventually(t, testTimeout, "lock freed after Close", func() bool { return len(lockState(t, dsn)[Int64Key(3)]) == 0 })
+}

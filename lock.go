@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"github.com/jackc/pgx/v5"
+	"iter"
+	"slices"
 	"strings"
 	"sync"
 )
@@ -124,24 +126,23 @@ func (s *Session) forget(keys []Key) []Key {
 // one that does not means the backend did not hold it, and the session's
 // picture of its locks is wrong.
 func (s *Session) unlock(ctx context.Context, keys []Key, shared bool) error {
-	if len(keys) == 0 {
-		return nil
-	}
-	sql, args := lockSQL(unlockFunc(shared), keys)
-	ok := make([]bool, len(keys))
-	dest := make([]any, len(keys))
-	for i := range ok {
-		dest[i] = &ok[i]
-	}
-	err := s.run(ctx, false, func(ctx context.Context, conn *pgx.Conn) error {
-		return conn.QueryRow(ctx, sql, args...).Scan(dest...)
-	})
-	if err != nil {
-		return err
-	}
-	for i, k := range keys {
-		if !ok[i] {
-			return fmt.Errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, s.pid)
+	for _, chunk := range chunked(keys) {
+		sql, args := lockSQL(unlockFunc(shared), chunk)
+		ok := make([]bool, len(chunk))
+		dest := make([]any, len(chunk))
+		for i := range ok {
+			dest[i] = &ok[i]
+		}
+		err := s.run(ctx, false, func(ctx context.Context, conn *pgx.Conn) error {
+			return conn.QueryRow(ctx, sql, args...).Scan(dest...)
+		})
+		if err != nil {
+			return err
+		}
+		for i, k := range chunk {
+			if !ok[i] {
+				return fmt.Errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, s.pid)
+			}
 		}
 	}
 	return nil
@@ -158,13 +159,34 @@ func (s *Session) releaseAfterError(ctx context.Context, keys []Key, shared bool
 	}
 	ctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
 	defer cancel()
-	sql, args := lockSQL(unlockFunc(shared), keys)
-	err := s.run(ctx, false, func(ctx context.Context, conn *pgx.Conn) error {
-		_, err := conn.Exec(ctx, sql, args...)
-		return err
-	})
-	if err != nil {
-		s.lose(fmt.Errorf("release after failed acquire: %w", err))
+	for _, chunk := range chunked(keys) {
+		sql, args := lockSQL(unlockFunc(shared), chunk)
+		err := s.run(ctx, false, func(ctx context.Context, conn *pgx.Conn) error {
+			_, err := conn.Exec(ctx, sql, args...)
+			return err
+		})
+		if err != nil {
+			s.lose(fmt.Errorf("release after failed acquire: %w", err))
+			return
+		}
+	}
+}
+
+// maxKeysPerStatement bounds the keys one statement takes or releases:
+// PostgreSQL allows at most 1664 select-list entries, and pgx 65535
+// parameters. Larger sets take one round trip per chunk, in order.
+const maxKeysPerStatement = 1000
+
+// chunked yields keys in order, in chunks of at most maxKeysPerStatement.
+func chunked(keys []Key) iter.Seq2[int, []Key] {
+	return func(yield func(int, []Key) bool) {
+		i := 0
+		for chunk := range slices.Chunk(keys, maxKeysPerStatement) {
+			if !yield(i, chunk) {
+				return
+			}
+			i++
+		}
 	}
 }
 
@@ -212,9 +234,13 @@ func keyList(keys []Key) string {
 	if len(keys) == 1 {
 		return keys[0].String()
 	}
-	s := make([]string, len(keys))
-	for i, k := range keys {
-		s[i] = k.String()
+	const shown = 4
+	s := make([]string, 0, shown+1)
+	for _, k := range keys[:min(len(keys), shown)] {
+		s = append(s, k.String())
+	}
+	if len(keys) > shown {
+		s = append(s, fmt.Sprintf("and %d more", len(keys)-shown))
 	}
 	return "[" + strings.Join(s, " ") + "]"
 }

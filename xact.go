@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"strings"
 	"time"
 
@@ -260,70 +259,54 @@ func xactAcquire(ctx context.Context, mode xactMode, tx pgx.Tx, keys []Key) erro
 	return xactExec(ctx, mode, tx, ks)
 }
 
-// xactExec takes the canonical keys ks in tx with one statement.
+// xactExec takes the canonical keys ks in tx, in order: one statement for
+// up to maxKeysPerStatement keys, one round trip per chunk beyond that.
 func xactExec(ctx context.Context, mode xactMode, tx pgx.Tx, ks []Key) error {
-	sql, args := xactStatement(mode, ks)
-	if !mode.try {
-		if _, err := tx.Exec(ctx, sql, args...); err != nil {
+	for i, chunk := range chunked(ks) {
+		if !mode.try {
+			sql, args := lockSQL(mode.fn, chunk)
+			if _, err := tx.Exec(ctx, sql, args...); err != nil {
+				return xactError(ctx, mode.op, err)
+			}
+			continue
+		}
+		sql, args := xactTryStatement(mode.fn, chunk)
+		var failed int
+		if err := tx.QueryRow(ctx, sql, args...).Scan(&failed); err != nil {
 			return xactError(ctx, mode.op, err)
 		}
-		return nil
+		if failed == 0 {
+			continue
+		}
+		pos := i*maxKeysPerStatement + failed - 1 // in ks
+		if pos > 0 {
+			return fmt.Errorf("pgcoord: %s: %w: %v (the %d key(s) before it in canonical order stay locked by this transaction until it ends; roll back to release them)",
+				mode.op, ErrLocked, ks[pos], pos)
+		}
+		return fmt.Errorf("pgcoord: %s: %w: %v", mode.op, ErrLocked, ks[pos])
 	}
-	var failed int32
-	if err := tx.QueryRow(ctx, sql, args...).Scan(&failed); err != nil {
-		return xactError(ctx, mode.op, err)
-	}
-	if failed == 0 {
-		return nil
-	}
-	if held := failed - 1; held > 0 {
-		return fmt.Errorf("pgcoord: %s: %w: %v (the %d key(s) before it in canonical order stay locked by this transaction until it ends; roll back to release them)",
-			mode.op, ErrLocked, ks[failed-1], held)
-	}
-	return fmt.Errorf("pgcoord: %s: %w: %v", mode.op, ErrLocked, ks[failed-1])
+	return nil
 }
 
-// xactStatement builds the one statement that takes ks in order.
-//
-// Blocking modes call the function once per key in the select list, which
-// PostgreSQL evaluates left to right:
-//
-//	SELECT pg_advisory_xact_lock($1::int8), pg_advisory_xact_lock($2::int4, $3::int4)
-//
-// Try modes use CASE, whose WHEN conditions PostgreSQL documents to be
-// evaluated in order and only as far as needed, so the statement stops at the
-// first key it cannot take and returns its 1-based position (0: all taken):
+// xactTryStatement builds the statement that tries ks in order. CASE
+// evaluates its WHEN conditions in order and only as far as needed
+// (PostgreSQL documents this), so it stops at the first key it cannot take
+// and returns that key's 1-based position, or 0 if it took them all:
 //
 //	SELECT CASE WHEN NOT pg_try_advisory_xact_lock($1::int8) THEN 1 WHEN NOT ... THEN 2 ELSE 0 END
-func xactStatement(mode xactMode, ks []Key) (string, []any) {
+//
+// Blocking modes use lockSQL: one call per key in the select list, which
+// PostgreSQL evaluates left to right.
+func xactTryStatement(fn string, ks []Key) (string, []any) {
 	var b strings.Builder
-	b.Grow(16 + len(ks)*(len(mode.fn)+32))
 	args := make([]any, 0, 2*len(ks))
-	b.WriteString("SELECT ")
-	if mode.try {
-		b.WriteString("CASE")
-	}
+	b.WriteString("SELECT CASE")
 	for i, k := range ks {
 		var list string
 		list, args = k.sqlArgs(len(args)+1, args)
-		switch {
-		case mode.try:
-			b.WriteString(" WHEN NOT ")
-		case i > 0:
-			b.WriteString(", ")
-		}
-		b.WriteString(mode.fn)
-		b.WriteByte('(')
-		b.WriteString(list)
-		b.WriteByte(')')
-		if mode.try {
-			b.WriteString(" THEN ")
-			b.WriteString(strconv.Itoa(i + 1))
-		}
+		fmt.Fprintf(&b, " WHEN NOT %s(%s) THEN %d", fn, list, i+1)
 	}
-	if mode.try {
-		b.WriteString(" ELSE 0 END")
-	}
+	b.WriteString(" ELSE 0 END")
 	return b.String(), args
 }
 

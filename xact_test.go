@@ -238,14 +238,14 @@ func TestXactLockOrder(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		sql, args := xactStatement(modeXactLock, ks)
+		sql, args := lockSQL(modeXactLock.fn, ks)
 		wantSQL := "SELECT pg_advisory_xact_lock($1::int8), pg_advisory_xact_lock($2::int8), " +
 			"pg_advisory_xact_lock($3::int4, $4::int4), pg_advisory_xact_lock($5::int4, $6::int4)"
 		wantArgs := []any{int64(10), int64(20), int32(-1), int32(5), int32(1), int32(-2)}
 		if sql != wantSQL || !slices.Equal(args, wantArgs) {
 			t.Fatalf("statement:\n got %s %v\nwant %s %v", sql, args, wantSQL, wantArgs)
 		}
-		sql, _ = xactStatement(modeXactTryRLock, ks[:2])
+		sql, _ = xactTryStatement(modeXactTryRLock.fn, ks[:2])
 		wantSQL = "SELECT CASE WHEN NOT pg_try_advisory_xact_lock_shared($1::int8) THEN 1 " +
 			"WHEN NOT pg_try_advisory_xact_lock_shared($2::int8) THEN 2 ELSE 0 END"
 		if sql != wantSQL {
