@@ -140,3 +140,52 @@ func TestWaitLongerThanLossDeadline(t *testing.T) {
 	heldOnlyBy(t, dsn, k, r.l.s.PID())
 	mustUnlock(t, r.l)
 }
+
+// When the network goes silent the holder declares its lock lost within
+// the loss deadline, while the server still holds it: nobody else can take
+// the key before the old holder knows it lost it.
+func TestLossOnSilentNetwork(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	proxy := pgtest.NewProxy(t, dsn)
+	const loss, beat = 2 * time.Second, 250 * time.Millisecond
+	c := newTestClientOn(t, pgtest.Pool(t, dsn, proxy.Route), WithLossDeadline(loss), WithHeartbeat(beat))
+	k := HashKey("partition")
+	l, err := c.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := l.s.PID()
+	heldOnlyBy(t, dsn, k, pid)
+
+	start := time.Now()
+	proxy.Blackhole()
+	select {
+	case <-l.Done():
+	case <-time.After(testTimeout):
+		t.Fatal("loss not noticed on a silent network")
+	}
+	took := time.Since(start)
+	t.Logf("silence noticed after %v: %v", took, l.Err())
+	if !errors.Is(l.Err(), ErrLockLost) {
+		t.Fatalf("Err: %v, want ErrLockLost", l.Err())
+	}
+	if took > loss+beat {
+		t.Errorf("noticed after %v, want within the loss deadline %v (+ one beat)", took, loss)
+	}
+	// The server has not let go yet: the old holder knew first.
+	heldOnlyBy(t, dsn, k, pid)
+	other := newTestClient(t, dsn)
+	if _, err := other.TryLock(ctx, k); !errors.Is(err, ErrLocked) {
+		t.Fatalf("TryLock while the partitioned backend holds the key: %v, want ErrLocked", err)
+	}
+	// The partition ends with the sockets closed: the server frees the key.
+	proxy.CloseAll()
+	l2, err := other.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	heldOnlyBy(t, dsn, k, l2.s.PID())
+	mustUnlock(t, l2)
+}
