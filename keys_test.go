@@ -221,3 +221,38 @@ func abs(n int) int {
 	}
 	return n
 }
+
+// Key parts are hashed, never sent to the server: hostile strings give
+// ordinary, distinct keys.
+func TestHashKeyHostileParts(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	c := newTestClient(t, dsn)
+	big := string(bytes.Repeat([]byte("x'; DROP TABLE t; --"), 512)) // 10 kB
+	parts := [][]string{
+		{"'; DROP DATABASE postgres; --"},
+		{"nul\x00inside"},
+		{"\xff\xfe invalid utf-8"},
+		{big},
+		{big, big},
+		{""},
+	}
+	seen := make(map[Key][]string)
+	for _, p := range parts {
+		k := HashKey(p...)
+		if !k.Valid() {
+			t.Fatalf("HashKey(%.20q...) is invalid", p)
+		}
+		if prev, dup := seen[k]; dup {
+			t.Fatalf("HashKey collision between %.20q and %.20q", prev, p)
+		}
+		seen[k] = p
+		l, err := c.Lock(ctx, k)
+		if err != nil {
+			t.Fatalf("Lock(HashKey(%.20q...)): %v", p, err)
+		}
+		heldOnlyBy(t, dsn, k, l.s.PID())
+		mustUnlock(t, l)
+	}
+}
