@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"math"
+	"strings"
 	"testing"
 
 	"github.com/cespare/xxhash/v2"
@@ -65,6 +67,17 @@ func TestKeyBasics(t *testing.T) {
 	}
 	if _, err := KeyFromLock(0, 0, 3); !errors.Is(err, ErrInvalidKey) {
 		t.Errorf("KeyFromLock with objsubid 3: %v", err)
+	}
+	// The precomputed one-key statements match what the builder writes.
+	for fn := range singleKeySQL {
+		for _, k := range []Key{Int64Key(-3), PairKey(-1, 2)} {
+			fast, fastArgs := lockSQL(fn, []Key{k})
+			slow, slowArgs := lockSQL(fn, []Key{k, k})
+			slow = slow[:strings.Index(slow, ", "+fn)]
+			if fast != slow || fmt.Sprint(fastArgs) != fmt.Sprint(slowArgs[:len(fastArgs)]) {
+				t.Errorf("lockSQL(%s, %v) = %q %v, builder gives %q %v", fn, k, fast, fastArgs, slow, slowArgs)
+			}
+		}
 	}
 	got, err := canonicalKeys([]Key{PairKey(1, 1), Int64Key(5), Int64Key(-5), PairKey(-1, 9), Int64Key(5)})
 	if err != nil {

@@ -194,6 +194,15 @@ func chunked(keys []Key) iter.Seq2[int, []Key] {
 // one result column per key. PostgreSQL evaluates a select list left to
 // right, so keys are taken in the order given.
 func lockSQL(fn string, keys []Key) (string, []any) {
+	if len(keys) == 1 {
+		if sql, ok := singleKeySQL[fn]; ok {
+			k := keys[0]
+			if a, b, pair := k.Pair(); pair {
+				return sql[1], []any{a, b}
+			}
+			return sql[0], []any{k.v}
+		}
+	}
 	var b strings.Builder
 	b.WriteString("SELECT ")
 	args := make([]any, 0, 2*len(keys))
@@ -210,6 +219,19 @@ func lockSQL(fn string, keys []Key) (string, []any) {
 	}
 	return b.String(), args
 }
+
+// singleKeySQL holds the statements for one key, bigint and pair, of every
+// lock function: the common case builds no SQL at all.
+var singleKeySQL = func() map[string][2]string {
+	m := make(map[string][2]string)
+	for _, fn := range []string{
+		"pg_advisory_lock", "pg_advisory_lock_shared", "pg_try_advisory_lock", "pg_try_advisory_lock_shared",
+		"pg_advisory_unlock", "pg_advisory_unlock_shared",
+	} {
+		m[fn] = [2]string{"SELECT " + fn + "($1::int8)", "SELECT " + fn + "($1::int4, $2::int4)"}
+	}
+	return m
+}()
 
 func lockFunc(shared, try bool) string {
 	switch {
