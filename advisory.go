@@ -265,7 +265,7 @@ func (s *Session) take(ctx context.Context, r request) (l *Lock, gatesLeft bool,
 	}
 	var need []Key
 	for _, k := range r.keys {
-		if s.held[k] == nil {
+		if s.held[k] == 0 {
 			need = append(need, k)
 		}
 	}
@@ -309,11 +309,7 @@ func (s *Session) take(ctx context.Context, r request) (l *Lock, gatesLeft bool,
 		return nil, false, err
 	}
 	for _, k := range r.keys {
-		if h := s.held[k]; h != nil {
-			h.count++
-		} else {
-			s.held[k] = &heldKey{shared: r.shared, count: 1}
-		}
+		s.held[k]++
 	}
 	s.locks[l] = struct{}{}
 	s.state.Unlock()

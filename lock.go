@@ -109,12 +109,12 @@ func (l *Lock) Unlock(ctx context.Context) error {
 func (s *Session) forget(keys []Key) []Key {
 	var free []Key
 	for _, k := range keys {
-		h := s.held[k]
-		if h == nil {
-			continue
-		}
-		h.count--
-		if h.count == 0 {
+		n, ok := s.held[k]
+		switch {
+		case !ok:
+		case n > 1:
+			s.held[k] = n - 1
+		default:
 			delete(s.held, k)
 			free = append(free, k)
 		}

@@ -30,7 +30,7 @@ type Session struct {
 
 	state   sync.Mutex
 	lastOK  time.Time          // start of the last statement that succeeded
-	held    map[Key]*heldKey   // keys this backend holds, each exactly once
+	held    map[Key]int        // keys this backend holds (once each), by live handle count
 	locks   map[*Lock]struct{} // live handles
 	err     error              // why the session ended; nil while open
 	done    chan struct{}
@@ -38,13 +38,6 @@ type Session struct {
 	stopHB  chan struct{}
 	hbDone  chan struct{}
 	cleaned chan struct{} // closed when the connection is closed and the heartbeat has stopped
-}
-
-// heldKey is a key this session's backend holds. PostgreSQL stacks session
-// locks; pgcoord takes each key once per backend and counts readers here.
-type heldKey struct {
-	shared bool
-	count  int
 }
 
 // newSession opens a dedicated connection and prepares it for holding locks.
@@ -75,7 +68,7 @@ func (c *Client) newSession(ctx context.Context, managed bool) (*Session, error)
 		pid:     pid,
 		managed: managed,
 		lastOK:  start,
-		held:    make(map[Key]*heldKey),
+		held:    make(map[Key]int),
 		locks:   make(map[*Lock]struct{}),
 		done:    make(chan struct{}),
 		stopHB:  make(chan struct{}),
