@@ -11,7 +11,6 @@ import (
 	"regexp"
 	"slices"
 	"strconv"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -263,9 +262,7 @@ func (c *config) inMigrationTx(ctx context.Context, db TxBeginner, fn func(pgx.T
 	}
 	defer func() {
 		if err != nil {
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-			defer cancel()
-			_ = tx.Rollback(rctx)
+			rollbackTx(ctx, tx)
 		}
 	}()
 	// A later snapshot must see what the previous lock holder committed, so
@@ -275,9 +272,8 @@ func (c *config) inMigrationTx(ctx context.Context, db TxBeginner, fn func(pgx.T
 	}
 	// The lock comes before any catalog change, so concurrent calls do not
 	// race on CREATE SCHEMA or CREATE TABLE.
-	arg, args := migrateKey.sqlArgs(1, nil)
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock("+arg+")", args...); err != nil {
-		return pgError("Migrate: wait for other migrations", err)
+	if err := XactLock(ctx, tx, migrateKey); err != nil {
+		return fmt.Errorf("pgcoord: Migrate: wait for other migrations: %w", err)
 	}
 	var exists bool
 	if err := tx.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname = $1)", c.schema).Scan(&exists); err != nil {

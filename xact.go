@@ -242,7 +242,7 @@ func InTx(ctx context.Context, db TxBeginner, keys []Key, fn func(tx pgx.Tx) err
 // the connection when a rollback fails, which ends the transaction on the
 // server.
 func rollbackTx(ctx context.Context, tx pgx.Tx) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), xactRollbackTimeout)
+	ctx, cancel := withoutCancel(ctx, xactRollbackTimeout)
 	defer cancel()
 	_ = tx.Rollback(ctx)
 }
