@@ -300,11 +300,7 @@ func TestLossOnTerminatedBackend(t *testing.T) {
 	}
 	start := time.Now()
 	pgtest.Terminate(t, dsn, l.s.PID())
-	select {
-	case <-l.Done():
-	case <-time.After(testTimeout):
-		t.Fatal("Done not closed after the backend was terminated")
-	}
+	awaitEnd(t, l, "after the backend was terminated")
 	took := time.Since(start)
 	t.Logf("loss noticed after %v", took)
 	if bound := lossNoticeBound(c.cfg); took > bound {
@@ -535,7 +531,7 @@ func TestSessionHoldsManyLocksOnOneBackend(t *testing.T) {
 	if err := s.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
-	<-l1.Done()
+	awaitEnd(t, l1, "after its session was closed")
 	if !errors.Is(l1.Err(), ErrClosed) {
 		t.Fatalf("lock Err after session Close: %v, want ErrClosed", l1.Err())
 	}
@@ -571,7 +567,7 @@ func TestClientCloseEndsWaitersAndLocks(t *testing.T) {
 	if r := receive(t, wch); !errors.Is(r.err, ErrClosed) {
 		t.Fatalf("waiting Lock after Close: %v, want ErrClosed", r.err)
 	}
-	<-mine.Done()
+	awaitEnd(t, mine, "after its Client was closed")
 	if _, err := c.Lock(ctx, k); !errors.Is(err, ErrClosed) {
 		t.Fatalf("Lock after Close: %v, want ErrClosed", err)
 	}

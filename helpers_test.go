@@ -140,6 +140,16 @@ func stillWaiting(t testing.TB, ch <-chan result) {
 	}
 }
 
+// awaitEnd waits, bounded, until l has ended (its Done channel closed).
+func awaitEnd(t testing.TB, l *Lock, what string) {
+	t.Helper()
+	select {
+	case <-l.Done():
+	case <-time.After(testTimeout):
+		t.Fatalf("lock did not end: %s", what)
+	}
+}
+
 func mustUnlock(t testing.TB, l *Lock) {
 	t.Helper()
 	if err := l.Unlock(context.Background()); err != nil {
