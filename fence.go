@@ -22,6 +22,18 @@ func fenceRow(k Key) (space int16, key int64) {
 // statement waits while a transaction that called CheckFence on k is open.
 // It returns an error wrapping ErrNotMigrated when the fences table does not
 // exist in the configured schema.
+//
+// The commit waits until the fence is flushed to the WAL, whatever
+// synchronous_commit the server, database, role or session sets: with it
+// off, a crash could lose a fence that was already returned, so the same
+// fence would be issued again and a paused holder of it would pass
+// CheckFence. The statement itself sets synchronous_commit to on for the
+// transaction it runs in (set_config with is_local, evaluated in the
+// INSERT's FROM subquery), so this costs no extra round trip; remote_apply,
+// which also waits for the flush, is kept. When q is in an explicit
+// transaction, the setting lasts until that transaction ends, so the
+// commit of the whole transaction waits for the flush, unless the caller
+// sets synchronous_commit again after nextFence.
 func nextFence(ctx context.Context, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }, c *config, k Key) (int64, error) {
@@ -30,7 +42,10 @@ func nextFence(ctx context.Context, q interface {
 	}
 	space, key := fenceRow(k)
 	var fence int64
-	err := q.QueryRow(ctx, "INSERT INTO "+c.table("fences")+` AS f (key_space, key, fence) VALUES ($1, $2, 1)
+	err := q.QueryRow(ctx, "INSERT INTO "+c.table("fences")+` AS f (key_space, key, fence)
+		SELECT $1, $2, 1 FROM (SELECT set_config('synchronous_commit',
+			CASE current_setting('synchronous_commit') WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END,
+			true)) AS durable
 		ON CONFLICT (key_space, key) DO UPDATE SET fence = f.fence + 1
 		RETURNING f.fence`, space, key).Scan(&fence)
 	if err != nil {
@@ -82,9 +97,13 @@ func nextFence(ctx context.Context, q interface {
 // resource reject fences lower than the highest it has seen. With
 // asynchronous replication, a failover to a standby can lose the most
 // recently issued fences (and the writes made under them), so a fence can
-// be issued twice. Setting synchronous_standby_names on the primary, with
-// synchronous_commit = on (the default) or remote_apply, and failing over
-// only to a standby named there, removes that window.
+// be issued twice. Setting synchronous_standby_names on the primary, and
+// failing over only to a standby named there, removes that window: a fence
+// is always committed with synchronous_commit = on (or remote_apply, when
+// that is the setting in effect), even where the server, database or role
+// turns it off, so its commit waits for that standby. For the same reason a
+// crash of the server itself never loses an issued fence, unless fsync is
+// off and the operating system crashes too.
 func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence int64, opts ...Option) error {
 	c, err := newConfig(scopeFence, opts)
 	if err != nil {
