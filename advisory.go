@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 )
 
 // LockOption modifies one acquire.
@@ -62,8 +61,8 @@ func newRequest(keys []Key, shared, try bool, opts []LockOption) (request, error
 	return r, nil
 }
 
-// Lock blocks until it holds key exclusively, on a dedicated connection of
-// the Client's, and returns the held lock. ctx bounds only the wait: once
+// Lock blocks until it holds key exclusively, on one of the Client's shared
+// dedicated connections, and returns the held lock. ctx bounds only the wait: once
 // Lock returns, the lock is held until Unlock or loss, whatever happens to
 // ctx. If the wait fails or is cancelled, nothing stays locked. Errors:
 // ctx's error (or cause) if it ended first, [ErrClosed], [ErrDeadlock],
@@ -167,10 +166,11 @@ func (s *Session) LockAll(ctx context.Context, keys ...Key) (*Lock, error) {
 	return s.c.acquire(ctx, s, keys, false, false, nil)
 }
 
-// acquire takes keys on s, or on a managed session of the Client's if s
-// is nil. Goroutines of this Client first pass the in-process gate of each
-// key, in canonical order, so only one of them at a time waits on the
-// server for a key.
+// acquire takes keys on s, or on the Client's shared backends if s is nil.
+// Goroutines of this Client first pass the in-process gate of each key, in
+// canonical order, so only one of them at a time goes to the server for a
+// key; a single-key exclusive waiter may instead be handed the lock by its
+// releasing holder.
 func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, try bool, opts []LockOption) (*Lock, error) {
 	r, err := newRequest(keys, shared, try, opts)
 	if err != nil {
@@ -183,10 +183,17 @@ func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, tr
 	ctx, cancel := c.acquireCtx(ctx)
 	defer cancel()
 
+	var accept func(*Lock) bool
+	if !shared && len(r.keys) == 1 {
+		accept = func(l *Lock) bool { return l.s.managed }
+		if s != nil {
+			accept = func(l *Lock) bool { return l.s == s }
+		}
+	}
 	for i, k := range r.keys {
-		ok, err := c.gates.enter(ctx, k, shared, try)
+		handed, ok, err := c.gates.enter(ctx, k, shared, try, accept)
 		if err == nil && !ok {
-			err = fmt.Errorf("pgcoord: %s: %w (by this process)", k, ErrLocked)
+			err = fmt.Errorf("%w (by this process)", ErrLocked)
 		}
 		if err != nil {
 			for _, k := range r.keys[:i] {
@@ -194,38 +201,24 @@ func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, tr
 			}
 			return nil, c.acquireErr(ctx, r, err)
 		}
-	}
-	if s != nil {
-		l, gatesLeft, err := s.take(ctx, r)
-		if err != nil {
-			if !gatesLeft {
-				c.leaveAll(r)
+		if handed != nil {
+			if r.fence {
+				if err := handed.s.issueFence(ctx, handed); err != nil {
+					_ = handed.Unlock(ctx)
+					return nil, c.acquireErr(ctx, r, err)
+				}
 			}
-			return nil, c.acquireErr(ctx, r, err)
+			return handed, nil
 		}
-		return l, nil
 	}
-	s, reused, err := c.borrow(ctx)
+	var l *Lock
+	if s != nil {
+		l, err = s.take(ctx, r)
+	} else {
+		l, err = c.take(ctx, r)
+	}
 	if err != nil {
 		c.leaveAll(r)
-		return nil, c.acquireErr(ctx, r, err)
-	}
-	l, gatesLeft, err := s.take(ctx, r)
-	if err != nil && reused && !gatesLeft && errorIsLoss(err) && ctx.Err() == nil {
-		// An idle connection died unnoticed (a server restart, say):
-		// its backend is gone with whatever it held, so try once more on
-		// a new one.
-		if s, err = c.open(ctx, true); err == nil {
-			l, gatesLeft, err = s.take(ctx, r)
-		}
-	}
-	if err != nil {
-		if !gatesLeft {
-			c.leaveAll(r)
-		}
-		if s != nil {
-			c.giveBack(s)
-		}
 		return nil, c.acquireErr(ctx, r, err)
 	}
 	return l, nil
@@ -250,91 +243,4 @@ func (c *Client) acquireErr(ctx context.Context, r request, err error) error {
 		err = fmt.Errorf("%w: %w", cause, err)
 	}
 	return fmt.Errorf("pgcoord: lock %s: %w", keyList(r.keys), err)
-}
-
-// take acquires r's keys on the session's backend, after the Client's
-// gates admitted this goroutine. On error, gatesLeft reports whether the
-// gates were already given back (by the failed lock's end).
-func (s *Session) take(ctx context.Context, r request) (l *Lock, gatesLeft bool, err error) {
-	// Keys this backend already holds shared are shared again without a
-	// round trip; the gates guarantee nobody here holds them exclusively.
-	s.state.Lock()
-	if s.err != nil {
-		s.state.Unlock()
-		return nil, false, s.err
-	}
-	var need []Key
-	for _, k := range r.keys {
-		if s.held[k] == 0 {
-			need = append(need, k)
-		}
-	}
-	s.state.Unlock()
-
-	got := true
-	for _, chunk := range chunked(need) {
-		sql, args := lockSQL(lockFunc(r.shared, r.try), chunk)
-		err = s.run(ctx, !r.try, func(ctx context.Context, conn *pgx.Conn) error {
-			if r.try {
-				return conn.QueryRow(ctx, sql, args...).Scan(&got)
-			}
-			_, err := conn.Exec(ctx, sql, args...)
-			return err
-		})
-		if err != nil {
-			break
-		}
-	}
-	if err != nil {
-		if !errorIsLoss(err) {
-			s.releaseAfterError(ctx, need, r.shared)
-			err = pgError("acquire", err)
-			if errors.Is(err, ErrDeadlock) {
-				// Free this backend's other locks so the other side of the
-				// cycle can go on.
-				s.lose(err)
-			}
-		}
-		return nil, false, err
-	}
-	if !got {
-		return nil, false, ErrLocked
-	}
-
-	l = &Lock{s: s, keys: r.keys, shared: r.shared, done: make(chan struct{})}
-	s.state.Lock()
-	if s.err != nil {
-		err := s.err // lost meanwhile: the server freed the keys
-		s.state.Unlock()
-		return nil, false, err
-	}
-	for _, k := range r.keys {
-		s.held[k]++
-	}
-	s.locks[l] = struct{}{}
-	s.state.Unlock()
-
-	if r.fence {
-		err := s.run(ctx, true, func(ctx context.Context, conn *pgx.Conn) error {
-			var err error
-			l.fence, err = nextFence(ctx, conn, s.c.cfg, r.keys[0])
-			return err
-		})
-		if err != nil {
-			s.state.Lock()
-			_, mine := s.locks[l]
-			delete(s.locks, l)
-			var free []Key
-			if mine {
-				free = s.forget(l.keys)
-			}
-			s.state.Unlock()
-			if !errorIsLoss(err) {
-				s.releaseAfterError(ctx, free, r.shared)
-			}
-			l.end(ErrNotHeld)
-			return nil, true, err
-		}
-	}
-	return l, false, nil
 }

@@ -5,34 +5,41 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// maxIdleSessions is how many lock-free dedicated connections a Client
-// keeps for reuse by Lock, TryLock, RLock, TryRLock, LockAll and Do.
-const maxIdleSessions = 4
-
 // A Client takes locks on behalf of one process. Locks are held on
-// dedicated connections opened from the pool's configuration; they are
-// never taken from or returned to the pool, so a pool borrower can never
-// silently re-enter a lock. A Client is safe for concurrent use.
+// dedicated connections opened from the pool's configuration (see
+// Stat for how many); they are never taken from or returned to the pool,
+// so a pool borrower can never silently re-enter a lock. A Client is safe
+// for concurrent use.
 type Client struct {
-	cfg        *config
-	pool       *pgxpool.Pool
-	ownPool    bool
-	connConfig *pgx.ConnConfig
-	gates      gates
+	cfg            *config
+	pool           *pgxpool.Pool
+	ownPool        bool
+	connConfig     *pgx.ConnConfig
+	beforeConnect  func(context.Context, *pgx.ConnConfig) error
+	afterConnect   func(context.Context, *pgx.Conn) error
+	connectTimeout time.Duration
+	gates          gates
 
 	closing context.Context // cancelled with ErrClosed by Close
 	stop    context.CancelCauseFunc
-	wg      sync.WaitGroup // calls in flight and background cleanup
+	wg      sync.WaitGroup // calls in flight and background work
+
+	waitSlots   chan struct{} // a token per blocking acquire waiting on the server
+	queuedWaits atomic.Int64
 
 	mu       sync.Mutex
 	closed   bool
-	idle     []*Session
-	sessions map[*Session]struct{}
+	sessions map[*Session]struct{} // every open session: backends and NewSession's
+	backends []*Session            // the shared backends of the Client's own locks
+	connects []*connectCall        // connections being opened
+	opening  int
 }
 
 // New returns a Client that uses pool's connection settings. The pool stays
@@ -69,12 +76,21 @@ func newClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
+	pc := pool.Config()
 	c := &Client{
-		cfg:        cfg,
-		pool:       pool,
-		ownPool:    own,
-		connConfig: dedicatedConfig(pool.Config().ConnConfig, cfg),
-		sessions:   make(map[*Session]struct{}),
+		cfg:            cfg,
+		pool:           pool,
+		ownPool:        own,
+		connConfig:     dedicatedConfig(pc.ConnConfig, cfg),
+		beforeConnect:  pc.BeforeConnect,
+		afterConnect:   pc.AfterConnect,
+		connectTimeout: pc.ConnConfig.ConnectTimeout,
+		gates:          gates{maxHandoffs: cfg.maxHandoffs, handoffWindow: cfg.handoffWindow},
+		waitSlots:      make(chan struct{}, cfg.maxWaits),
+		sessions:       make(map[*Session]struct{}),
+	}
+	if c.connectTimeout <= 0 {
+		c.connectTimeout = serverBound(cfg.lossDeadline)
 	}
 	c.closing, c.stop = context.WithCancelCause(context.Background())
 	return c, nil
@@ -83,10 +99,10 @@ func newClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
 // Close ends every session and lock of the Client (their Done channels
 // close, their Err is ErrClosed), makes waiting acquires return ErrClosed,
 // waits for background work to finish, and closes the pool if Open made
-// it. Releasing is bounded by the loss deadline; connections that cannot
-// be released cleanly in that time are closed, which frees their locks on
-// the server. Close returns the first release error; calling it again
-// returns nil.
+// it. Each connection's release is bounded by the loss deadline; one that
+// cannot be released cleanly in that time is closed, which frees its locks
+// on the server. Close returns every release error, joined; calling it
+// again returns nil.
 func (c *Client) Close() error {
 	c.mu.Lock()
 	if c.closed {
@@ -98,14 +114,15 @@ func (c *Client) Close() error {
 	for s := range c.sessions {
 		all = append(all, s)
 	}
-	c.sessions = nil
-	c.idle = nil
 	c.mu.Unlock()
 	c.stop(ErrClosed)
 
 	var errs []error
 	for _, s := range all {
 		errs = append(errs, s.close(context.Background()))
+	}
+	for _, s := range all {
+		<-s.cleaned
 	}
 	c.wg.Wait()
 	if c.ownPool {
@@ -137,57 +154,41 @@ func (c *Client) track(s *Session) bool {
 	return true
 }
 
+// untrack forgets a session whose connection is closed.
 func (c *Client) untrack(s *Session) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	delete(c.sessions, s)
 }
 
-// borrow returns an idle managed session (reused reports true) or opens a
-// new one.
-func (c *Client) borrow(ctx context.Context) (s *Session, reused bool, err error) {
+// retire stops routing locks to an ended session.
+func (c *Client) retire(s *Session) {
 	c.mu.Lock()
-	for len(c.idle) > 0 {
-		s := c.idle[len(c.idle)-1]
-		c.idle = c.idle[:len(c.idle)-1]
-		if s.Err() == nil {
-			c.mu.Unlock()
-			return s, true, nil
+	defer c.mu.Unlock()
+	for i, b := range c.backends {
+		if b == s {
+			c.backends = append(c.backends[:i:i], c.backends[i+1:]...)
+			break
 		}
 	}
-	c.mu.Unlock()
-	s, err = c.open(ctx, true)
-	return s, false, err
 }
 
-// open opens a new session, managed by the Client for single-lock use or
-// handed to the caller, and tracks it so Close can end it.
-func (c *Client) open(ctx context.Context, managed bool) (*Session, error) {
-	s, err := c.newSession(ctx, managed)
-	if err != nil {
-		return nil, err
-	}
-	if !c.track(s) {
-		s.close(context.Background())
-		return nil, ErrClosed
-	}
-	return s, nil
-}
-
-// giveBack returns a managed session that holds nothing to the idle list,
-// or closes it if the list is full or the Client closed.
-func (c *Client) giveBack(s *Session) {
-	if s.Err() != nil {
-		return
-	}
-	c.mu.Lock()
-	if !c.closed && len(c.idle) < maxIdleSessions {
-		c.idle = append(c.idle, s)
-		c.mu.Unlock()
-		return
-	}
-	c.mu.Unlock()
-	s.Close(context.Background())
+// handoff passes l, being released, to a goroutine of this Client that
+// waits for its key, if the gate allows it (see gates).
+func (c *Client) handoff(l *Lock) bool {
+	return c.gates.handoff(l, func() *Lock {
+		s := l.s
+		s.state.Lock()
+		defer s.state.Unlock()
+		if _, ok := s.locks[l]; !ok || s.err != nil {
+			return nil
+		}
+		next := &Lock{s: s, keys: l.keys, done: make(chan struct{})}
+		delete(s.locks, l)
+		s.locks[next] = struct{}{}
+		l.finish(ErrNotHeld) // the old handle ends before the new one is delivered
+		return next
+	})
 }
 
 // acquireCtx derives the context of an acquire: it ends with ctx or when

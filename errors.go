@@ -34,6 +34,12 @@ var (
 	// (SQLSTATE 53200); raise max_locks_per_transaction or hold fewer keys.
 	ErrTooManyLocks = errors.New("pgcoord: out of shared memory for locks")
 
+	// ErrTooManyConnections is returned when the server refuses a new
+	// connection because every connection slot is taken (SQLSTATE 53300);
+	// raise max_connections, close idle connections elsewhere, or lower
+	// WithMaxWaits.
+	ErrTooManyConnections = errors.New("pgcoord: no free connection slot on the server")
+
 	// ErrReadOnly is returned when the server is a standby in recovery, whose
 	// advisory locks exclude nobody on the primary.
 	ErrReadOnly = errors.New("pgcoord: server is a read-only standby")
@@ -76,7 +82,7 @@ func pgError(op string, err error) error {
 		case "40P01":
 			return fmt.Errorf("pgcoord: %s: %w: %w", op, ErrDeadlock, err)
 		case "53200":
-			return fmt.Errorf("pgcoord: %s: %w: %w", op, ErrTooManyLocks, err)
+			return fmt.Errorf("pgcoord: %s: %w (raise max_locks_per_transaction, or hold fewer keys): %w", op, ErrTooManyLocks, err)
 		}
 	}
 	return fmt.Errorf("pgcoord: %s: %w", op, err)

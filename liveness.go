@@ -23,76 +23,103 @@ import (
 func serverBound(loss time.Duration) time.Duration { return 2 * loss }
 
 // sessionSettings returns the settings a pinned connection applies to its
-// own backend. They need no special privilege.
-func sessionSettings(c *config) map[string]string {
+// own backend, for a server of the given major version. They need no
+// special privilege. client_connection_check_interval and
+// idle_session_timeout exist from PostgreSQL 14 on; on 13 they are left
+// out (a waiter whose client died is then noticed by the server's TCP
+// keepalive, within the server bound, instead of within a second).
+func sessionSettings(c *config, major int) map[string]string {
 	loss := c.lossDeadline
 	const interval = time.Second
 	idle := (loss/2 + time.Second - 1).Truncate(time.Second) // L/2, rounded up
 	count := int((serverBound(loss) - idle + interval - 1) / interval)
 	secs := func(d time.Duration) string { return strconv.FormatInt(int64(d/time.Second), 10) }
-	return map[string]string{
+	m := map[string]string{
 		// The server notices a silent client within serverBound(loss).
 		"tcp_keepalives_idle":     secs(idle),
 		"tcp_keepalives_interval": secs(interval),
 		"tcp_keepalives_count":    strconv.Itoa(count),
 		"tcp_user_timeout":        strconv.FormatInt(serverBound(loss).Milliseconds(), 10),
-		// A backend that is waiting for a lock notices a closed client
-		// socket within a second, instead of waiting on and then holding
-		// the lock for nobody.
-		"client_connection_check_interval": "1000",
 		// Nothing may end a lock-holding session or a long wait but the
 		// application or a dead network.
-		"idle_session_timeout":                "0",
 		"idle_in_transaction_session_timeout": "0",
 		"statement_timeout":                   "0",
 		"lock_timeout":                        "0",
 		"application_name":                    c.appName,
 	}
+	if major >= 14 {
+		// A backend that is waiting for a lock notices a closed client
+		// socket within a second, instead of waiting on and then holding
+		// the lock for nobody.
+		m["client_connection_check_interval"] = "1000"
+		m["idle_session_timeout"] = "0"
+	}
+	return m
+}
+
+// serverMajor returns the major version from the server_version parameter
+// ("15.4 (Debian ...)" is 15), or 0 if it cannot be read.
+func serverMajor(version string) int {
+	end := 0
+	for end < len(version) && version[end] >= '0' && version[end] <= '9' {
+		end++
+	}
+	n, _ := strconv.Atoi(version[:end])
+	return n
 }
 
 // dedicatedConfig derives the configuration of pgcoord's pinned
 // connections from a pool's connection configuration:
-//   - a cancelled context sends a cancel request to the server, so a
-//     cancelled lock wait ends with an error on a connection that stays
-//     usable (pgx's default closes the socket, and a backend blocked in a
-//     lock wait might then be granted the lock for nobody);
-//   - TCP keepalives and TCP_USER_TIMEOUT on the client socket, so a
-//     statement in flight on a silent network fails within the loss
-//     deadline.
+//   - a cancelled context sends a cancel request to the server (see
+//     cancelHandler), so a cancelled lock wait ends with an error on a
+//     connection that stays usable (pgx's default closes the socket, which
+//     would waste the connection and every lock on it);
+//   - the pool's dialer is kept (a cloud SQL connector or an SSH tunnel
+//     still works) and wrapped: on a TCP socket it turns on keepalives and
+//     TCP_USER_TIMEOUT, so a statement in flight on a silent network fails
+//     within the loss deadline.
 func dedicatedConfig(base *pgx.ConnConfig, c *config) *pgx.ConnConfig {
 	cc := base.Copy()
 	cc.BuildContextWatcherHandler = func(pc *pgconn.PgConn) ctxwatch.Handler {
-		return &pgconn.CancelRequestContextWatcherHandler{
-			Conn:               pc,
-			CancelRequestDelay: 0,
-			DeadlineDelay:      c.lossDeadline,
+		return &cancelHandler{conn: pc, deadlineDelay: c.lossDeadline}
+	}
+	dial := cc.DialFunc
+	if dial == nil {
+		dial = (&net.Dialer{Timeout: c.lossDeadline}).DialContext
+	}
+	cc.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		conn, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
 		}
+		if tcp, ok := conn.(*net.TCPConn); ok {
+			_ = tcp.SetKeepAliveConfig(net.KeepAliveConfig{
+				Enable:   true,
+				Idle:     c.heartbeat,
+				Interval: c.heartbeat,
+				Count:    max(int(c.lossDeadline/c.heartbeat), 1),
+			})
+			if rc, err := tcp.SyscallConn(); err == nil {
+				_ = setUserTimeout(rc, c.lossDeadline)
+			}
+		}
+		return conn, nil
 	}
-	d := &net.Dialer{
-		Timeout: c.lossDeadline,
-		KeepAliveConfig: net.KeepAliveConfig{
-			Enable:   true,
-			Idle:     c.heartbeat,
-			Interval: c.heartbeat,
-			Count:    max(int(c.lossDeadline/c.heartbeat), 1),
-		},
-		Control: setUserTimeout(c.lossDeadline),
-	}
-	cc.DialFunc = d.DialContext
 	return cc
 }
 
 // setupSQL applies sessionSettings and reads the backend's identity in one
-// round trip.
-func setupSQL(c *config) (string, []any) {
+// round trip, guarded by pid: on another backend it returns no row and
+// changes nothing.
+func setupSQL(c *config, major int, pid int32) (string, []any) {
 	sql := "SELECT pg_backend_pid(), pg_is_in_recovery()"
-	settings := sessionSettings(c)
-	var args []any
+	settings := sessionSettings(c, major)
+	args := []any{pid}
 	for _, name := range slices.Sorted(maps.Keys(settings)) {
 		args = append(args, name, settings[name])
 		sql += fmt.Sprintf(", set_config($%d, $%d, false)", len(args)-1, len(args))
 	}
-	return sql, args
+	return sql + " WHERE pg_backend_pid() = $1", args
 }
 
 // withoutCancel returns a context for releasing things: it keeps ctx's

@@ -28,7 +28,7 @@ func TestSessionAppliesServerLiveness(t *testing.T) {
 		"lock_timeout":                     "0",
 		"application_name":                 "liveness-test",
 	}
-	err := s.run(ctx, false, func(ctx context.Context, conn *pgx.Conn) error {
+	err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 		for name, w := range want {
 			var got string
 			if err := conn.QueryRow(ctx, "SELECT current_setting($1)", name).Scan(&got); err != nil {

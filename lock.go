@@ -3,11 +3,12 @@ package pgcoord
 import (
 	"context"
 	"fmt"
-	"github.com/jackc/pgx/v5"
 	"iter"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
+	"time"
 )
 
 // A Lock is a held advisory lock on one or more keys. It is released once,
@@ -19,9 +20,14 @@ type Lock struct {
 	shared bool
 	fence  int64
 
-	mu   sync.Mutex
-	err  error // nil while held
-	done chan struct{}
+	mu        sync.Mutex
+	err       error // nil while held
+	releasing bool  // Unlock has begun
+	done      chan struct{}
+}
+
+func newLock(s *Session, r request) *Lock {
+	return &Lock{s: s, keys: r.keys, shared: r.shared, done: make(chan struct{})}
 }
 
 // Key returns the lock's key; for a lock from LockAll, the first key in
@@ -49,127 +55,77 @@ func (l *Lock) Err() error {
 	return l.err
 }
 
-// end records why the lock ended, closes Done and lets the next goroutine
-// of this Client at the keys. It reports whether this call ended the lock.
-func (l *Lock) end(why error) bool {
+// finish records why the lock ended and closes Done. It reports whether
+// this call ended the lock.
+func (l *Lock) finish(why error) bool {
 	l.mu.Lock()
+	defer l.mu.Unlock()
 	if l.err != nil {
-		l.mu.Unlock()
 		return false
 	}
 	l.err = why
 	close(l.done)
-	l.mu.Unlock()
-	for _, k := range l.keys {
-		l.s.c.gates.leave(k, l.shared)
-	}
 	return true
+}
+
+// end finishes the lock and lets the next goroutine of this Client at its
+// keys.
+func (l *Lock) end(why error) {
+	if l.finish(why) {
+		for _, k := range l.keys {
+			l.s.c.gates.leave(k, l.shared)
+		}
+	}
 }
 
 // Unlock releases the lock. It works even if ctx is already cancelled: the
 // release is sent with a context that keeps ctx's values and is bounded by
-// the loss deadline. When Unlock returns nil the keys are free on the
-// server. It returns [ErrNotHeld] if the lock was already released, an
-// error wrapping [ErrLockLost] or [ErrClosed] if it had ended otherwise,
-// and an error wrapping [ErrLockLost] if the release itself failed; in that
-// case the connection has been closed, so the server frees the keys as soon
-// as it notices.
+// the loss deadline. When Unlock returns nil the lock is released: its keys
+// are free on the server, unless another goroutine of the same Client was
+// waiting for the key and the lock was handed to it directly (see
+// [WithHandoff]). If a blocking acquire waits on the same connection,
+// Unlock interrupts it (the acquire then resumes) rather than wait for it.
+//
+// It returns an error wrapping [ErrNotHeld] if the lock was already
+// released or is being released by another call, an error wrapping
+// [ErrLockLost] or [ErrClosed] if it had ended otherwise, and an error
+// wrapping [ErrLockLost] if the release itself failed; in that case the
+// connection has been closed, so the server frees the keys as soon as it
+// notices.
 func (l *Lock) Unlock(ctx context.Context) error {
-	s := l.s
-	if err := l.Err(); err != nil {
+	l.mu.Lock()
+	if l.err != nil || l.releasing {
+		err := l.err
+		l.mu.Unlock()
+		if err == nil {
+			err = fmt.Errorf("%w: another Unlock is releasing it", ErrNotHeld)
+		}
 		return fmt.Errorf("pgcoord: unlock %s: %w", keyList(l.keys), err)
 	}
-	// Remove the handle first, so that a concurrent loss does not end it
-	// twice; the keys this backend no longer needs are released below.
+	l.releasing = true
+	l.mu.Unlock()
+
+	s := l.s
+	if s.c.handoff(l) {
+		return nil
+	}
 	s.state.Lock()
-	if _, ok := s.locks[l]; !ok {
-		s.state.Unlock()
+	_, mine := s.locks[l]
+	delete(s.locks, l)
+	s.state.Unlock()
+	if !mine {
+		// The session ended meanwhile and is ending this lock.
+		<-l.done
 		return fmt.Errorf("pgcoord: unlock %s: %w", keyList(l.keys), l.Err())
 	}
-	delete(s.locks, l)
-	free := s.forget(l.keys)
-	s.state.Unlock()
-
 	ctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
 	defer cancel()
-	err := s.unlock(ctx, free, l.shared)
-	if err != nil {
-		s.lose(err)
-		err = fmt.Errorf("pgcoord: unlock %s: %w", keyList(l.keys), s.Err())
-	}
+	err := s.releaseKeys(ctx, l.keys, l.shared)
 	l.end(ErrNotHeld)
-	if s.managed {
-		s.c.giveBack(s)
-	}
-	return err
-}
-
-// forget drops one holder of each key and returns the keys that no handle
-// holds any more. Callers hold s.state.
-func (s *Session) forget(keys []Key) []Key {
-	var free []Key
-	for _, k := range keys {
-		n, ok := s.held[k]
-		switch {
-		case !ok:
-		case n > 1:
-			s.held[k] = n - 1
-		default:
-			delete(s.held, k)
-			free = append(free, k)
-		}
-	}
-	return free
-}
-
-// unlock releases keys on the server. Every key must come back released:
-// one that does not means the backend did not hold it, and the session's
-// picture of its locks is wrong.
-func (s *Session) unlock(ctx context.Context, keys []Key, shared bool) error {
-	for _, chunk := range chunked(keys) {
-		sql, args := lockSQL(unlockFunc(shared), chunk)
-		ok := make([]bool, len(chunk))
-		dest := make([]any, len(chunk))
-		for i := range ok {
-			dest[i] = &ok[i]
-		}
-		err := s.run(ctx, false, func(ctx context.Context, conn *pgx.Conn) error {
-			return conn.QueryRow(ctx, sql, args...).Scan(dest...)
-		})
-		if err != nil {
-			return err
-		}
-		for i, k := range chunk {
-			if !ok[i] {
-				return fmt.Errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, s.pid)
-			}
-		}
+	if err != nil {
+		return fmt.Errorf("pgcoord: unlock %s: %w", keyList(l.keys), err)
 	}
 	return nil
-}
-
-// releaseAfterError makes sure a failed acquire leaves nothing behind:
-// PostgreSQL may have granted keys before the cancel or error was
-// processed. Keys the backend did not hold come back false and are
-// ignored. If even that fails, the session is lost, which frees
-// everything.
-func (s *Session) releaseAfterError(ctx context.Context, keys []Key, shared bool) {
-	if s.Err() != nil || len(keys) == 0 {
-		return
-	}
-	ctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
-	defer cancel()
-	for _, chunk := range chunked(keys) {
-		sql, args := lockSQL(unlockFunc(shared), chunk)
-		err := s.run(ctx, false, func(ctx context.Context, conn *pgx.Conn) error {
-			_, err := conn.Exec(ctx, sql, args...)
-			return err
-		})
-		if err != nil {
-			s.lose(fmt.Errorf("release after failed acquire: %w", err))
-			return
-		}
-	}
 }
 
 // maxKeysPerStatement bounds the keys one statement takes or releases:
@@ -190,22 +146,14 @@ func chunked(keys []Key) iter.Seq2[int, []Key] {
 	}
 }
 
-// lockSQL builds one statement that applies fn to each key in order, with
-// one result column per key. PostgreSQL evaluates a select list left to
-// right, so keys are taken in the order given.
-func lockSQL(fn string, keys []Key) (string, []any) {
-	if len(keys) == 1 {
-		if sql, ok := singleKeySQL[fn]; ok {
-			k := keys[0]
-			if a, b, pair := k.Pair(); pair {
-				return sql[1], []any{a, b}
-			}
-			return sql[0], []any{k.v}
-		}
-	}
-	var b strings.Builder
-	b.WriteString("SELECT ")
-	args := make([]any, 0, 2*len(keys))
+// The statements below end with WHERE pg_backend_pid() = <the session's
+// backend>. Without FROM, that condition is evaluated once, before the
+// select list, so on any other backend (behind a transaction-pooling proxy)
+// the statement returns no row and does nothing. The select list is
+// evaluated left to right, so keys are taken in the order given.
+
+// selectKeys writes "fn(k1), fn(k2), ..." and appends the keys' values.
+func selectKeys(b *strings.Builder, fn string, keys []Key, args []any) []any {
 	for i, k := range keys {
 		if i > 0 {
 			b.WriteString(", ")
@@ -217,21 +165,93 @@ func lockSQL(fn string, keys []Key) (string, []any) {
 		b.WriteString(list)
 		b.WriteByte(')')
 	}
+	return args
+}
+
+// guard appends the backend check.
+func guard(b *strings.Builder, args []any, pid int32) (string, []any) {
+	args = append(args, pid)
+	fmt.Fprintf(b, " WHERE pg_backend_pid() = $%d", len(args))
 	return b.String(), args
 }
 
-// singleKeySQL holds the statements for one key, bigint and pair, of every
-// lock function: the common case builds no SQL at all.
-var singleKeySQL = func() map[string][2]string {
-	m := make(map[string][2]string)
-	for _, fn := range []string{
-		"pg_advisory_lock", "pg_advisory_lock_shared", "pg_try_advisory_lock", "pg_try_advisory_lock_shared",
-		"pg_advisory_unlock", "pg_advisory_unlock_shared",
-	} {
-		m[fn] = [2]string{"SELECT " + fn + "($1::int8)", "SELECT " + fn + "($1::int4, $2::int4)"}
+// lockSQL applies fn to each key in order, with no backend check: for
+// transaction-level locks, which need none.
+func lockSQL(fn string, keys []Key) (string, []any) {
+	var b strings.Builder
+	b.WriteString("SELECT ")
+	args := selectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)))
+	return b.String(), args
+}
+
+// unlockSQL releases keys: one boolean column per key.
+func unlockSQL(fn string, keys []Key, pid int32) (string, []any) {
+	if len(keys) == 1 {
+		return singleKeySQL(fn, "SELECT %s", keys[0], pid)
 	}
-	return m
-}()
+	var b strings.Builder
+	b.WriteString("SELECT ")
+	args := selectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)+1))
+	return guard(&b, args, pid)
+}
+
+// trySQL tries keys in order. For one key it returns one boolean; for more
+// it stops at the first key it cannot take and returns that key's 1-based
+// position, or 0 if it took them all (CASE evaluates its conditions in
+// order, and only as far as needed).
+func trySQL(fn string, keys []Key, pid int32) (string, []any) {
+	if len(keys) == 1 {
+		return singleKeySQL(fn, "SELECT %s", keys[0], pid)
+	}
+	var b strings.Builder
+	args := make([]any, 0, 2*len(keys)+1)
+	b.WriteString("SELECT CASE")
+	for i, k := range keys {
+		var list string
+		list, args = k.sqlArgs(len(args)+1, args)
+		fmt.Fprintf(&b, " WHEN NOT %s(%s) THEN %d", fn, list, i+1)
+	}
+	b.WriteString(" ELSE 0 END")
+	return guard(&b, args, pid)
+}
+
+// waitSQL takes keys, waiting at most slice (lock_timeout, set for this
+// statement's transaction only) before failing with SQLSTATE 55P03.
+func waitSQL(fn string, keys []Key, pid int32, slice time.Duration) (string, []any) {
+	ms := strconv.FormatInt(max(slice.Milliseconds(), 1), 10)
+	if len(keys) == 1 {
+		return singleKeySQL(fn, "SELECT set_config('lock_timeout', '"+ms+"', true), %s", keys[0], pid)
+	}
+	var b strings.Builder
+	b.WriteString("SELECT set_config('lock_timeout', '" + ms + "', true), ")
+	args := selectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)+1))
+	return guard(&b, args, pid)
+}
+
+// singleKeySQL builds the statement for one key from a cache: the common
+// case builds no SQL.
+func singleKeySQL(fn, format string, k Key, pid int32) (string, []any) {
+	_, _, pair := k.Pair()
+	ck := singleKey{fn, format, pair}
+	sql, ok := singleKeyCache.Load(ck)
+	if !ok {
+		var b strings.Builder
+		args := selectKeys(&b, fn, []Key{k}, nil)
+		text, _ := guard(&b, args, pid)
+		sql, _ = singleKeyCache.LoadOrStore(ck, fmt.Sprintf(format, text))
+	}
+	if a, b, pair := k.Pair(); pair {
+		return sql.(string), []any{a, b, pid}
+	}
+	return sql.(string), []any{k.v, pid}
+}
+
+type singleKey struct {
+	fn, format string
+	pair       bool
+}
+
+var singleKeyCache sync.Map
 
 func lockFunc(shared, try bool) string {
 	switch {

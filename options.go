@@ -60,13 +60,24 @@ func (s scope) String() string {
 }
 
 type config struct {
-	scope        scope
-	heartbeat    time.Duration
-	lossDeadline time.Duration
-	logger       *slog.Logger
-	appName      string
-	schema       string
+	scope          scope
+	heartbeat      time.Duration
+	lossDeadline   time.Duration
+	logger         *slog.Logger
+	appName        string
+	schema         string
+	maxWaits       int
+	sharedBackends int
+	maxHandoffs    int
+	handoffWindow  time.Duration
 }
+
+// waitSlice is how long one slice of a blocking acquire waits on the
+// server before it answers (with a lock timeout) and waits again: short
+// enough that two slices and their round trips fit in the loss deadline
+// with a heartbeat's margin, so a wait never lets the lease run out on a
+// healthy connection.
+func (c *config) waitSlice() time.Duration { return (c.lossDeadline - c.heartbeat) / 2 }
 
 func newConfig(s scope, opts []Option) (*config, error) {
 	c := &config{
@@ -76,6 +87,11 @@ func newConfig(s scope, opts []Option) (*config, error) {
 		logger:       slog.New(slog.DiscardHandler),
 		appName:      "pgcoord",
 		schema:       DefaultSchema,
+
+		maxWaits:       DefaultMaxWaits,
+		sharedBackends: DefaultSharedBackends,
+		maxHandoffs:    DefaultMaxHandoffs,
+		handoffWindow:  DefaultHandoffWindow,
 	}
 	var errs []error
 	for _, o := range opts {
@@ -161,6 +177,64 @@ func WithSchema(name string) Option {
 			}
 		}
 		c.schema = name
+		return nil
+	}}
+}
+
+// WithMaxWaits sets how many blocking acquires of the Client's own locks
+// (Lock, RLock, LockAll, Do) may wait on the server at once, each on a
+// dedicated connection (default [DefaultMaxWaits]). Further blocking
+// acquires wait in the process, first come first served, for one of those
+// to end; they use no connection meanwhile. It must be 1 to 1000.
+func WithMaxWaits(n int) Option {
+	return optionFunc{"WithMaxWaits", scopeClient, func(c *config) error {
+		if n < 1 || n > 1000 {
+			return fmt.Errorf("must be 1 to 1000, got %d", n)
+		}
+		c.maxWaits = n
+		return nil
+	}}
+}
+
+// WithSharedBackends sets how many dedicated connections serve the
+// Client's tries and hold its locks (default [DefaultSharedBackends]).
+// More lets more acquires run at the same moment; every held lock still
+// lives on one of them or on a connection of the waits. It must be 1 to
+// 64.
+func WithSharedBackends(n int) Option {
+	return optionFunc{"WithSharedBackends", scopeClient, func(c *config) error {
+		if n < 1 || n > 64 {
+			return fmt.Errorf("must be 1 to 64, got %d", n)
+		}
+		c.sharedBackends = n
+		return nil
+	}}
+}
+
+// Defaults of [WithHandoff].
+const (
+	DefaultMaxHandoffs   = 16
+	DefaultHandoffWindow = 10 * time.Millisecond
+)
+
+// WithHandoff bounds in-process handoff. When a goroutine releases an
+// exclusive single-key lock of a Client (or of a Session) while another
+// goroutine of the same Client waits for that key (Lock or Do, on the
+// Client or the same Session), the lock passes to it directly: no round
+// trip, and the releasing handle has ended before the new one is returned.
+// Other processes that wait for the key meanwhile wait longer, so a run of
+// handoffs stops after max consecutive handoffs or once window has passed
+// since the key was last taken from the server, whichever comes first; the
+// key is then released on the server, where the next holder is decided.
+// WithHandoff(0, 0) turns handoff off. Defaults: [DefaultMaxHandoffs],
+// [DefaultHandoffWindow]. max must be 0 to 1000 and window 0 to 1s, and
+// both zero or both positive.
+func WithHandoff(max int, window time.Duration) Option {
+	return optionFunc{"WithHandoff", scopeClient, func(c *config) error {
+		if max < 0 || max > 1000 || window < 0 || window > time.Second || (max == 0) != (window == 0) {
+			return fmt.Errorf("want max 0 to 1000 and window 0 to 1s, both zero or both positive; got %d and %v", max, window)
+		}
+		c.maxHandoffs, c.handoffWindow = max, window
 		return nil
 	}}
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // A Session is one dedicated PostgreSQL connection on which any number of
@@ -17,63 +18,75 @@ import (
 // closes, Err returns an error wrapping [ErrLockLost], the connection is
 // closed (so the server frees the locks), and every Lock on it is lost too.
 //
-// A Session's methods are safe for concurrent use; statements on its one
-// connection run one at a time, so a blocking Lock delays the others.
+// A Session's methods are safe for concurrent use. Statements on its one
+// connection run one at a time. A blocking acquire waits on the server in
+// slices (see the package documentation), so it never stops the session
+// from proving itself alive; an Unlock, TryLock or Close that needs the
+// connection while a blocking acquire waits on it interrupts that wait,
+// which then resumes. Blocking acquires on one Session wait one at a time.
 type Session struct {
 	c       *Client
 	conn    *pgx.Conn
 	pid     int32
-	managed bool // owned by the Client for single-lock use
+	managed bool // one of the Client's shared backends
 
-	mu      sync.Mutex // serialises use of conn
-	waiting bool       // a blocking acquire is in flight (guarded by state)
+	use      chan struct{} // holds a token while a statement runs on conn
+	waitTurn chan struct{} // holds a token while a blocking acquire is in flight
 
-	state   sync.Mutex
-	lastOK  time.Time          // start of the last statement that succeeded
-	held    map[Key]int        // keys this backend holds (once each), by live handle count
-	locks   map[*Lock]struct{} // live handles
-	err     error              // why the session ended; nil while open
-	done    chan struct{}
-	lease   *time.Timer
-	stopHB  chan struct{}
-	hbDone  chan struct{}
-	cleaned chan struct{} // closed when the connection is closed and the heartbeat has stopped
+	state     sync.Mutex
+	lastOK    time.Time            // start of the last statement the server answered
+	keys      map[Key]*keyHold     // what this backend holds, by key
+	locks     map[*Lock]struct{}   // live handles
+	err       error                // why the session ended; nil while open
+	pending   int                  // callers waiting for conn, other than a blocking acquire
+	noPending chan struct{}        // closed when pending drops to 0
+	interrupt func(error)          // ends the lock wait on conn; nil if none
+	done      chan struct{}
+	lease     *time.Timer
+	stopHB    chan struct{}
+	hbDone    chan struct{}
+	cleaned   chan struct{} // closed when the connection is closed and the heartbeat has stopped
+
+	// Fields guarded by the Client's mu, for routing its locks.
+	waiter bool // a blocking acquire of the Client's runs here
 }
 
+// keyHold is one key on one backend. The server holds the key (once) while
+// n > 0; a statement that takes or frees it runs only while busy is set, and
+// nothing else about the key is decided until it has ended. So the server's
+// count for the key on this backend is always 0 or 1, and an error path can
+// tell what its own statement did.
+type keyHold struct {
+	n      int  // live handles holding the key here
+	shared bool // mode of the holds
+	busy   chan struct{}
+}
+
+// errYield interrupts a blocking acquire so that another statement can use
+// the connection; the acquire resumes afterwards.
+var errYield = errors.New("pgcoord: yield the connection")
+
 // newSession opens a dedicated connection and prepares it for holding locks.
+// ctx bounds the connect.
 func (c *Client) newSession(ctx context.Context, managed bool) (*Session, error) {
-	conn, err := pgx.ConnectConfig(ctx, c.connConfig)
+	conn, pid, err := c.connect(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("pgcoord: open session connection: %w", err)
-	}
-	start := time.Now()
-	sql, args := setupSQL(c.cfg)
-	var pid int32
-	var inRecovery bool
-	dest := []any{&pid, &inRecovery}
-	for range len(args) / 2 {
-		dest = append(dest, new(string))
-	}
-	if err := conn.QueryRow(ctx, sql, args...).Scan(dest...); err != nil {
-		closeConn(conn, c.cfg.lossDeadline)
-		return nil, fmt.Errorf("pgcoord: prepare session connection: %w", err)
-	}
-	if inRecovery {
-		closeConn(conn, c.cfg.lossDeadline)
-		return nil, fmt.Errorf("%w: pg_is_in_recovery() is true; connect to the primary", ErrReadOnly)
+		return nil, err
 	}
 	s := &Session{
-		c:       c,
-		conn:    conn,
-		pid:     pid,
-		managed: managed,
-		lastOK:  start,
-		held:    make(map[Key]int),
-		locks:   make(map[*Lock]struct{}),
-		done:    make(chan struct{}),
-		stopHB:  make(chan struct{}),
-		hbDone:  make(chan struct{}),
-		cleaned: make(chan struct{}),
+		c:        c,
+		conn:     conn,
+		pid:      pid,
+		managed:  managed,
+		use:      make(chan struct{}, 1),
+		waitTurn: make(chan struct{}, 1),
+		lastOK:   time.Now(),
+		keys:     make(map[Key]*keyHold),
+		locks:    make(map[*Lock]struct{}),
+		done:     make(chan struct{}),
+		stopHB:   make(chan struct{}),
+		hbDone:   make(chan struct{}),
+		cleaned:  make(chan struct{}),
 	}
 	s.lease = time.AfterFunc(c.cfg.lossDeadline, s.checkLease)
 	go s.heartbeat()
@@ -82,13 +95,24 @@ func (c *Client) newSession(ctx context.Context, managed bool) (*Session, error)
 
 // NewSession opens a Session: one dedicated connection for many locks. ctx
 // bounds only the connect. It returns [ErrClosed] after Close, an error
-// wrapping [ErrReadOnly] if the server is a standby, or the connection error.
+// wrapping [ErrReadOnly] if the server is a standby,
+// [ErrTransactionPooling] behind a transaction-pooling proxy,
+// [ErrTooManyConnections] if the server has no free connection slot, or the
+// connection error.
 func (c *Client) NewSession(ctx context.Context) (*Session, error) {
 	if err := c.enter(); err != nil {
 		return nil, err
 	}
 	defer c.wg.Done()
-	return c.open(ctx, false)
+	s, err := c.newSession(ctx, false)
+	if err != nil {
+		return nil, err
+	}
+	if !c.track(s) {
+		s.close(context.Background())
+		return nil, ErrClosed
+	}
+	return s, nil
 }
 
 // Done returns a channel that is closed when the session ends: by Close,
@@ -108,40 +132,75 @@ func (s *Session) Err() error {
 // pg_locks and pg_stat_activity.
 func (s *Session) PID() int32 { return s.pid }
 
-// Close releases every lock of the session and closes its connection. ctx
-// bounds the release; if it cannot be done in time (or ctx is already
-// cancelled) the connection is closed anyway, which makes the server free
-// the locks. Close returns the first error met; the locks are gone either
-// way. Closing a closed or lost session returns nil.
-func (s *Session) Close(ctx context.Context) error {
-	err := s.close(ctx)
-	s.c.untrack(s)
-	return err
-}
+// Close ends the session: its locks end with [ErrClosed], a blocking
+// acquire in flight on it returns ErrClosed, and the connection is closed.
+// ctx bounds Close (by the loss deadline when ctx has none). When Close
+// returns nil, every lock of the session is free on the server: it runs
+// pg_advisory_unlock_all() before closing the connection. If ctx ends
+// first, or the connection fails, Close closes the socket instead and
+// returns an error; the server then frees the locks when the backend
+// notices, at once for a connected idle backend, and within the server
+// bound of the package documentation for a silent network. Closing a closed
+// or lost session returns nil.
+func (s *Session) Close(ctx context.Context) error { return s.close(ctx) }
 
 func (s *Session) close(ctx context.Context) error {
 	if !s.end(ErrClosed) {
-		<-s.cleaned // ended by loss: wait for its cleanup
-		return nil
+		return nil // ended before: whoever ended it closes the connection
 	}
-	ctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+	ctx, cancel := context.WithTimeout(ctx, s.c.cfg.lossDeadline)
 	defer cancel()
-	s.mu.Lock()
-	// Ending the connection releases all session locks at once: pgx sends
-	// Terminate, the backend exits and its locks go with it.
-	err := s.conn.Close(ctx)
-	s.mu.Unlock()
-	<-s.hbDone
-	close(s.cleaned)
+	var err error
+	select {
+	case s.use <- struct{}{}:
+		// The connection is ours: nothing else runs on it any more.
+		if _, err = s.conn.Exec(ctx, "SELECT pg_advisory_unlock_all()"); err == nil {
+			err = s.conn.Close(ctx)
+		} else if backendEnded(err) {
+			err = nil // the backend is gone, and its locks with it
+		}
+		if err != nil {
+			_ = s.conn.PgConn().Conn().Close()
+			closeConn(s.conn, time.Second)
+		}
+		<-s.use
+		s.finish()
+	case <-ctx.Done():
+		err = context.Cause(ctx)
+		// Something still runs on the connection: cut it, and let the
+		// rest of the cleanup finish in the background (Client.Close
+		// waits for it).
+		s.closeSocket()
+	}
 	if err != nil {
-		return fmt.Errorf("pgcoord: close session: %w", err)
+		return fmt.Errorf("pgcoord: close session: the connection was closed without confirming the release (the server frees the locks when it notices): %w", err)
 	}
 	return nil
 }
 
+// closeSocket cuts the connection at once, so that any statement in flight
+// returns and the server frees the backend's locks, and finishes closing
+// it in the background once nothing uses it (Client.Close waits for that).
+func (s *Session) closeSocket() {
+	_ = s.conn.PgConn().Conn().Close()
+	go func() {
+		s.use <- struct{}{}
+		closeConn(s.conn, time.Second)
+		<-s.use
+		s.finish()
+	}()
+}
+
+// finish completes the end of a session once its connection is closed.
+func (s *Session) finish() {
+	<-s.hbDone
+	close(s.cleaned)
+	s.c.untrack(s)
+}
+
 // end moves the session to its final state once: it records why, stops the
-// heartbeat and the lease, and ends every lock. It reports whether this
-// call was the one that ended the session.
+// heartbeat and the lease, interrupts a blocking acquire, and ends every
+// lock. It reports whether this call was the one that ended the session.
 func (s *Session) end(why error) bool {
 	s.state.Lock()
 	if s.err != nil {
@@ -151,13 +210,18 @@ func (s *Session) end(why error) bool {
 	s.err = why
 	locks := s.locks
 	s.locks = nil
+	interrupt := s.interrupt
 	s.state.Unlock()
 	s.lease.Stop()
 	close(s.stopHB)
 	close(s.done)
+	if interrupt != nil {
+		interrupt(why)
+	}
 	for l := range locks {
 		l.end(why)
 	}
+	s.c.retire(s)
 	return true
 }
 
@@ -170,57 +234,99 @@ func (s *Session) lose(cause error) {
 		return
 	}
 	s.c.cfg.logger.Warn("pgcoord: session lost", "pid", s.pid, "err", cause)
-	_ = s.conn.PgConn().Conn().Close()
-	// The statement that noticed the loss may still hold s.mu; finish
-	// closing once it lets go. Client.Close waits for this through
-	// s.cleaned.
-	go func() {
-		s.mu.Lock()
-		closeConn(s.conn, time.Second)
-		s.mu.Unlock()
-		<-s.hbDone
-		close(s.cleaned)
-		s.c.untrack(s)
-	}()
+	s.closeSocket()
 }
 
-// run executes one statement on the session's connection. A success counts
-// as proof that the connection is alive; a broken connection loses the
-// session. Statement errors (lock wait cancelled, deadlock, ...) are
-// returned as they are for the caller to resolve.
-func (s *Session) run(ctx context.Context, waits bool, f func(ctx context.Context, conn *pgx.Conn) error) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if err := s.Err(); err != nil {
-		return err
-	}
-	if waits {
-		s.state.Lock()
-		s.waiting = true
-		s.state.Unlock()
-	}
-	start := time.Now()
-	err := f(ctx, s.conn)
-	if err == nil && waits && time.Since(start) > s.c.cfg.heartbeat {
-		// A long wait does not tell when the server last heard from us:
-		// prove the connection alive afresh before trusting what it won.
-		start = time.Now()
-		err = s.ping(ctx)
-	}
+// grab waits until the connection is free for one statement, bounded by
+// ctx. A blocking acquire that waits on the connection is interrupted and
+// resumes after. The caller must call release.
+func (s *Session) grab(ctx context.Context) error {
 	s.state.Lock()
-	s.waiting = false
-	if err == nil {
-		s.lastOK = start
-		s.lease.Reset(s.c.cfg.lossDeadline - time.Since(start))
+	if s.err != nil {
+		s.state.Unlock()
+		return s.err
+	}
+	if s.pending == 0 {
+		s.noPending = make(chan struct{})
+	}
+	s.pending++
+	if s.interrupt != nil {
+		s.interrupt(errYield)
 	}
 	s.state.Unlock()
-	if err != nil && (s.conn.IsClosed() || errors.Is(err, ErrTransactionPooling)) {
-		s.lose(err)
-		if e := s.Err(); e != nil {
-			return e
+	defer func() {
+		s.state.Lock()
+		if s.pending--; s.pending == 0 {
+			close(s.noPending)
 		}
+		s.state.Unlock()
+	}()
+	select {
+	case s.use <- struct{}{}:
+		if err := s.Err(); err != nil {
+			<-s.use
+			return err
+		}
+		return nil
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	case <-s.done:
+		return s.Err()
+	}
+}
+
+// release gives the connection back after grab.
+func (s *Session) release() { <-s.use }
+
+// run executes one statement on the session's connection.
+func (s *Session) run(ctx context.Context, f func(ctx context.Context, conn *pgx.Conn) error) error {
+	if err := s.grab(ctx); err != nil {
+		return err
+	}
+	defer s.release()
+	return s.exec(ctx, f)
+}
+
+// exec runs f while the caller holds the connection. An answer from the
+// server, error or not, proves the connection alive as of the start. A
+// broken connection, or a cancellation that ctx did not ask for, loses
+// the session. Statement errors (lock wait cancelled, deadlock, ...) are
+// returned as they are for the caller to resolve.
+func (s *Session) exec(ctx context.Context, f func(ctx context.Context, conn *pgx.Conn) error) error {
+	start := time.Now()
+	err := f(ctx, s.conn)
+	var pe *pgconn.PgError
+	if err == nil || errors.As(err, &pe) {
+		s.proved(start)
+	}
+	switch {
+	case err == nil:
+		return nil
+	case s.conn.IsClosed():
+		s.lose(err)
+	case pe != nil && pe.Code == "57014" && ctx.Err() == nil:
+		s.lose(fmt.Errorf("a statement was cancelled that nothing here cancelled: %w", err))
+	case errors.Is(err, ErrTransactionPooling):
+		s.lose(err)
+	default:
+		return err
+	}
+	if e := s.Err(); e != nil {
+		return e
 	}
 	return err
+}
+
+// proved records that the server answered a statement sent at start.
+func (s *Session) proved(start time.Time) {
+	s.state.Lock()
+	if start.After(s.lastOK) {
+		s.lastOK = start
+		if s.err == nil {
+			s.lease.Reset(s.c.cfg.lossDeadline - time.Since(start))
+		}
+	}
+	s.state.Unlock()
 }
 
 // heartbeat proves the connection alive every interval, unless a statement
@@ -235,23 +341,22 @@ func (s *Session) heartbeat() {
 			return
 		case <-t.C:
 		}
-		if !s.mu.TryLock() {
-			continue
+		select {
+		case s.use <- struct{}{}:
+		default:
+			continue // busy: the statement proves the connection alive
+		}
+		if s.Err() != nil {
+			<-s.use
+			return
 		}
 		s.state.Lock()
 		deadline := s.lastOK.Add(s.c.cfg.lossDeadline)
 		s.state.Unlock()
 		ctx, cancel := context.WithDeadline(context.Background(), deadline)
-		start := time.Now()
-		err := s.ping(ctx)
+		err := s.exec(ctx, s.ping)
 		cancel()
-		if err == nil {
-			s.state.Lock()
-			s.lastOK = start
-			s.lease.Reset(s.c.cfg.lossDeadline - time.Since(start))
-			s.state.Unlock()
-		}
-		s.mu.Unlock()
+		<-s.use
 		if err != nil {
 			s.lose(fmt.Errorf("heartbeat: %w", err))
 		}
@@ -259,14 +364,10 @@ func (s *Session) heartbeat() {
 }
 
 // ping proves the connection alive with one round trip, and that the
-// backend behind it is still the one that holds the session's locks. The
-// caller holds s.mu. ctx's cancellation is ignored; it is bounded by the
-// loss deadline.
-func (s *Session) ping(ctx context.Context) error {
-	ctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
-	defer cancel()
+// backend behind it is still the one that holds the session's locks.
+func (s *Session) ping(ctx context.Context, conn *pgx.Conn) error {
 	var pid int32
-	if err := s.conn.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
 		return err
 	}
 	if pid != s.pid {
@@ -276,19 +377,21 @@ func (s *Session) ping(ctx context.Context) error {
 }
 
 // checkLease runs when nothing has proved the connection alive for the
-// loss deadline. While a blocking acquire is in flight the socket's own
-// keepalive and user timeout bound the wait instead (see the package
-// documentation), so the lease is checked again when it ends.
+// loss deadline, whatever runs on it.
 func (s *Session) checkLease() {
 	s.state.Lock()
-	waiting, age := s.waiting, time.Since(s.lastOK)
-	if waiting || age < s.c.cfg.lossDeadline {
-		s.lease.Reset(max(s.c.cfg.lossDeadline-age, s.c.cfg.heartbeat))
+	age := time.Since(s.lastOK)
+	if s.err != nil {
+		s.state.Unlock()
+		return
+	}
+	if age < s.c.cfg.lossDeadline {
+		s.lease.Reset(s.c.cfg.lossDeadline - age)
 		s.state.Unlock()
 		return
 	}
 	s.state.Unlock()
-	s.lose(fmt.Errorf("no heartbeat for %v (loss deadline %v)", age.Round(time.Millisecond), s.c.cfg.lossDeadline))
+	s.lose(fmt.Errorf("no answer from the server for %v (loss deadline %v)", age.Round(time.Millisecond), s.c.cfg.lossDeadline))
 }
 
 // closeConn closes a connection that holds nothing, bounded by d.
@@ -296,6 +399,13 @@ func closeConn(conn *pgx.Conn, d time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	defer cancel()
 	_ = conn.Close(ctx)
+}
+
+// backendEnded reports whether err is the server ending the backend
+// (a FATAL error: terminated, shut down), which frees all its locks.
+func backendEnded(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && (pe.Severity == "FATAL" || pe.Severity == "PANIC")
 }
 
 // errorIsLoss reports whether err means the session (and its locks) ended.

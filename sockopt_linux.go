@@ -9,21 +9,16 @@ import (
 // not define it.
 const tcpUserTimeout = 18
 
-// setUserTimeout returns a dialer Control function that sets
-// TCP_USER_TIMEOUT, so data (or keepalive probes) left unacknowledged for d
-// fails the socket instead of waiting for the kernel's default of minutes.
-func setUserTimeout(d time.Duration) func(network, address string, rc syscall.RawConn) error {
-	return func(network, address string, rc syscall.RawConn) error {
-		if network != "tcp" && network != "tcp4" && network != "tcp6" {
-			return nil
-		}
-		var serr error
-		err := rc.Control(func(fd uintptr) {
-			serr = syscall.SetsockoptInt(int(fd), syscall.IPPROTO_TCP, tcpUserTimeout, int(d.Milliseconds()))
-		})
-		if err != nil {
-			return err
-		}
-		return serr
+// setUserTimeout sets TCP_USER_TIMEOUT on a socket, so data (or keepalive
+// probes) left unacknowledged for d fails the socket instead of waiting for
+// the kernel's default of minutes.
+func setUserTimeout(rc syscall.RawConn, d time.Duration) error {
+	var serr error
+	err := rc.Control(func(fd uintptr) {
+		serr = syscall.SetsockoptInt(int(fd), syscall.IPPROTO_TCP, tcpUserTimeout, int(d.Milliseconds()))
+	})
+	if err != nil {
+		return err
 	}
+	return serr
 }

@@ -1,0 +1,485 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// The Client's shared backends
+//
+// Locks taken through a Client (Lock, TryLock, RLock, TryRLock, LockAll,
+// Do) live on a few dedicated connections that the Client shares among all
+// its locks; a held lock costs an entry in the server's lock table, not a
+// connection. An acquire first tries its keys, without waiting, on a
+// shared backend that is not busy with a wait: one round trip, and no new
+// connection, when the keys are free. Only when the keys are held
+// elsewhere does it wait on the server, and such waits run on their own
+// backends: at most WithMaxWaits (default DefaultMaxWaits) at once; further
+// waits queue in the process, first come first served, until one ends.
+// So a Client never uses more than WithSharedBackends + WithMaxWaits
+// connections (defaults 2 + 4) for its locks, whatever the number of keys
+// it holds. A lock granted after a wait stays on the backend that waited;
+// that backend then serves tries and later waits like any other (a wait
+// on a backend that holds locks is interrupted by an Unlock of one of
+// them, and resumes). Sessions from NewSession are separate: one
+// connection each.
+//
+// Connections are opened in the background, bounded by the connect
+// timeout, not by the deadline of the call that needed one: a call that
+// gives up does not waste the connection, which the next call uses.
+// A lost backend ends every lock on it (their Done channels close and Err
+// wraps ErrLockLost); the Client opens another when it needs one.
+
+// DefaultMaxWaits is how many blocking acquires of one Client wait on the
+// server at once unless WithMaxWaits says otherwise; DefaultSharedBackends
+// is how many backends serve its tries and hold its locks.
+const (
+	DefaultMaxWaits       = 4
+	DefaultSharedBackends = 2
+)
+
+// connectCall is a connection being opened in the background.
+type connectCall struct {
+	done chan struct{}
+	s    *Session
+	err  error
+}
+
+// Stat is a snapshot of a Client's use of the server, like pgxpool.Stat.
+type Stat struct {
+	Backends    int // dedicated connections of the Client's own locks
+	Sessions    int // connections of Sessions from NewSession
+	Connecting  int // connections being opened
+	Waits       int // blocking acquires waiting on the server
+	QueuedWaits int // blocking acquires queued in the process for a wait slot
+	Locks       int // live Lock handles, on backends and Sessions
+}
+
+// Stat returns a snapshot of the Client's connections, waits and locks.
+func (c *Client) Stat() Stat {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	st := Stat{
+		Backends:    len(c.backends),
+		Sessions:    len(c.sessions) - len(c.backends),
+		Connecting:  c.opening,
+		QueuedWaits: int(c.queuedWaits.Load()),
+	}
+	for s := range c.sessions {
+		if s.waiter {
+			st.Waits++
+		}
+		s.state.Lock()
+		st.Locks += len(s.locks)
+		s.state.Unlock()
+	}
+	return st
+}
+
+// Warm opens the Client's shared backends now, so that the first locks do
+// not wait for a connection. ctx bounds the wait; the connections go on
+// opening in the background if it ends first. It returns the first
+// connection error, or ctx's.
+func (c *Client) Warm(ctx context.Context) error {
+	if err := c.enter(); err != nil {
+		return err
+	}
+	defer c.wg.Done()
+	c.mu.Lock()
+	var calls []*connectCall
+	for n := len(c.backends) + c.opening; n < c.cfg.sharedBackends; n++ {
+		calls = append(calls, c.startConnect())
+	}
+	c.mu.Unlock()
+	for _, call := range calls {
+		select {
+		case <-call.done:
+			if call.err != nil {
+				return call.err
+			}
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
+	}
+	return nil
+}
+
+// take acquires r on the Client's backends: a try on a shared backend,
+// then, if the keys are held elsewhere, a wait on a backend of the waits.
+func (c *Client) take(ctx context.Context, r request) (*Lock, error) {
+	tr := r
+	tr.try = true
+	var l *Lock
+	var err error
+	for attempt := 0; attempt < 2; attempt++ {
+		var b *Session
+		if b, err = c.fastBackend(ctx, r); err != nil {
+			return nil, err
+		}
+		l, err = b.take(ctx, tr)
+		if err == nil || !errorIsLoss(err) || ctx.Err() != nil {
+			break
+		}
+		// The backend died unnoticed (a server restart, say): its locks
+		// went with it; try once more on another.
+	}
+	if r.try || !errors.Is(err, ErrLocked) {
+		return l, err
+	}
+
+	c.queuedWaits.Add(1)
+	select {
+	case c.waitSlots <- struct{}{}:
+		c.queuedWaits.Add(-1)
+	case <-ctx.Done():
+		c.queuedWaits.Add(-1)
+		return nil, context.Cause(ctx)
+	}
+	defer func() { <-c.waitSlots }()
+	b, done, err := c.waitBackend(ctx, r)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	return b.take(ctx, r)
+}
+
+// fastBackend picks the backend for a try: one that already holds r's keys
+// shared (joining costs no round trip), else a free one that is not
+// waiting. It opens another when all are busy and fewer than the shared
+// count are open, and waits for a connection only when there is none.
+func (c *Client) fastBackend(ctx context.Context, r request) (*Session, error) {
+	for {
+		c.mu.Lock()
+		if c.closed {
+			c.mu.Unlock()
+			return nil, ErrClosed
+		}
+		if r.shared {
+			if b := c.holderOf(r.keys); b != nil {
+				c.mu.Unlock()
+				return b, nil
+			}
+		}
+		var pick *Session
+		n := 0
+		for _, b := range c.backends {
+			if b.waiter {
+				continue
+			}
+			n++
+			if pick == nil || len(b.use) == 0 && len(pick.use) != 0 {
+				pick = b
+			}
+		}
+		if (pick == nil || len(pick.use) != 0) && n+c.opening < c.cfg.sharedBackends {
+			c.startConnect()
+		}
+		if pick != nil {
+			c.mu.Unlock()
+			return pick, nil
+		}
+		call := c.anyConnect()
+		c.mu.Unlock()
+		if err := c.awaitConnect(ctx, call); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// waitBackend picks the backend for a blocking acquire and marks it as
+// waiting; done unmarks it. Shared keys that a backend holds or is taking
+// are joined there. Otherwise it takes a backend that holds nothing, when
+// another remains for tries, or opens one while under the limit, or, at
+// the limit, waits on a backend that holds locks.
+func (c *Client) waitBackend(ctx context.Context, r request) (*Session, func(), error) {
+	for {
+		c.mu.Lock()
+		if c.closed {
+			c.mu.Unlock()
+			return nil, nil, ErrClosed
+		}
+		if r.shared {
+			if b := c.holderOf(r.keys); b != nil {
+				c.mu.Unlock()
+				return b, func() {}, nil
+			}
+		}
+		var idle, holder []*Session
+		for _, b := range c.backends {
+			if b.waiter {
+				continue
+			}
+			if b.holdsNothing() {
+				idle = append(idle, b)
+			} else {
+				holder = append(holder, b)
+			}
+		}
+		var pick *Session
+		switch {
+		case len(idle) > 0 && len(idle)+len(holder) > 1:
+			pick = idle[len(idle)-1]
+		case len(c.backends)+c.opening < c.cfg.sharedBackends+c.cfg.maxWaits:
+			call := c.startConnect()
+			c.mu.Unlock()
+			if err := c.awaitConnect(ctx, call); err != nil {
+				if !errors.Is(err, ErrTooManyConnections) || len(idle)+len(holder) == 0 {
+					return nil, nil, err
+				}
+				// No slot for another connection: wait on one we have.
+				c.mu.Lock()
+				pick = c.leastLoaded()
+				if pick == nil {
+					c.mu.Unlock()
+					return nil, nil, err
+				}
+				break
+			}
+			continue
+		case len(idle) > 0:
+			pick = idle[0]
+		default:
+			pick = c.leastLoaded()
+		}
+		if pick == nil {
+			// Every backend waits; one will be free when a wait ends.
+			call := c.anyConnect()
+			c.mu.Unlock()
+			if err := c.awaitConnect(ctx, call); err != nil {
+				return nil, nil, err
+			}
+			continue
+		}
+		pick.waiter = true
+		c.mu.Unlock()
+		return pick, func() {
+			c.mu.Lock()
+			pick.waiter = false
+			c.mu.Unlock()
+		}, nil
+	}
+}
+
+// holderOf returns a backend that holds or is taking one of keys, so that
+// another shared hold of them joins it there. The caller holds c.mu.
+func (c *Client) holderOf(keys []Key) *Session {
+	for _, b := range c.backends {
+		b.state.Lock()
+		for _, k := range keys {
+			if h := b.keys[k]; h != nil && h.shared {
+				b.state.Unlock()
+				return b
+			}
+		}
+		b.state.Unlock()
+	}
+	return nil
+}
+
+// leastLoaded returns the non-waiting backend with the fewest locks. The
+// caller holds c.mu.
+func (c *Client) leastLoaded() *Session {
+	var pick *Session
+	least := 0
+	for _, b := range c.backends {
+		if b.waiter {
+			continue
+		}
+		b.state.Lock()
+		n := len(b.locks)
+		b.state.Unlock()
+		if pick == nil || n < least {
+			pick, least = b, n
+		}
+	}
+	return pick
+}
+
+func (s *Session) holdsNothing() bool {
+	s.state.Lock()
+	defer s.state.Unlock()
+	return len(s.keys) == 0
+}
+
+// startConnect opens a backend in the background; when it is ready it
+// joins the Client's backends. The caller holds c.mu.
+func (c *Client) startConnect() *connectCall {
+	call := &connectCall{done: make(chan struct{})}
+	c.connects = append(c.connects, call)
+	c.opening++
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		ctx, cancel := context.WithTimeout(c.closing, c.connectTimeout)
+		s, err := c.newSession(ctx, true)
+		cancel()
+		c.mu.Lock()
+		c.opening--
+		for i, x := range c.connects {
+			if x == call {
+				c.connects = append(c.connects[:i:i], c.connects[i+1:]...)
+				break
+			}
+		}
+		switch {
+		case err != nil:
+			if cause := context.Cause(ctx); c.closed && cause != nil {
+				err = cause
+			}
+		case c.closed:
+			err = ErrClosed
+		default:
+			c.sessions[s] = struct{}{}
+			c.backends = append(c.backends, s)
+		}
+		c.mu.Unlock()
+		if err != nil && s != nil {
+			s.close(context.Background())
+		}
+		call.s, call.err = s, err
+		close(call.done)
+	}()
+	return call
+}
+
+// anyConnect returns a connection being opened, or starts one. The caller
+// holds c.mu.
+func (c *Client) anyConnect() *connectCall {
+	if len(c.connects) > 0 {
+		return c.connects[len(c.connects)-1]
+	}
+	return c.startConnect()
+}
+
+// awaitConnect waits for call, bounded by ctx.
+func (c *Client) awaitConnect(ctx context.Context, call *connectCall) error {
+	select {
+	case <-call.done:
+		return call.err
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+}
+
+// connect opens a dedicated connection through the pool's connect path
+// (its dialer, wrapped, and its BeforeConnect and AfterConnect hooks) and
+// prepares it for holding locks. It returns the connection and its backend
+// pid.
+func (c *Client) connect(ctx context.Context) (*pgx.Conn, int32, error) {
+	conn, err := c.dial(ctx)
+	if err != nil {
+		return nil, 0, err
+	}
+	pid, err := c.prepare(ctx, conn)
+	if err != nil {
+		closeConn(conn, c.cfg.lossDeadline)
+		return nil, 0, err
+	}
+	return conn, pid, nil
+}
+
+// dial opens a connection as the pool would.
+func (c *Client) dial(ctx context.Context) (*pgx.Conn, error) {
+	cc := c.connConfig.Copy()
+	if c.beforeConnect != nil {
+		if err := c.beforeConnect(ctx, cc); err != nil {
+			return nil, fmt.Errorf("pgcoord: open connection: BeforeConnect: %w", err)
+		}
+	}
+	conn, err := pgx.ConnectConfig(ctx, cc)
+	if err != nil {
+		return nil, connectError(err)
+	}
+	if c.afterConnect != nil {
+		if err := c.afterConnect(ctx, conn); err != nil {
+			closeConn(conn, c.cfg.lossDeadline)
+			return nil, fmt.Errorf("pgcoord: open connection: AfterConnect: %w", err)
+		}
+	}
+	return conn, nil
+}
+
+// connectError explains a failed connect; running out of connection slots
+// wraps ErrTooManyConnections.
+func connectError(err error) error {
+	if pgCode(err) == "53300" {
+		return fmt.Errorf("pgcoord: open connection: %w: the server has no free connection slot (SQLSTATE 53300); raise max_connections, close idle connections elsewhere, or lower WithMaxWaits: %w", ErrTooManyConnections, err)
+	}
+	return fmt.Errorf("pgcoord: open connection: %w", err)
+}
+
+// prepare applies the session settings to conn's backend and checks that
+// the backend is a primary that the connection keeps to itself. It returns
+// the backend's pid.
+//
+// Directly connected, the pid the server announced at connect is the
+// backend's, and one statement guarded by it does everything. Otherwise a
+// proxy is in between. A transaction-pooling proxy may run each statement
+// on another backend, or keep handing back the same one when it is idle;
+// so prepare asks a second connection through the same proxy which backend
+// it lands on: the session's own means the proxy shares backends between
+// its clients. Settings are then applied with a statement guarded by the
+// backend's pid, which does nothing on another backend.
+func (c *Client) prepare(ctx context.Context, conn *pgx.Conn) (int32, error) {
+	major := serverMajor(conn.PgConn().ParameterStatus("server_version"))
+	pid, err := c.setup(ctx, conn, major, int32(conn.PgConn().PID()))
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return pid, err
+	}
+	var inRecovery bool
+	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid(), pg_is_in_recovery()").Scan(&pid, &inRecovery); err != nil {
+		return 0, fmt.Errorf("pgcoord: prepare session connection: %w", err)
+	}
+	if inRecovery {
+		return 0, readOnlyError()
+	}
+	probe, err := c.dial(ctx)
+	if err != nil {
+		return 0, err
+	}
+	var other int32
+	err = probe.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&other)
+	closeConn(probe, c.cfg.lossDeadline)
+	if err != nil {
+		return 0, fmt.Errorf("pgcoord: prepare session connection: probe: %w", err)
+	}
+	if other == pid {
+		return 0, fmt.Errorf("%w: two client connections share backend %d (a transaction-pooling proxy); session locks need a connection of their own", ErrTransactionPooling, pid)
+	}
+	got, err := c.setup(ctx, conn, major, pid)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, fmt.Errorf("%w: the backend changed between two statements", ErrTransactionPooling)
+	}
+	return got, err
+}
+
+// setup runs the settings statement guarded by pid; pgx.ErrNoRows means it
+// ran on another backend and did nothing.
+func (c *Client) setup(ctx context.Context, conn *pgx.Conn, major int, pid int32) (int32, error) {
+	sql, args := setupSQL(c.cfg, major, pid)
+	var got int32
+	var inRecovery bool
+	dest := []any{&got, &inRecovery}
+	for range (len(args) - 1) / 2 {
+		dest = append(dest, new(string))
+	}
+	err := conn.QueryRow(ctx, sql, args...).Scan(dest...)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return 0, err
+	case err != nil:
+		return 0, fmt.Errorf("pgcoord: prepare session connection: %w", err)
+	case inRecovery:
+		return 0, readOnlyError()
+	}
+	return got, nil
+}
+
+func readOnlyError() error {
+	return fmt.Errorf("%w: pg_is_in_recovery() is true; connect to the primary", ErrReadOnly)
+}
+

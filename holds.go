@@ -1,0 +1,403 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// What a backend holds
+//
+// A Session counts, per key, the live handles that hold the key on its
+// backend (keyHold). Only the first handle of a key sends a lock statement
+// and only the last one an unlock, so the server's count for the key on the
+// backend is 0 or 1. Every decision about a key (join the hold, or send a
+// statement) is made and recorded under the session's state mutex, and a
+// key whose statement is in flight is marked busy until the statement and
+// its bookkeeping are done; anyone else interested in that key on that
+// backend waits for it. Hence an error path always knows what its own
+// statement may have taken: the keys it marked busy, and nothing else.
+
+// take acquires r's keys on s and returns the new handle. On error, nothing
+// this call took stays held; the in-process gates stay the caller's.
+func (s *Session) take(ctx context.Context, r request) (*Lock, error) {
+	need, err := s.reserve(ctx, r.keys, r.shared)
+	if err != nil {
+		return nil, err
+	}
+	got, err := s.lockKeys(ctx, need, r)
+	if err != nil || !got {
+		// A failed try of one key took nothing; anything else may have
+		// taken some keys before it failed.
+		s.undo(ctx, r, need, err == nil && len(need) == 1)
+		if e := s.Err(); e != nil && err != nil {
+			err = e // the session ended: that is why the acquire failed
+		}
+		if err == nil {
+			return nil, ErrLocked
+		}
+		if !errorIsLoss(err) {
+			err = pgError("acquire", err)
+			if errors.Is(err, ErrDeadlock) {
+				// Free this backend's other locks, so that the other side
+				// of the cycle can go on.
+				s.lose(err)
+			}
+		}
+		return nil, err
+	}
+	l := newLock(s, r)
+	if err := s.settle(need, l); err != nil {
+		return nil, err
+	}
+	if r.fence {
+		if err := s.issueFence(ctx, l); err != nil {
+			s.drop(l)
+			return nil, err
+		}
+	}
+	return l, nil
+}
+
+// reserve records, for each key, that one more handle is about to hold it
+// here. Keys the backend already holds (shared) are joined with no round
+// trip; the others are returned, marked busy, for the caller to take on
+// the server. A key whose statement is in flight is waited for first.
+func (s *Session) reserve(ctx context.Context, keys []Key, shared bool) ([]Key, error) {
+	for {
+		s.state.Lock()
+		if s.err != nil {
+			s.state.Unlock()
+			return nil, s.err
+		}
+		var busy chan struct{}
+		for _, k := range keys {
+			if h := s.keys[k]; h != nil && h.busy != nil {
+				busy = h.busy
+				break
+			}
+		}
+		if busy == nil {
+			for _, k := range keys {
+				if h := s.keys[k]; h != nil && (!shared || !h.shared) {
+					s.state.Unlock()
+					return nil, fmt.Errorf("pgcoord: %s is already held on this backend in another mode", k)
+				}
+			}
+			var need []Key
+			for _, k := range keys {
+				if h := s.keys[k]; h != nil {
+					h.n++
+					continue
+				}
+				s.keys[k] = &keyHold{shared: shared, busy: make(chan struct{})}
+				need = append(need, k)
+			}
+			s.state.Unlock()
+			return need, nil
+		}
+		s.state.Unlock()
+		select {
+		case <-busy:
+		case <-ctx.Done():
+			return nil, context.Cause(ctx)
+		case <-s.done:
+			return nil, s.Err()
+		}
+	}
+}
+
+// lockKeys takes the reserved keys on the server, in order, chunk by chunk.
+// It reports false if a try found a key held elsewhere.
+func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, error) {
+	for _, chunk := range chunked(need) {
+		if !r.try {
+			if err := s.wait(ctx, chunk, r.shared); err != nil {
+				return false, err
+			}
+			continue
+		}
+		sql, args := trySQL(lockFunc(r.shared, true), chunk, s.pid)
+		var failed int32
+		err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+			if len(chunk) == 1 {
+				var ok bool
+				err := conn.QueryRow(ctx, sql, args...).Scan(&ok)
+				if !ok {
+					failed = 1
+				}
+				return s.wrongBackend(err)
+			}
+			return s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(&failed))
+		})
+		if err != nil || failed != 0 {
+			return false, err
+		}
+	}
+	return true, nil
+}
+
+// wait takes keys on the server, waiting until they are free. It waits in
+// slices (lock_timeout) so that the server answers at least every slice,
+// which proves the connection alive while the wait goes on, and it lets
+// other statements on the connection interrupt it (they run, then the wait
+// resumes). Keys of a multi-key statement taken before a slice ended are
+// released before the next slice.
+func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
+	select {
+	case s.waitTurn <- struct{}{}:
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	case <-s.done:
+		return s.Err()
+	}
+	defer func() { <-s.waitTurn }()
+	sql, args := waitSQL(lockFunc(shared, false), keys, s.pid, s.c.cfg.waitSlice())
+	for {
+		sctx, cancel := context.WithCancelCause(ctx)
+		if err := s.grabForWait(ctx, cancel); err != nil {
+			cancel(nil)
+			return err
+		}
+		err := s.exec(sctx, func(ctx context.Context, conn *pgx.Conn) error {
+			tag, err := conn.Exec(ctx, sql, args...)
+			if err == nil && tag.RowsAffected() == 0 {
+				err = s.wrongBackend(pgx.ErrNoRows)
+			}
+			return err
+		})
+		s.state.Lock()
+		s.interrupt = nil
+		s.state.Unlock()
+		yielded := errors.Is(context.Cause(sctx), errYield)
+		cancel(nil)
+		if err == nil || ctx.Err() != nil || s.Err() != nil || !(pgCode(err) == "55P03" || yielded && pgCode(err) == "57014") {
+			s.release()
+			return err
+		}
+		// The slice ended without the keys: go on waiting.
+		if len(keys) > 1 {
+			uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+			err = s.unlockKeys(uctx, keys, shared, false)
+			cancel()
+			if err != nil {
+				s.release()
+				return err
+			}
+		}
+		s.release()
+	}
+}
+
+// grabForWait takes the connection for one slice of a blocking acquire,
+// after any statement that is waiting for it, and installs interrupt.
+func (s *Session) grabForWait(ctx context.Context, interrupt func(error)) error {
+	for {
+		select {
+		case s.use <- struct{}{}:
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		case <-s.done:
+			return s.Err()
+		}
+		s.state.Lock()
+		if s.err != nil {
+			s.state.Unlock()
+			<-s.use
+			return s.Err()
+		}
+		if s.pending == 0 {
+			s.interrupt = interrupt
+			s.state.Unlock()
+			return nil
+		}
+		ch := s.noPending
+		s.state.Unlock()
+		<-s.use
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		case <-s.done:
+			return s.Err()
+		}
+	}
+}
+
+// settle records that the reserved keys are now held by l.
+func (s *Session) settle(need []Key, l *Lock) error {
+	s.state.Lock()
+	defer s.state.Unlock()
+	for _, k := range need {
+		h := s.keys[k]
+		h.n = 1
+		close(h.busy)
+		h.busy = nil
+	}
+	if s.err != nil {
+		return s.err // ended meanwhile: the server freed everything
+	}
+	s.locks[l] = struct{}{}
+	return nil
+}
+
+// undo gives back what a failed acquire reserved: the keys it sent to the
+// server are released there unless nothing was taken (the server answers
+// false for a key it did not hold), and the joined keys are released like
+// any other handle's. If that fails, the session is lost, which frees
+// everything.
+func (s *Session) undo(ctx context.Context, r request, need []Key, nothingTaken bool) {
+	ctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+	defer cancel()
+	var err error
+	if len(need) > 0 && !nothingTaken && s.Err() == nil {
+		err = s.unlockKeys(ctx, need, r.shared, false)
+	}
+	s.state.Lock()
+	for _, k := range need {
+		h := s.keys[k]
+		delete(s.keys, k)
+		close(h.busy)
+	}
+	s.state.Unlock()
+	if err != nil {
+		s.lose(fmt.Errorf("release after failed acquire: %w", err))
+		return
+	}
+	joined := make([]Key, 0, len(r.keys)-len(need))
+	for _, k := range r.keys {
+		if !containsKey(need, k) {
+			joined = append(joined, k)
+		}
+	}
+	_ = s.releaseKeys(ctx, joined, r.shared)
+}
+
+// releaseKeys drops one handle's hold of keys. Keys that no handle holds
+// any more are released on the server, where each must have been held.
+// An error loses the session.
+func (s *Session) releaseKeys(ctx context.Context, keys []Key, shared bool) error {
+	s.state.Lock()
+	var free []Key
+	for _, k := range keys {
+		h := s.keys[k]
+		switch {
+		case h == nil:
+		case h.n > 1:
+			h.n--
+		default:
+			h.n = 0
+			h.busy = make(chan struct{})
+			free = append(free, k)
+		}
+	}
+	s.state.Unlock()
+	if len(free) == 0 {
+		return nil
+	}
+	err := s.unlockKeys(ctx, free, shared, true)
+	s.state.Lock()
+	for _, k := range free {
+		h := s.keys[k]
+		delete(s.keys, k)
+		close(h.busy)
+	}
+	s.state.Unlock()
+	if err != nil {
+		s.lose(err)
+		if e := s.Err(); e != nil {
+			return e
+		}
+	}
+	return err
+}
+
+// unlockKeys releases keys on the server, taking the connection for each
+// chunk. strict makes a key the server did not hold an error wrapping
+// ErrNotHeld: the session's picture of its locks would be wrong.
+func (s *Session) unlockKeys(ctx context.Context, keys []Key, shared, strict bool) error {
+	for _, chunk := range chunked(keys) {
+		err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+			return s.unlockStatement(ctx, conn, chunk, shared, strict)
+		})
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// unlockStatement releases keys (at most one chunk) in one statement on
+// conn, which the caller holds.
+func (s *Session) unlockStatement(ctx context.Context, conn *pgx.Conn, keys []Key, shared, strict bool) error {
+	sql, args := unlockSQL(unlockFunc(shared), keys, s.pid)
+	ok := make([]bool, len(keys))
+	dest := make([]any, len(keys))
+	for i := range ok {
+		dest[i] = &ok[i]
+	}
+	if err := s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(dest...)); err != nil {
+		return err
+	}
+	for i, k := range keys {
+		if strict && !ok[i] {
+			return fmt.Errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, s.pid)
+		}
+	}
+	return nil
+}
+
+// drop removes a handle that never reached its caller and releases its
+// keys; its gates stay the caller's.
+func (s *Session) drop(l *Lock) {
+	s.state.Lock()
+	_, mine := s.locks[l]
+	delete(s.locks, l)
+	s.state.Unlock()
+	l.finish(ErrNotHeld)
+	if mine {
+		ctx, cancel := withoutCancel(context.Background(), s.c.cfg.lossDeadline)
+		defer cancel()
+		_ = s.releaseKeys(ctx, l.keys, l.shared)
+	}
+}
+
+// issueFence gives l a new fence for its key.
+func (s *Session) issueFence(ctx context.Context, l *Lock) error {
+	return s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		var err error
+		l.fence, err = nextFence(ctx, conn, s.c.cfg, l.keys[0])
+		return err
+	})
+}
+
+// wrongBackend turns "no row" from a statement guarded by
+// WHERE pg_backend_pid() = <the session's pid> into ErrTransactionPooling:
+// the statement ran on another backend, and did nothing there.
+func (s *Session) wrongBackend(err error) error {
+	if errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("%w: a statement of backend %d ran on another backend (and did nothing there)", ErrTransactionPooling, s.pid)
+	}
+	return err
+}
+
+// pgCode returns the SQLSTATE of err, or "".
+func pgCode(err error) string {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return pe.Code
+	}
+	return ""
+}
+
+func containsKey(keys []Key, k Key) bool {
+	for _, x := range keys {
+		if x == k {
+			return true
+		}
+	}
+	return false
+}
