@@ -482,4 +482,3 @@ func (c *Client) setup(ctx context.Context, conn *pgx.Conn, major int, pid int32
 func readOnlyError() error {
 	return fmt.Errorf("%w: pg_is_in_recovery() is true; connect to the primary", ErrReadOnly)
 }
-

@@ -34,13 +34,13 @@ type Session struct {
 	waitTurn chan struct{} // holds a token while a blocking acquire is in flight
 
 	state     sync.Mutex
-	lastOK    time.Time            // start of the last statement the server answered
-	keys      map[Key]*keyHold     // what this backend holds, by key
-	locks     map[*Lock]struct{}   // live handles
-	err       error                // why the session ended; nil while open
-	pending   int                  // callers waiting for conn, other than a blocking acquire
-	noPending chan struct{}        // closed when pending drops to 0
-	interrupt func(error)          // ends the lock wait on conn; nil if none
+	lastOK    time.Time          // start of the last statement the server answered
+	keys      map[Key]*keyHold   // what this backend holds, by key
+	locks     map[*Lock]struct{} // live handles
+	err       error              // why the session ended; nil while open
+	pending   int                // callers waiting for conn, other than a blocking acquire
+	noPending chan struct{}      // closed when pending drops to 0
+	interrupt func(error)        // ends the lock wait on conn; nil if none
 	done      chan struct{}
 	lease     *time.Timer
 	stopHB    chan struct{}
