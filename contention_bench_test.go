@@ -1,0 +1,345 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"math"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// Benchmarks of one key under contention, each next to the raw pgx floor it
+// is compared with. Run a pair in one go so that the ratio is meaningful,
+// preferably with client and server pinned to separate CPUs:
+//
+//	scripts/bench-pinned.sh 'Contended|Handoff|Overshoot'
+
+// contenders is how many goroutines fight for one key in the Contended
+// benchmarks.
+const contenders = 8
+
+// contendWarmup is how many Lock+Unlock each contender does before the
+// timer starts, so that connections, backends and prepared statements are
+// in place when it does.
+const contendWarmup = 2
+
+// rawLockSQL and rawUnlockSQL are the statements of the raw pgx floors.
+const (
+	rawLockSQL   = "SELECT pg_advisory_lock($1::int8)"
+	rawUnlockSQL = "SELECT pg_advisory_unlock($1::int8)"
+)
+
+// BenchmarkContendedClient8 measures one key fought over inside one
+// process: 8 goroutines share one Client and each loops Client.Lock +
+// Lock.Unlock on the same key. ns/op is wall time per completed
+// Lock+Unlock, all goroutines together (the inverse of the throughput).
+// The floor is BenchmarkRawContended8.
+func BenchmarkContendedClient8(b *testing.B) {
+	c := newTestClient(b, pgtest.DB(b))
+	k := Int64Key(42)
+	contend(b, func(ctx context.Context, _ int) error {
+		l, err := c.Lock(ctx, k)
+		if err != nil {
+			return err
+		}
+		return l.Unlock(ctx)
+	})
+}
+
+// BenchmarkRawContended8 is the floor of BenchmarkContendedClient8: what 8
+// goroutines do without pgcoord. Each has its own raw pgx connection and
+// loops SELECT pg_advisory_lock($1) + SELECT pg_advisory_unlock($1) on the
+// same key, so all 8 queue on the server. ns/op is wall time per completed
+// lock+unlock, all goroutines together.
+func BenchmarkRawContended8(b *testing.B) {
+	dsn := pgtest.DB(b)
+	conns := make([]*pgx.Conn, contenders)
+	for i := range conns {
+		conns[i] = pgtest.Conn(b, dsn)
+	}
+	contend(b, func(ctx context.Context, i int) error {
+		if _, err := conns[i].Exec(ctx, rawLockSQL, int64(42)); err != nil {
+			return err
+		}
+		return rawUnlock(ctx, conns[i], 42)
+	})
+}
+
+// contend runs op in a loop on each of exactly contenders goroutines (op's
+// second argument is the goroutine's index) and counts one benchmark
+// iteration per completed op, whichever goroutine completed it: each
+// b.Loop iteration waits for the next completion. Every goroutine first
+// does contendWarmup ops untimed, then waits for the first iteration to
+// start, so no op completed before the timer counts. At the end the
+// goroutines finish the op in hand and exit; those last ops are neither
+// timed nor counted. contend returns after every goroutine has exited.
+func contend(b *testing.B, op func(ctx context.Context, i int) error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var (
+		wg    sync.WaitGroup
+		ready sync.WaitGroup
+		start = make(chan struct{})
+		quit  = make(chan struct{})
+		done  = make(chan struct{})
+		errc  = make(chan error, contenders) // never blocks: one error per goroutine at most
+	)
+	finished := false
+	defer func() {
+		if !finished {
+			cancel() // a failure: end the waits at once instead of letting ops finish
+		}
+		close(quit)
+		wg.Wait()
+		cancel()
+	}()
+
+	ready.Add(contenders)
+	for i := range contenders {
+		wg.Go(func() {
+			warm := true
+			defer func() {
+				if warm {
+					ready.Done()
+				}
+			}()
+			for range contendWarmup {
+				if err := op(ctx, i); err != nil {
+					errc <- err
+					return
+				}
+			}
+			warm = false
+			ready.Done()
+			select {
+			case <-start:
+			case <-quit:
+				return
+			}
+			for {
+				if err := op(ctx, i); err != nil {
+					errc <- err
+					return
+				}
+				select {
+				case done <- struct{}{}:
+				case <-quit:
+					return
+				}
+			}
+		})
+	}
+	ready.Wait()
+	select {
+	case err := <-errc:
+		b.Fatal(err)
+	default:
+	}
+
+	first := true
+	for b.Loop() {
+		if first {
+			close(start)
+			first = false
+		}
+		select {
+		case <-done:
+		case err := <-errc:
+			b.Fatal(err)
+		}
+	}
+	finished = true
+}
+
+// BenchmarkHandoffRemote measures handing a key to a waiter in another
+// process: two Clients, each on its own pool, pass one key back and forth.
+// The protocol keeps strict alternation and makes every handoff go to a
+// waiter that is already queued on the server:
+//
+//  1. Client A holds the key.
+//  2. Untimed: B calls Lock in a goroutine, and the benchmark polls pg_locks
+//     until B's backend shows up waiting for the key.
+//  3. Timed: A calls Unlock, and the benchmark waits for B's Lock to return.
+//  4. B is now the holder and A the waiter; go to 2.
+//
+// ns/op is the time of step 3: one handoff, from the start of the
+// holder's Unlock to the waiter's Lock returning. The floor is
+// BenchmarkRawHandoffRemote.
+func BenchmarkHandoffRemote(b *testing.B) {
+	dsn := pgtest.DB(b)
+	k := Int64Key(42)
+	clients := [2]*Client{newTestClient(b, dsn), newTestClient(b, dsn)}
+	var held [2]*Lock
+	handoff(b, dsn, k,
+		func(ctx context.Context, side int) error {
+			l, err := clients[side].Lock(ctx, k)
+			held[side] = l
+			return err
+		},
+		func(ctx context.Context, side int) error {
+			return held[side].Unlock(ctx)
+		})
+}
+
+// BenchmarkRawHandoffRemote is the floor of BenchmarkHandoffRemote: the
+// same protocol on two raw pgx connections, the holder running SELECT
+// pg_advisory_unlock($1) while the waiter is blocked in SELECT
+// pg_advisory_lock($1). ns/op is the time of one handoff.
+func BenchmarkRawHandoffRemote(b *testing.B) {
+	dsn := pgtest.DB(b)
+	k := Int64Key(42)
+	conns := [2]*pgx.Conn{pgtest.Conn(b, dsn), pgtest.Conn(b, dsn)}
+	handoff(b, dsn, k,
+		func(ctx context.Context, side int) error {
+			_, err := conns[side].Exec(ctx, rawLockSQL, mustInt64(k))
+			return err
+		},
+		func(ctx context.Context, side int) error {
+			return rawUnlock(ctx, conns[side], mustInt64(k))
+		})
+}
+
+// handoff runs the ping-pong protocol of BenchmarkHandoffRemote between
+// side 0 and side 1, with lock blocking until side holds k and unlock
+// releasing it. Each side first takes and releases k once, untimed, to
+// warm its connection. At the end nobody holds or waits for k.
+func handoff(b *testing.B, dsn string, k Key, lock, unlock func(ctx context.Context, side int) error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var waiter sync.WaitGroup
+	defer func() {
+		cancel() // only a failure leaves a waiter blocked
+		waiter.Wait()
+	}()
+	for side := range 2 {
+		if err := lock(ctx, side); err != nil {
+			b.Fatal(err)
+		}
+		if err := unlock(ctx, side); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if err := lock(ctx, 0); err != nil {
+		b.Fatal(err)
+	}
+
+	holder := 0
+	for b.Loop() {
+		b.StopTimer()
+		next := 1 - holder
+		got := make(chan error, 1)
+		waiter.Go(func() { got <- lock(ctx, next) })
+		awaitQueued(b, dsn, k)
+		b.StartTimer()
+
+		if err := unlock(ctx, holder); err != nil {
+			b.Fatal(err)
+		}
+		if err := <-got; err != nil {
+			b.Fatal(err)
+		}
+		holder = next
+	}
+	if err := unlock(ctx, holder); err != nil {
+		b.Fatal(err)
+	}
+	notHeld(b, dsn, k)
+}
+
+// awaitQueued returns once pg_locks shows a backend waiting for k. It polls
+// without sleeping (each poll is a round trip), bounded by testTimeout.
+func awaitQueued(b *testing.B, dsn string, k Key) {
+	b.Helper()
+	deadline := time.Now().Add(testTimeout)
+	for waitingOn(b, dsn, k) == 0 {
+		if time.Now().After(deadline) {
+			b.Fatalf("no backend queued for %v within %v", k, testTimeout)
+		}
+	}
+}
+
+// rawUnlock runs pg_advisory_unlock(key) on conn and fails if the
+// connection did not hold key.
+func rawUnlock(ctx context.Context, conn *pgx.Conn, key int64) error {
+	var ok bool
+	if err := conn.QueryRow(ctx, rawUnlockSQL, key).Scan(&ok); err != nil {
+		return err
+	}
+	if !ok {
+		return errors.New("pg_advisory_unlock: the connection did not hold the key")
+	}
+	return nil
+}
+
+// overshootWait is how long each Lock of BenchmarkCancelledWaitOvershoot
+// may wait.
+const overshootWait = 20 * time.Millisecond
+
+// BenchmarkCancelledWaitOvershoot measures how late Client.Lock returns
+// when its context's deadline ends a wait on the server: a warm Client
+// (one Lock+Unlock done) calls Lock with a 20 ms deadline on a key that
+// another Client holds, each iteration. It reports the p50, p90 and max
+// of (return time - deadline) as p50-overshoot-ms, p90-overshoot-ms and
+// max-overshoot-ms; ns/op is the whole call, about 20 ms plus the
+// overshoot. At the end the key must still be held only by the other
+// Client, so a cancelled wait that left a lock behind fails the
+// benchmark. Each iteration takes 20 ms, so fix the count:
+//
+//	go test -run '^$' -bench CancelledWaitOvershoot -benchtime=50x .
+//
+// The floor is 0: returning at the deadline. There is no raw pgx floor,
+// because raw pgx offers no cheap way to end a wait and keep the
+// connection: its default context handling returns at the deadline by
+// closing the connection, and pgconn.CancelRequestContextWatcherHandler
+// keeps the connection but waits 100 ms after sending the cancel request.
+func BenchmarkCancelledWaitOvershoot(b *testing.B) {
+	dsn := pgtest.DB(b)
+	ctx := testCtx(b)
+	k := Int64Key(42)
+	c := newTestClient(b, dsn)
+	warm, err := c.Lock(ctx, k)
+	if err != nil {
+		b.Fatal(err)
+	}
+	mustUnlock(b, warm)
+	other := newTestSession(b, newTestClient(b, dsn))
+	held, err := other.Lock(ctx, k)
+	if err != nil {
+		b.Fatal(err)
+	}
+
+	var overshoots []time.Duration
+	for b.Loop() {
+		wctx, cancel := context.WithTimeout(context.Background(), overshootWait)
+		l, err := c.Lock(wctx, k)
+		returned := time.Now()
+		deadline, _ := wctx.Deadline()
+		cancel()
+		if err == nil {
+			mustUnlock(b, l)
+			b.Fatal("Lock succeeded while another Client holds the key")
+		}
+		if !errors.Is(err, context.DeadlineExceeded) {
+			b.Fatalf("Lock: %v, want an error wrapping context.DeadlineExceeded", err)
+		}
+		overshoots = append(overshoots, returned.Sub(deadline))
+	}
+	heldOnlyBy(b, dsn, k, other.PID())
+
+	slices.Sort(overshoots)
+	b.ReportMetric(quantileMS(overshoots, 0.5), "p50-overshoot-ms")
+	b.ReportMetric(quantileMS(overshoots, 0.9), "p90-overshoot-ms")
+	b.ReportMetric(quantileMS(overshoots, 1), "max-overshoot-ms")
+	mustUnlock(b, held)
+}
+
+// quantileMS returns the q-quantile (nearest rank) of sorted, in
+// milliseconds.
+func quantileMS(sorted []time.Duration, q float64) float64 {
+	i := int(math.Ceil(q*float64(len(sorted)))) - 1
+	i = max(0, min(i, len(sorted)-1))
+	return float64(sorted[i]) / float64(time.Millisecond)
+}
