@@ -181,7 +181,9 @@ func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
 		// The slice ended without the keys: go on waiting.
 		if len(keys) > 1 {
 			uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
-			err = s.unlockKeys(uctx, keys, shared, false)
+			err = s.exec(uctx, func(ctx context.Context, conn *pgx.Conn) error {
+				return s.unlockStatement(ctx, conn, keys, shared, false)
+			})
 			cancel()
 			if err != nil {
 				s.release()
