@@ -1,0 +1,349 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// backendsOf counts the server backends whose application_name is app.
+func backendsOf(t testing.TB, dsn, app string) int {
+	t.Helper()
+	var n int
+	conn := pgtest.Conn(t, dsn)
+	if err := conn.QueryRow(context.Background(), "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", app).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// Ten thousand keys held at once through one Client live on a few shared
+// backends, not on a connection each.
+func TestManyLocksFewBackends(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	const app = "pgcoord-many-locks"
+	c := newTestClient(t, dsn, WithApplicationName(app))
+	const n = 10_000
+	locks := make([]*Lock, 0, n)
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for g := range 8 {
+		wg.Go(func() {
+			for i := g; i < n; i += 8 {
+				var l *Lock
+				var err error
+				if i%2 == 0 {
+					l, err = c.Lock(ctx, Int64Key(int64(i)))
+				} else {
+					l, err = c.TryLock(ctx, Int64Key(int64(i)))
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+				mu.Lock()
+				locks = append(locks, l)
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if got := len(lockState(t, dsn)); got != n {
+		t.Fatalf("pg_locks shows %d keys, want %d", got, n)
+	}
+	backends := backendsOf(t, dsn, app)
+	st := c.Stat()
+	t.Logf("%d keys held on %d backends; Stat %+v", n, backends, st)
+	if backends > 4 || st.Backends > 4 {
+		t.Fatalf("%d keys held on %d backends (Stat: %d), want at most 4", n, backends, st.Backends)
+	}
+	if st.Locks != n {
+		t.Errorf("Stat.Locks = %d, want %d", st.Locks, n)
+	}
+	for _, l := range locks {
+		mustUnlock(t, l)
+	}
+	if got := len(lockState(t, dsn)); got != 0 {
+		t.Fatalf("%d keys still locked after unlocking all", got)
+	}
+}
+
+// Blocking waits use their own backends, at most WithMaxWaits of them at a
+// time; the others queue in the process, and every waiter acquires once
+// its key is free.
+func TestWaitsBounded(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	const app = "pgcoord-waits-bounded"
+	c := newTestClient(t, dsn, WithApplicationName(app))
+	other := newTestClient(t, dsn)
+	const n = 64
+	s, err := other.NewSession(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := make([]*Lock, n)
+	for i := range held {
+		if held[i], err = s.Lock(ctx, Int64Key(int64(1000+i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	results := make([]<-chan result, n)
+	for i := range results {
+		results[i] = goLock(func() (*Lock, error) { return c.Lock(ctx, Int64Key(int64(1000+i))) })
+	}
+	pgtest.Eventually(t, testTimeout, "all waits in flight or queued", func() bool {
+		st := c.Stat()
+		return st.Waits == DefaultMaxWaits && st.QueuedWaits == n-DefaultMaxWaits
+	})
+	bound := DefaultSharedBackends + DefaultMaxWaits
+	maxSeen := 0
+	check := func() {
+		got := backendsOf(t, dsn, app)
+		maxSeen = max(maxSeen, got)
+		if got > bound {
+			t.Fatalf("%d backends in use, want at most %d", got, bound)
+		}
+	}
+	check()
+	// Free the keys one by one, checking the backends as the waiters move.
+	for i, h := range held {
+		mustUnlock(t, h)
+		if i%8 == 0 {
+			check()
+		}
+	}
+	for i, ch := range results {
+		r := receive(t, ch)
+		if r.err != nil {
+			t.Fatalf("waiter %d: %v", i, r.err)
+		}
+		heldOnlyBy(t, dsn, Int64Key(int64(1000+i)), r.l.s.PID())
+		check()
+		mustUnlock(t, r.l)
+	}
+	t.Logf("at most %d backends for %d waiters (bound %d)", maxSeen, n, bound)
+	if got := len(lockState(t, dsn)); got != 0 {
+		t.Fatalf("%d keys still locked", got)
+	}
+}
+
+// Tight deadlines on a fresh Client: a connection that a call started is
+// not wasted when the call gives up, waits that race their grant leave
+// nothing behind, and some of them win.
+func TestTightDeadlines(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	c, other := newTestClient(t, dsn), newTestClient(t, dsn)
+	k := HashKey("tight-deadline")
+
+	// The very first call cannot connect in 5ms...
+	dctx, cancel := context.WithTimeout(ctx, 5*time.Millisecond)
+	_, err := c.Lock(dctx, k)
+	cancel()
+	if err == nil {
+		t.Log("first call connected within 5ms")
+	} else if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("first call: %v, want DeadlineExceeded", err)
+	}
+	// ...but the connection it started is kept for the next one.
+	pgtest.Eventually(t, testTimeout, "connection kept", func() bool { return c.Stat().Backends >= 1 })
+	dctx, cancel = context.WithTimeout(ctx, 5*time.Millisecond)
+	l, err := c.Lock(dctx, k)
+	cancel()
+	if err != nil {
+		t.Fatalf("Lock of a free key with a 5ms deadline on a warm Client: %v", err)
+	}
+	mustUnlock(t, l)
+	if err := other.Warm(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	var acquired, timedOut int
+	for i := range 500 {
+		h, err := other.Lock(ctx, k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		release := time.Duration(4000+rand.IntN(2000)) * time.Microsecond
+		released := make(chan error, 1)
+		timer := time.AfterFunc(release, func() { released <- h.Unlock(context.Background()) })
+		dctx, cancel := context.WithTimeout(ctx, 5*time.Millisecond)
+		l, err := c.Lock(dctx, k)
+		cancel()
+		if rerr := <-released; rerr != nil {
+			t.Fatal(rerr)
+		}
+		timer.Stop()
+		switch {
+		case err == nil:
+			acquired++
+			heldOnlyBy(t, dsn, k, l.s.PID())
+			mustUnlock(t, l)
+		case errors.Is(err, context.DeadlineExceeded):
+			timedOut++
+			notHeld(t, dsn, k)
+		default:
+			t.Fatalf("iteration %d: %v", i, err)
+		}
+	}
+	t.Logf("500 waits with a 5ms deadline, holder releasing after 4-6ms: %d acquired, %d timed out", acquired, timedOut)
+	if acquired == 0 || timedOut == 0 {
+		t.Fatalf("%d acquired and %d timed out: the race was not exercised", acquired, timedOut)
+	}
+}
+
+// Lock connections follow the pool's connect path: its dialer (wrapped,
+// not replaced) and its BeforeConnect and AfterConnect hooks.
+func TestConnectPathFollowsPool(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	var dials, before, after atomic.Int64
+	pool := pgtest.Pool(t, dsn, func(cfg *pgxpool.Config) {
+		base := cfg.ConnConfig.DialFunc
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			dials.Add(1)
+			return base(ctx, network, addr)
+		}
+		cfg.BeforeConnect = func(ctx context.Context, cc *pgx.ConnConfig) error {
+			before.Add(1)
+			return nil
+		}
+		cfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
+			after.Add(1)
+			return nil
+		}
+	})
+	const app = "pgcoord-connect-path"
+	c := newTestClientOn(t, pool, WithApplicationName(app))
+	d0, b0, a0 := dials.Load(), before.Load(), after.Load()
+	other := newTestClient(t, dsn)
+	k := HashKey("connect-path")
+	h, err := other.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := newTestSession(t, c)
+	wch := goLock(func() (*Lock, error) { return c.Lock(ctx, k) })
+	pgtest.Eventually(t, testTimeout, "waiter queued", func() bool { return waitingOn(t, dsn, k) == 1 })
+	mustUnlock(t, h)
+	r := receive(t, wch)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	mustUnlock(t, r.l)
+	opened := int64(backendsOf(t, dsn, app))
+	t.Logf("%d lock connections; dials %d, BeforeConnect %d, AfterConnect %d", opened, dials.Load()-d0, before.Load()-b0, after.Load()-a0)
+	if opened < 2 {
+		t.Fatalf("%d lock connections, want the session's and the Client's", opened)
+	}
+	// Each connection dials once, plus one dial per cancel request.
+	if dials.Load()-d0 < opened || before.Load()-b0 != opened || after.Load()-a0 != opened {
+		t.Fatalf("for %d connections: %d dials, %d BeforeConnect, %d AfterConnect", opened, dials.Load()-d0, before.Load()-b0, after.Load()-a0)
+	}
+	_ = s
+}
+
+// In-process handoff: a released lock passes to the next waiter of the
+// same Client with the old handle ended first; a fenced acquire still gets
+// a fresh fence; and a run of handoffs ends, so a waiter in another
+// process gets its turn.
+func TestHandoff(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	if err := Migrate(ctx, pgtest.Pool(t, dsn)); err != nil {
+		t.Fatal(err)
+	}
+	c := newTestClient(t, dsn, WithHandoff(4, time.Second))
+	k := HashKey("handoff")
+	first, err := c.Lock(ctx, k, WithFence())
+	if err != nil {
+		t.Fatal(err)
+	}
+	wch := goLock(func() (*Lock, error) { return c.Lock(ctx, k, WithFence()) })
+	pgtest.Eventually(t, testTimeout, "local waiter queued", func() bool {
+		c.gates.mu.Lock()
+		defer c.gates.mu.Unlock()
+		return c.gates.m[k] != nil && len(c.gates.m[k].queue) == 1
+	})
+	pid := first.s.PID()
+	mustUnlock(t, first)
+	r := receive(t, wch)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if first.Err() == nil {
+		t.Fatal("the old handle is still live after the handoff")
+	}
+	if r.l.s.PID() != pid {
+		t.Fatalf("handed-off lock on backend %d, want %d (no round trip)", r.l.s.PID(), pid)
+	}
+	if r.l.Fence() <= first.Fence() {
+		t.Fatalf("fence after handoff %d, want more than %d", r.l.Fence(), first.Fence())
+	}
+	heldOnlyBy(t, dsn, k, pid)
+
+	// A waiter in another process waits on the server; local waiters keep
+	// handing off among themselves, at most 4 times in a row.
+	remote := newTestClient(t, dsn)
+	rch := goLock(func() (*Lock, error) { return remote.Lock(ctx, k) })
+	pgtest.Eventually(t, testTimeout, "remote waiter queued", func() bool { return waitingOn(t, dsn, k) == 1 })
+	cur := r.l
+	handoffs := 0
+	for range 10 {
+		next := goLock(func() (*Lock, error) { return c.Lock(ctx, k) })
+		pgtest.Eventually(t, testTimeout, "local waiter queued", func() bool {
+			c.gates.mu.Lock()
+			defer c.gates.mu.Unlock()
+			return len(c.gates.m[k].queue) == 1
+		})
+		mustUnlock(t, cur)
+		select {
+		case rr := <-rch:
+			if rr.err != nil {
+				t.Fatal(rr.err)
+			}
+			// The remote waiter got its turn.
+			heldOnlyBy(t, dsn, k, rr.l.s.PID())
+			mustUnlock(t, rr.l)
+			nr := receive(t, next)
+			if nr.err != nil {
+				t.Fatal(nr.err)
+			}
+			mustUnlock(t, nr.l)
+			t.Logf("remote waiter served after %d local handoffs", handoffs)
+			if handoffs > 4 {
+				t.Fatalf("%d local handoffs before the remote waiter, want at most 4", handoffs)
+			}
+			notHeld(t, dsn, k)
+			return
+		case nr := <-next:
+			if nr.err != nil {
+				t.Fatal(nr.err)
+			}
+			handoffs++
+			cur = nr.l
+		}
+	}
+	t.Fatalf("remote waiter still waiting after %d local handoffs", handoffs)
+}
