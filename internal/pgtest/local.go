@@ -243,7 +243,7 @@ func newLocal() (*local, error) {
 		removeStale(dir)
 	}
 	l := &local{bin: bin, user: u}
-	root, err := l.mkRoot()
+	root, err := u.mkRoot()
 	if err != nil {
 		return nil, err
 	}
@@ -293,7 +293,7 @@ func appendFile(path, text string) error {
 
 // mkRoot makes a pgtest directory owned by the OS user, with its owner file
 // and socket directory.
-func (l *local) mkRoot() (string, error) {
+func (u osUser) mkRoot() (string, error) {
 	root, err := os.MkdirTemp(baseDir(), dirPrefix)
 	if err != nil {
 		return "", err
@@ -303,10 +303,10 @@ func (l *local) mkRoot() (string, error) {
 		err = os.Mkdir(filepath.Join(root, sockDir), 0o700)
 	}
 	if err == nil {
-		err = l.user.chown(root)
+		err = u.chown(root)
 	}
 	if err == nil {
-		err = l.user.chown(filepath.Join(root, sockDir))
+		err = u.chown(filepath.Join(root, sockDir))
 	}
 	if err != nil {
 		_ = os.RemoveAll(root)
@@ -317,7 +317,7 @@ func (l *local) mkRoot() (string, error) {
 
 // command prepares cmd to run as the OS user in dir, with its output
 // appended to logPath.
-func (l *local) command(cmd *exec.Cmd, dir, logPath string) (*os.File, error) {
+func (u osUser) command(cmd *exec.Cmd, dir, logPath string) (*os.File, error) {
 	f, err := os.OpenFile(logPath, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
 	if err != nil {
 		return nil, err
@@ -325,13 +325,13 @@ func (l *local) command(cmd *exec.Cmd, dir, logPath string) (*os.File, error) {
 	cmd.Dir = dir
 	cmd.Env = childEnv()
 	cmd.Stdout, cmd.Stderr = f, f
-	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: l.user.cred, Setpgid: true}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: u.cred, Setpgid: true}
 	return f, nil
 }
 
 // run runs a short-lived program to completion, killing it after timeout.
 func (l *local) run(cmd *exec.Cmd, dir, logPath string, timeout time.Duration) error {
-	f, err := l.command(cmd, dir, logPath)
+	f, err := l.user.command(cmd, dir, logPath)
 	if err != nil {
 		return err
 	}

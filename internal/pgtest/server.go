@@ -104,7 +104,7 @@ func newServer(l *local) (*Server, error) {
 
 // newServerDir makes the directory of a server that has no cluster yet.
 func newServerDir(l *local) (*Server, error) {
-	root, err := l.mkRoot()
+	root, err := l.user.mkRoot()
 	if err != nil {
 		return nil, errorf("%w", err)
 	}
@@ -341,7 +341,7 @@ func (s *Server) startOnce(deadline time.Time) error {
 		"-D", s.data,
 		"-p", strconv.Itoa(s.port),
 		"-c", "unix_socket_directories="+filepath.Join(s.root, sockDir))
-	f, err := s.l.command(cmd, s.root, s.logPath)
+	f, err := s.l.user.command(cmd, s.root, s.logPath)
 	if err != nil {
 		return errorf("start postgres: %w", err)
 	}
