@@ -1,6 +1,7 @@
 // Package pgtest gives tests a real PostgreSQL server: one shared server per
 // test binary with a fresh database per test, and private servers for fault
-// injection (restart, crash, standby and promotion).
+// injection (restart, crash, standby and promotion) and for settings of
+// their own (NewServer with WithSetting).
 //
 // The shared server is found, in this order:
 //
@@ -394,13 +395,34 @@ func (a *admin) do(f func(ctx context.Context, conn *pgx.Conn) error) error {
 		if err != nil {
 			return err
 		}
-		if err := conn.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&a.version); err != nil {
+		if err := conn.QueryRow(ctx, versionSQL).Scan(&a.version); err != nil {
 			closeConn(conn)
 			return errorf("read server version: %w", err)
 		}
 		a.conn = conn
 	}
 	return f(ctx, a.conn)
+}
+
+const versionSQL = "SELECT current_setting('server_version_num')::int"
+
+// adopt makes conn, a fresh connection to the admin's server, the admin
+// connection, closing the one it replaces. If conn cannot read the server
+// version, adopt closes it and leaves do to connect later.
+func (a *admin) adopt(conn *pgx.Conn) {
+	ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
+	defer cancel()
+	var version int
+	if err := conn.QueryRow(ctx, versionSQL).Scan(&version); err != nil {
+		closeConn(conn)
+		conn = nil
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.conn != nil {
+		closeConn(a.conn)
+	}
+	a.conn, a.version = conn, version
 }
 
 // createDB creates an empty database.

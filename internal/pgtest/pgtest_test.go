@@ -56,7 +56,7 @@ func orphan() {
 		fmt.Println("error:", err)
 		os.Exit(3)
 	}
-	s, err := newServer(l)
+	s, err := newServer(l, nil)
 	if err != nil {
 		fmt.Println("error:", err)
 		os.Exit(3)
@@ -462,7 +462,7 @@ func BenchmarkNewServer(b *testing.B) {
 		b.Fatal(err)
 	}
 	for b.Loop() {
-		s, err := newServer(l)
+		s, err := newServer(l, nil)
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -17,34 +17,62 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
+
+// tooManyConnections is the SQLSTATE of "sorry, too many clients already".
+const tooManyConnections = "53300"
 
 // Server is a PostgreSQL server run from local binaries for one test, so
 // the test can restart it, crash it or replicate it without disturbing other
 // tests. It listens on 127.0.0.1 on a port of its own and trusts every local
 // connection. It is a child of the test binary, with a parent-death signal,
 // and its directory is removed when the test ends.
+//
+// Connection slots: pgtest keeps one connection (adminSlots) to every
+// running server, the admin connection that DB and its cleanup use. It is
+// the connection that finds the server ready, so after every start it holds
+// its slot before any client of the test can reconnect; only when the
+// test's clients have taken every slot first does pgtest open it later,
+// when DB or a cleanup needs it. A test therefore has max_connections - 1
+// slots. On top of that, AdvisoryLocks keeps one connection per test and
+// connection string until the test ends, and Terminate and Promote open one
+// for the length of the call. Every connection string of a Server names
+// the superuser postgres, which may also use the slots that
+// superuser_reserved_connections keeps for superusers; a test that wants
+// to see that refusal must connect as a role it creates without SUPERUSER.
 type Server struct {
-	l       *local
-	root    string // the pgtest directory: data, sock, log
-	data    string // data directory, as the kernel reports it for cwd
-	logPath string
-	port    int
-	admin   *admin
+	l        *local
+	root     string // the pgtest directory: data, sock, log
+	data     string // data directory, as the kernel reports it for cwd
+	logPath  string
+	port     int
+	settings []setting // given to postgres as -c name=value on every start
+	admin    *admin
 
 	mu      sync.Mutex
 	pm      *child // the running postmaster, nil when stopped
 	standby bool   // in recovery, following another Server
 }
 
+// adminSlots is the number of connections pgtest keeps to a running
+// server: the admin connection.
+const adminSlots = 1
+
 // NewServer starts a private server for t from a copy of a cluster that
-// initdb makes once per test binary, and stops and removes it in t.Cleanup.
-// It skips t when local binaries are not the backend in use: when
-// PGTEST_DATABASE_URL is set or no PostgreSQL binaries are installed. It
-// calls t.Fatal when the binaries exist but the server does not start; the
-// message ends with the server log.
-func NewServer(t testing.TB) *Server {
+// initdb makes once per test binary, with the settings that opts give (see
+// WithSetting), and stops and removes it in t.Cleanup. It returns once the
+// server accepts connections. It skips t when local binaries are not the
+// backend in use: when PGTEST_DATABASE_URL is set or no PostgreSQL binaries
+// are installed. It calls t.Fatal when an option is invalid, and when the
+// binaries exist but the server does not start; the message then ends with
+// the server log.
+func NewServer(t testing.TB, opts ...ServerOption) *Server {
 	t.Helper()
+	cfg, err := newServerConfig(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if os.Getenv("PGTEST_DATABASE_URL") != "" {
 		t.Skip("pgtest: NewServer needs local PostgreSQL binaries, and PGTEST_DATABASE_URL is set; unset it to run fault-injection tests")
 	}
@@ -55,7 +83,7 @@ func NewServer(t testing.TB) *Server {
 	if err != nil {
 		t.Fatal(errorf("local PostgreSQL: %w", err))
 	}
-	s, err := newServer(l)
+	s, err := newServer(l, cfg.list())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +101,7 @@ func localBackend() (*backend, error) {
 	if err != nil {
 		return nil, err
 	}
-	s, err := newServer(l)
+	s, err := newServer(l, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -85,12 +113,14 @@ func localBackend() (*backend, error) {
 	}, nil
 }
 
-// newServer copies the template cluster and starts it on a free port.
-func newServer(l *local) (*Server, error) {
+// newServer copies the template cluster and starts it on a free port with
+// settings.
+func newServer(l *local, settings []setting) (*Server, error) {
 	s, err := newServerDir(l)
 	if err != nil {
 		return nil, err
 	}
+	s.settings = settings
 	if err := l.copyTree(filepath.Join(l.template, dataDir), s.data); err != nil {
 		_ = os.RemoveAll(s.root)
 		return nil, errorf("copy template cluster: %w", err)
@@ -247,6 +277,7 @@ func (s *Server) startStandby() (*Server, error) {
 		return nil, err
 	}
 	st.standby = true
+	st.settings = s.settings
 	if err := st.startOnFreePort(); err != nil {
 		_ = st.close()
 		return nil, err
@@ -337,10 +368,11 @@ func (s *Server) start(afterCrash bool) error {
 }
 
 func (s *Server) startOnce(deadline time.Time) error {
-	cmd := exec.Command(s.l.bin.postgres,
+	cmd := exec.Command(s.l.bin.postgres, append([]string{
 		"-D", s.data,
 		"-p", strconv.Itoa(s.port),
-		"-c", "unix_socket_directories="+filepath.Join(s.root, sockDir))
+		"-c", "unix_socket_directories=" + filepath.Join(s.root, sockDir),
+	}, args(s.settings)...)...)
 	f, err := s.l.user.command(cmd, s.root, s.logPath)
 	if err != nil {
 		return errorf("start postgres: %w", err)
@@ -352,33 +384,40 @@ func (s *Server) startOnce(deadline time.Time) error {
 		return errorf("start postgres as OS user %s: %w", s.l.user.name, err)
 	}
 	s.pm = pm
-	if err := s.waitReady(deadline); err != nil {
+	conn, err := s.waitReady(deadline)
+	if err != nil {
 		_ = s.kill()
 		return errorf("postgres did not start: %v%s", err, s.logTail())
+	}
+	if conn != nil {
+		s.admin.adopt(conn)
 	}
 	return nil
 }
 
 // waitReady polls until the server accepts a connection, the postmaster
-// exits, or deadline passes.
-func (s *Server) waitReady(deadline time.Time) error {
+// exits, or deadline passes. It returns the connection that found the
+// server ready, or nil when the server was found ready but refused it
+// because every connection slot was taken.
+func (s *Server) waitReady(deadline time.Time) (*pgx.Conn, error) {
 	connString := s.ConnString("postgres")
 	var last error
 	for pause := time.Millisecond; ; pause = min(2*pause, 50*time.Millisecond) {
 		if s.pm.exited() {
-			return fmt.Errorf("postmaster exited: %v", s.pm.err)
+			return nil, fmt.Errorf("postmaster exited: %v", s.pm.err)
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		conn, err := pgx.Connect(ctx, connString)
-		if err == nil {
-			_ = conn.Close(ctx)
-			cancel()
-			return nil
-		}
 		cancel()
+		if err == nil {
+			return conn, nil
+		}
+		if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) && pgErr.Code == tooManyConnections {
+			return nil, nil // ready, and full of the test's clients
+		}
 		last = err
 		if time.Now().After(deadline) {
-			return fmt.Errorf("not accepting connections within %v: %w", readyTimeout, last)
+			return nil, fmt.Errorf("not accepting connections within %v: %w", readyTimeout, last)
 		}
 		time.Sleep(pause)
 	}
