@@ -1,7 +1,8 @@
 // Package pgtest gives tests a real PostgreSQL server: one shared server per
-// test binary with a fresh database per test, and private servers for fault
+// test binary with a fresh database per test, private servers for fault
 // injection (restart, crash, standby and promotion) and for settings of
-// their own (NewServer with WithSetting).
+// their own (NewServer with WithSetting), and PgBouncer in front of a
+// database (NewPgBouncer).
 //
 // The shared server is found, in this order:
 //

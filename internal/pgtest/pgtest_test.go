@@ -16,13 +16,14 @@ import (
 	"go.uber.org/goleak"
 )
 
-// orphanEnv makes the test binary, started by TestServerDiesWithTestBinary,
-// start a server and then panic without running any cleanup.
+// orphanEnv makes the test binary, started by TestServerDiesWithTestBinary
+// (1) or TestPgBouncerDiesWithTestBinary (pgbouncer), start a server, and a
+// PgBouncer in front of it, and then panic without running any cleanup.
 const orphanEnv = "PGTEST_ORPHAN_CHILD"
 
 func TestMain(m *testing.M) {
-	if os.Getenv(orphanEnv) == "1" {
-		orphan()
+	if v := os.Getenv(orphanEnv); v != "" {
+		orphan(v == "pgbouncer")
 	}
 	Main(leakChecked{m})
 }
@@ -49,8 +50,10 @@ func (l leakChecked) Run() int {
 }
 
 // orphan starts a private server, prints its postmaster's pid and
-// directory, and panics, as a test that times out or panics would.
-func orphan() {
+// directory, and, if withBouncer, starts a PgBouncer in front of it and
+// prints its pid and directory too; then it panics, as a test that times out
+// or panics would.
+func orphan(withBouncer bool) {
 	l, err := getLocal()
 	if err != nil {
 		fmt.Println("error:", err)
@@ -62,6 +65,14 @@ func orphan() {
 		os.Exit(3)
 	}
 	fmt.Printf("server %d %s\n", s.pm.cmd.Process.Pid, s.root)
+	if withBouncer {
+		b, err := startPgBouncer(s.ConnString("postgres"), SessionPooling, nil)
+		if err != nil {
+			fmt.Println("error:", err)
+			os.Exit(3)
+		}
+		fmt.Printf("pgbouncer %d %s\n", b.proc.cmd.Process.Pid, b.root)
+	}
 	panic("test binary dies with its server running")
 }
 
