@@ -109,23 +109,27 @@ func (c *Client) Warm(ctx context.Context) error {
 
 // take acquires r on the Client's backends: a try on a shared backend,
 // then, if the keys are held elsewhere, a wait on a backend of the waits.
+// A backend found dead (a server restart, say) takes nothing with it that
+// this acquire holds: the acquire goes on, on another backend.
 func (c *Client) take(ctx context.Context, r request) (*Lock, error) {
+	var err error
+	for range c.cfg.sharedBackends + c.cfg.maxWaits + 1 {
+		var l *Lock
+		if l, err = c.takeOnce(ctx, r); err == nil || !errorIsLoss(err) || ctx.Err() != nil {
+			return l, err
+		}
+	}
+	return nil, err
+}
+
+func (c *Client) takeOnce(ctx context.Context, r request) (*Lock, error) {
 	tr := r
 	tr.try = true
-	var l *Lock
-	var err error
-	for attempt := 0; attempt < 2; attempt++ {
-		var b *Session
-		if b, err = c.fastBackend(ctx, r); err != nil {
-			return nil, err
-		}
-		l, err = b.take(ctx, tr)
-		if err == nil || !errorIsLoss(err) || ctx.Err() != nil {
-			break
-		}
-		// The backend died unnoticed (a server restart, say): its locks
-		// went with it; try once more on another.
+	b, err := c.fastBackend(ctx, r)
+	if err != nil {
+		return nil, err
 	}
+	l, err := b.take(ctx, tr)
 	if r.try || !errors.Is(err, ErrLocked) {
 		return l, err
 	}

@@ -150,15 +150,16 @@ func TestWaitsBounded(t *testing.T) {
 // nothing behind, and some of them win.
 func TestTightDeadlines(t *testing.T) {
 	t.Parallel()
-	ctx := testCtx(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*testTimeout) // 500 rounds
+	defer cancel()
 	dsn := pgtest.DB(t)
 	c, other := newTestClient(t, dsn), newTestClient(t, dsn)
 	k := HashKey("tight-deadline")
 
 	// The very first call cannot connect in 5ms...
-	dctx, cancel := context.WithTimeout(ctx, 5*time.Millisecond)
+	dctx, dcancel := context.WithTimeout(ctx, 5*time.Millisecond)
 	_, err := c.Lock(dctx, k)
-	cancel()
+	dcancel()
 	if err == nil {
 		t.Log("first call connected within 5ms")
 	} else if !errors.Is(err, context.DeadlineExceeded) {
@@ -166,9 +167,9 @@ func TestTightDeadlines(t *testing.T) {
 	}
 	// ...but the connection it started is kept for the next one.
 	pgtest.Eventually(t, testTimeout, "connection kept", func() bool { return c.Stat().Backends >= 1 })
-	dctx, cancel = context.WithTimeout(ctx, 5*time.Millisecond)
+	dctx, dcancel = context.WithTimeout(ctx, 5*time.Millisecond)
 	l, err := c.Lock(dctx, k)
-	cancel()
+	dcancel()
 	if err != nil {
 		t.Fatalf("Lock of a free key with a 5ms deadline on a warm Client: %v", err)
 	}

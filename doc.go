@@ -15,39 +15,64 @@
 //
 // A [Client] takes session-level locks: [Client.Lock], [Client.TryLock],
 // [Client.RLock], [Client.TryRLock], [Client.LockAll] and [Client.Do]. A
-// [Session] holds many locks on one connection. Such a lock belongs to a
-// server backend, so everything follows from keeping that backend's
-// connection to ourselves and knowing when it is gone:
+// [Session] holds many locks on one connection of its own. Such a lock
+// belongs to a server backend, so everything follows from keeping that
+// backend's connection to ourselves and knowing when it is gone:
 //
 //   - A connection that may hold a lock is never handed back to a pool or
-//     to other code. pgcoord opens its own connections from the pool's
-//     configuration, keeps up to a few idle ones for reuse, and closes one
-//     on any doubt. (A pool's Release does not reset a session: a lock left
-//     on a pooled connection is silently re-entered by its next borrower.)
+//     to other code. pgcoord opens its own connections through the pool's
+//     connect path (its dialer and BeforeConnect/AfterConnect hooks) and
+//     closes one on any doubt. (A pool's Release does not reset a session:
+//     a lock left on a pooled connection is silently re-entered by its next
+//     borrower.)
+//   - Connections are the scarce thing: a Client's locks share a few
+//     backends. An acquire first tries its keys on a shared backend (one
+//     round trip, no new connection, when they are free); only a wait for
+//     keys held elsewhere needs a backend of its own, and at most
+//     [WithMaxWaits] wait at once. A Client uses at most
+//     [WithSharedBackends] + WithMaxWaits connections (2 + 4 by default)
+//     however many keys it holds; [Client.Stat] shows them. A lost backend
+//     ends every lock on it.
 //   - An error from a blocking acquire does not mean "not acquired":
-//     PostgreSQL may grant the lock just before it processes the cancel. So
-//     a cancelled or failed wait is followed by an unlock of the keys asked
-//     for, on the same connection, before the error is returned; if that
+//     PostgreSQL may grant the lock just before it processes the cancel. A
+//     backend's count of each key is kept at 0 or 1 and every decision
+//     about a key is made together with the statement that changes it, so
+//     a failed acquire releases exactly what its own statement may have
+//     taken, on the same connection, before the error is returned; if that
 //     fails too, the connection is closed. A failed acquire leaves nothing
 //     behind.
+//   - A cancelled wait returns within a few milliseconds of ctx's end: the
+//     cancel request is sent at once, and the connection is used again as
+//     soon as the server has acted on it, which is also exactly when a
+//     late cancel can no longer hit the next statement.
 //   - Unlock works with an already-cancelled context (it sends the release
 //     with a fresh, bounded one). When it returns nil, the key is free on
-//     the server.
+//     the server, or handed to another goroutine of the same Client that
+//     was waiting for it (see [WithHandoff]).
 //   - Goroutines of one Client that want the same key queue in the process,
-//     so only one of them at a time waits on the server: a hundred waiters
-//     use one connection. Two Lock handles for one key in one Client
-//     exclude each other like a sync.Mutex, and PostgreSQL cannot see a
-//     cycle among them, so take several keys with LockAll.
+//     in arrival order, so only one of them at a time goes to the server: a
+//     hundred waiters use no connection while they queue. Two Lock handles
+//     for one key in one Client exclude each other like a sync.Mutex, and
+//     PostgreSQL cannot see a cycle among them, so take several keys with
+//     LockAll.
 //   - A server in recovery (a hot standby) is refused with [ErrReadOnly]:
-//     its advisory locks exclude nobody on the primary. A backend that
-//     changes under a session, as behind PgBouncer in transaction pooling
-//     mode, ends the session with [ErrTransactionPooling].
+//     its advisory locks exclude nobody on the primary. A transaction-pooling
+//     proxy (PgBouncer with pool_mode=transaction) is refused with
+//     [ErrTransactionPooling] before anything is locked or set on a pooled
+//     backend: every statement that takes or frees a key carries the
+//     check "on the session's own backend" and does nothing elsewhere, and a
+//     connection through a proxy is compared with a second one through the
+//     same proxy. What remains undetectable: a proxy that gives the probe
+//     another backend but keeps running the session's statements on the
+//     session's backend until it hands that backend to another client; the
+//     session's settings then apply to that backend, and the first
+//     statement that lands elsewhere ends the session. Use the Xact
+//     functions there.
 //
 // # The lease: how long a lost lock can look held
 //
-// A holder must learn that it lost a lock before anyone else can take it.
-// Two clocks make that true, with the loss deadline L ([WithLossDeadline],
-// default 5s) and the heartbeat interval H ([WithHeartbeat], default 1s):
+// With the loss deadline L ([WithLossDeadline], default 5s) and the
+// heartbeat interval H ([WithHeartbeat], default 1s):
 //
 //   - Server side: every pinned connection sets, on its own backend,
 //     tcp_keepalives_idle = L/2, tcp_keepalives_interval = 1s and a count
@@ -57,27 +82,48 @@
 //     that waits for a lock notice a closed client within a second.
 //     statement_timeout, lock_timeout, idle_session_timeout and
 //     idle_in_transaction_session_timeout are set to 0 so that a role's
-//     defaults cannot end a holder. None of this needs a privilege.
+//     defaults cannot end a holder. None of this needs a privilege. On
+//     PostgreSQL 13, client_connection_check_interval and
+//     idle_session_timeout do not exist and are left out.
 //   - Client side: a heartbeat runs a tiny query every H when the
-//     connection is idle; any statement that succeeds proves the connection
-//     alive as of when it was sent. If nothing has proved it alive for L,
-//     the session declares its locks lost. The server heard from the client
-//     no earlier than that, so it keeps the locks until at least 2L: the old
-//     holder gives up at least L before anyone else can acquire.
-//   - While a blocking acquire waits on the connection the heartbeat cannot
-//     run. The client socket's TCP keepalives (every H) and TCP_USER_TIMEOUT
-//     (L) then end the wait with an error within about H+L of the network
-//     going silent, still before the server's 2L.
+//     connection is idle; any answer from the server proves the connection
+//     alive as of when the statement was sent. If nothing has proved it
+//     alive for L, the session declares its locks lost, whatever runs on
+//     the connection. The server heard from the client no earlier than
+//     that, so it keeps the locks until at least 2L.
+//   - A blocking acquire waits on the server in slices of (L-H)/2
+//     (lock_timeout, for that statement only): each slice ends with an
+//     answer, which proves the connection alive, and the wait goes on. So
+//     a lock held on a backend keeps its loss deadline while another
+//     acquire waits on the same backend, even behind a proxy that keeps the
+//     client's socket alive. The price: a wait that lasts several slices
+//     rejoins PostgreSQL's queue for the key at each slice, so among
+//     waiters of different processes the order is not strictly first come
+//     first served.
 //
-// A backend that is terminated (pg_terminate_backend, a server restart) is
-// noticed at the next heartbeat: within H plus a round trip. When a session
-// is lost its Done channel closes, Err returns an error wrapping
-// [ErrLockLost] and the cause, every Lock on it ends the same way, the
-// context of every [Client.Do] callback on it is cancelled, and the
-// connection is closed.
+// What the holder learns, and when:
+//
+//   - A silent network: the holder declares the loss within L; the server
+//     frees the locks after about 2L. So the old holder knows it lost the
+//     lock at least L before anyone else can take it.
+//   - A terminated backend (pg_terminate_backend) or a server restart or
+//     crash: the server frees the locks at once, and the holder notices at
+//     its next heartbeat or statement, within H plus a round trip. Another
+//     client can take the lock before the old holder knows.
+//   - A failover to a standby: the new primary has none of the old one's
+//     advisory locks; holders notice when their connection fails, and
+//     sessions refuse the new server until they reconnect.
+//
+// When a session is lost its Done channel closes, Err returns an error
+// wrapping [ErrLockLost] and the cause, every Lock on it ends the same way,
+// the context of every [Client.Do] callback on it is cancelled, and the
+// connection is closed. A Session chosen as a deadlock victim by any of
+// its acquires is lost as a whole, which frees its other locks so that the
+// other side of the cycle can go on.
 //
 // No clock covers a holder that is paused (GC, SIGSTOP, a slow disk) while
-// it acts on what it thinks it holds. For that, take the lock
-// [WithFence] and have the protected write check the fence with
-// [CheckFence] in its own transaction; see fence.go and [Migrate].
+// it acts on what it thinks it holds, nor the cases above where the lock is
+// freed before the holder knows. For those, take the lock [WithFence] and
+// have the protected write check the fence with [CheckFence] in its own
+// transaction; see fence.go and [Migrate].
 package pgcoord
