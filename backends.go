@@ -420,20 +420,32 @@ func connectError(err error) error {
 // the backend is a primary that the connection keeps to itself. It returns
 // the backend's pid.
 //
-// Directly connected, the pid the server announced at connect is the
-// backend's, and one statement guarded by it does everything. Otherwise a
-// proxy is in between. A transaction-pooling proxy may run each statement
-// on another backend, or keep handing back the same one when it is idle;
-// so prepare asks a second connection through the same proxy which backend
-// it lands on: the session's own means the proxy shares backends between
-// its clients. Settings are then applied with a statement guarded by the
-// backend's pid, which does nothing on another backend.
+// Directly connected (or through a TCP proxy), the pid the server announced
+// at connect is the backend's, and one statement guarded by it does
+// everything. Otherwise a protocol-aware pooler is in between (PgBouncer,
+// pgcat, RDS Proxy, ...). In transaction pooling mode such a pooler may run
+// each statement on another backend, or keep handing back the same one
+// while it is idle, which no statement of the session alone can tell apart
+// from a backend of its own; so a pooler is refused unless the Client was
+// told it pools sessions (WithSessionPooler). Even then prepare asks a
+// second connection through the pooler which backend it lands on: the
+// session's own means the pooler shares backends between its clients.
+// Settings are applied with a statement guarded by the backend's pid, which
+// does nothing on another backend.
 func (c *Client) prepare(ctx context.Context, conn *pgx.Conn) (int32, error) {
 	major := serverMajor(conn.PgConn().ParameterStatus("server_version"))
 	pid, err := c.setup(ctx, conn, major, int32(conn.PgConn().PID()))
 	if !errors.Is(err, pgx.ErrNoRows) {
 		return pid, err
 	}
+	if !c.cfg.sessionPooler {
+		return 0, fmt.Errorf("%w: a connection pooler is between pgcoord and the server (the backend pid differs from the one announced at connect); session locks cannot work through transaction pooling: use the Xact functions, or, if the pooler runs in session mode, pass WithSessionPooler", ErrTransactionPooling)
+	}
+	probe, err := c.dial(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer closeConn(probe, c.cfg.lossDeadline)
 	var inRecovery bool
 	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid(), pg_is_in_recovery()").Scan(&pid, &inRecovery); err != nil {
 		return 0, fmt.Errorf("pgcoord: prepare session connection: %w", err)
@@ -441,22 +453,16 @@ func (c *Client) prepare(ctx context.Context, conn *pgx.Conn) (int32, error) {
 	if inRecovery {
 		return 0, readOnlyError()
 	}
-	probe, err := c.dial(ctx)
-	if err != nil {
-		return 0, err
-	}
 	var other int32
-	err = probe.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&other)
-	closeConn(probe, c.cfg.lossDeadline)
-	if err != nil {
+	if err := probe.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&other); err != nil {
 		return 0, fmt.Errorf("pgcoord: prepare session connection: probe: %w", err)
 	}
 	if other == pid {
-		return 0, fmt.Errorf("%w: two client connections share backend %d (a transaction-pooling proxy); session locks need a connection of their own", ErrTransactionPooling, pid)
+		return 0, fmt.Errorf("%w: two client connections share backend %d (the pooler pools transactions, not sessions); use the Xact functions", ErrTransactionPooling, pid)
 	}
 	got, err := c.setup(ctx, conn, major, pid)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, fmt.Errorf("%w: the backend changed between two statements", ErrTransactionPooling)
+		return 0, fmt.Errorf("%w: the backend changed between two statements (the pooler pools transactions, not sessions); use the Xact functions", ErrTransactionPooling)
 	}
 	return got, err
 }

@@ -56,18 +56,20 @@
 //     PostgreSQL cannot see a cycle among them, so take several keys with
 //     LockAll.
 //   - A server in recovery (a hot standby) is refused with [ErrReadOnly]:
-//     its advisory locks exclude nobody on the primary. A transaction-pooling
-//     proxy (PgBouncer with pool_mode=transaction) is refused with
-//     [ErrTransactionPooling] before anything is locked or set on a pooled
-//     backend: every statement that takes or frees a key carries the
-//     check "on the session's own backend" and does nothing elsewhere, and a
-//     connection through a proxy is compared with a second one through the
-//     same proxy. What remains undetectable: a proxy that gives the probe
-//     another backend but keeps running the session's statements on the
-//     session's backend until it hands that backend to another client; the
-//     session's settings then apply to that backend, and the first
-//     statement that lands elsewhere ends the session. Use the Xact
-//     functions there.
+//     its advisory locks exclude nobody on the primary. A connection pooler
+//     (PgBouncer, pgcat, RDS Proxy: anything that answers for the server
+//     with a backend pid of its own) is refused with [ErrTransactionPooling]
+//     before anything is locked or set on a pooled backend, unless
+//     [WithSessionPooler] says it runs in session mode; even then a second
+//     connection through the pooler that lands on the session's backend
+//     gives transaction pooling away. Every statement that takes or frees a
+//     key carries the check "on the session's own backend" and does nothing
+//     elsewhere. What remains undetectable with WithSessionPooler: a pooler
+//     that pools transactions but happens to give the probe another backend
+//     and to keep running the session's statements on the session's own;
+//     another client of the pooler can then run on that backend between
+//     them, and re-enter its locks, until a statement lands elsewhere and
+//     ends the session. Behind transaction pooling, use the Xact functions.
 //
 // # The lease: how long a lost lock can look held
 //

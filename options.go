@@ -70,6 +70,7 @@ type config struct {
 	sharedBackends int
 	maxHandoffs    int
 	handoffWindow  time.Duration
+	sessionPooler  bool
 }
 
 // waitSlice is how long one slice of a blocking acquire waits on the
@@ -235,6 +236,24 @@ func WithHandoff(max int, window time.Duration) Option {
 			return fmt.Errorf("want max 0 to 1000 and window 0 to 1s, both zero or both positive; got %d and %v", max, window)
 		}
 		c.maxHandoffs, c.handoffWindow = max, window
+		return nil
+	}}
+}
+
+// WithSessionPooler lets the Client's lock connections go through a
+// connection pooler (PgBouncer, pgcat, RDS Proxy, ...) that the caller
+// knows runs in session mode, where each client connection keeps one server
+// backend. Without it, a lock connection that reaches the server through a
+// pooler (its backend pid differs from the one announced at connect) is
+// refused with [ErrTransactionPooling], because transaction pooling cannot
+// be told apart from session pooling with certainty. With it, pgcoord still
+// refuses a pooler that it catches sharing backends: a second connection
+// that lands on the session's backend, or a statement that lands on
+// another. TCP-level proxies (HAProxy, cloud-sql-proxy) are not poolers
+// and need no option.
+func WithSessionPooler() Option {
+	return optionFunc{"WithSessionPooler", scopeClient, func(c *config) error {
+		c.sessionPooler = true
 		return nil
 	}}
 }

@@ -1,0 +1,188 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// settingThrough reads a setting through conn.
+func settingThrough(t testing.TB, conn *pgx.Conn, name string) string {
+	t.Helper()
+	var v string
+	if err := conn.QueryRow(context.Background(), "SELECT current_setting($1)", name).Scan(&v); err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
+// Behind PgBouncer in transaction pooling mode with an idle pool, which
+// hands every transaction the same server connection, session locks are
+// refused before anything is locked or set on the pooled backend; the
+// transaction-level functions work.
+func TestTransactionPoolingIdlePool(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	bouncer := pgtest.NewPgBouncer(t, dsn, pgtest.TransactionPooling, pgtest.WithPoolSize(1))
+	pool := pgtest.Pool(t, bouncer.ConnString())
+	c := newTestClientOn(t, pool)
+	k := HashKey("pooled")
+
+	if _, err := c.Lock(ctx, k); !errors.Is(err, ErrTransactionPooling) {
+		t.Fatalf("Lock behind transaction pooling: %v, want ErrTransactionPooling", err)
+	}
+	if _, err := c.TryLock(ctx, k); !errors.Is(err, ErrTransactionPooling) {
+		t.Fatalf("TryLock behind transaction pooling: %v, want ErrTransactionPooling", err)
+	}
+	if _, err := c.NewSession(ctx); !errors.Is(err, ErrTransactionPooling) {
+		t.Fatalf("NewSession behind transaction pooling: %v, want ErrTransactionPooling", err)
+	}
+	if n := len(lockState(t, dsn)); n != 0 {
+		t.Fatalf("%d advisory locks on the server after the refusals, want none", n)
+	}
+	// The one pooled backend kept its own settings: the same as a fresh
+	// direct connection's.
+	conn, direct := pgtest.Conn(t, bouncer.ConnString()), pgtest.Conn(t, dsn)
+	for _, name := range []string{"tcp_user_timeout", "client_connection_check_interval", "tcp_keepalives_count", "tcp_keepalives_idle", "application_name"} {
+		if got, want := settingThrough(t, conn, name), settingThrough(t, direct, name); got != want {
+			t.Errorf("pooled backend: %s = %q after the refusal, want the default %q", name, got, want)
+		}
+	}
+	// Even a Client that was told the pooler pools sessions finds out.
+	told := newTestClientOn(t, pool, WithSessionPooler())
+	if _, err := told.Lock(ctx, k); !errors.Is(err, ErrTransactionPooling) {
+		t.Fatalf("Lock with WithSessionPooler behind transaction pooling: %v, want ErrTransactionPooling", err)
+	}
+	if n := len(lockState(t, dsn)); n != 0 {
+		t.Fatalf("%d advisory locks on the server after the refusals, want none", n)
+	}
+	for _, name := range []string{"tcp_user_timeout", "client_connection_check_interval", "application_name"} {
+		if got, want := settingThrough(t, conn, name), settingThrough(t, direct, name); got != want {
+			t.Errorf("pooled backend: %s = %q after the probe, want the default %q", name, got, want)
+		}
+	}
+
+	// Transaction-level locks work through the same pool.
+	err := InTx(ctx, pool, []Key{k, HashKey("pooled-2")}, func(tx pgx.Tx) error {
+		var pid int32
+		if err := tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+			return err
+		}
+		heldOnlyBy(t, dsn, k, pid)
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := XactLock(ctx, tx, k); err != nil {
+		t.Fatal(err)
+	}
+	if len(grantedTo(t, dsn, k)) != 1 {
+		t.Fatal("XactLock through PgBouncer holds nothing")
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	notHeld(t, dsn, k)
+}
+
+// Behind PgBouncer in transaction pooling mode with a busy pool, where the
+// server connection changes between transactions, session locks are
+// refused every time and nothing is left on any backend.
+func TestTransactionPoolingBusyPool(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	bouncer := pgtest.NewPgBouncer(t, dsn, pgtest.TransactionPooling, pgtest.WithPoolSize(3))
+	pool := pgtest.Pool(t, bouncer.ConnString())
+
+	// Other clients keep the pool busy with short transactions.
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for range 3 {
+		conn := pgtest.Conn(t, bouncer.ConnString())
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if _, err := conn.Exec(ctx, "SELECT pg_sleep(0.002)"); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		})
+	}
+	defer func() { close(stop); wg.Wait() }()
+
+	k := HashKey("pooled-busy")
+	for i := range 20 {
+		c, err := New(pool)
+		if err != nil {
+			t.Fatal(err)
+		}
+		l, err := c.Lock(ctx, k)
+		if !errors.Is(err, ErrTransactionPooling) {
+			t.Errorf("attempt %d: Lock behind a busy transaction pool: (%v, %v), want ErrTransactionPooling", i, l, err)
+		}
+		if err := c.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if n := len(lockState(t, dsn)); n != 0 {
+			t.Fatalf("attempt %d: %d advisory locks on the server, want none", i, n)
+		}
+	}
+}
+
+// Behind PgBouncer in session pooling mode a client keeps its server
+// connection, and session locks work.
+func TestSessionPoolingWorks(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	bouncer := pgtest.NewPgBouncer(t, dsn, pgtest.SessionPooling, pgtest.WithPoolSize(4))
+	c := newTestClientOn(t, pgtest.Pool(t, bouncer.ConnString()), WithSessionPooler())
+	other := newTestClient(t, dsn)
+	k := HashKey("session-pooled")
+	// Without the option, the pooler is refused.
+	plain := newTestClientOn(t, pgtest.Pool(t, bouncer.ConnString()))
+	if _, err := plain.Lock(ctx, k); !errors.Is(err, ErrTransactionPooling) {
+		t.Fatalf("Lock through a pooler without WithSessionPooler: %v, want ErrTransactionPooling", err)
+	}
+	l, err := c.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	heldOnlyBy(t, dsn, k, l.s.PID())
+	if _, err := other.TryLock(ctx, k); !errors.Is(err, ErrLocked) {
+		t.Fatalf("TryLock of a key held through PgBouncer: %v, want ErrLocked", err)
+	}
+	// A blocking wait through the proxy, cancelled by a cancel request
+	// that PgBouncer forwards.
+	h, err := other.Lock(ctx, HashKey("session-pooled-2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	_, err = c.Lock(wctx, HashKey("session-pooled-2"))
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("cancelled wait through PgBouncer: %v", err)
+	}
+	heldOnlyBy(t, dsn, HashKey("session-pooled-2"), h.s.PID())
+	mustUnlock(t, h)
+	mustUnlock(t, l)
+	notHeld(t, dsn, k)
+}
