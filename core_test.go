@@ -394,10 +394,13 @@ func TestLockStatementGuardedByBackend(t *testing.T) {
 	for _, build := range []func() (string, []any){
 		func() (string, []any) { return trySQL("pg_try_advisory_lock", []Key{k}, 1) },
 		func() (string, []any) { return trySQL("pg_try_advisory_lock", []Key{k, Int64Key(7)}, 1) },
-		func() (string, []any) { return waitSQL("pg_advisory_lock", []Key{k}, 1, time.Second) },
-		func() (string, []any) { return waitSQL("pg_advisory_lock", []Key{k, Int64Key(7)}, 1, time.Second) },
+		func() (string, []any) { return waitSQL("pg_advisory_lock", []Key{k}, 1) },
+		func() (string, []any) { return waitSQL("pg_advisory_lock", []Key{k, Int64Key(7)}, 1) },
 	} {
 		sql, args := build()
+		if strings.Contains(sql, "lock_timeout") {
+			args[len(args)-1] = "1000"
+		}
 		rows, err := conn.Query(ctx, sql, args...)
 		if err != nil {
 			t.Fatal(err)

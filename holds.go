@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -146,6 +148,11 @@ func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, er
 // other statements on the connection interrupt it (they run, then the wait
 // resumes). Keys of a multi-key statement taken before a slice ended are
 // released before the next slice.
+//
+// A slice that would outlast ctx's deadline is cut to it, so the server
+// itself ends the wait at the deadline: quicker than a cancel request,
+// which is sent only for other ends of ctx, or if the server has not
+// answered deadlineGrace after the deadline.
 func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
 	select {
 	case s.waitTurn <- struct{}{}:
@@ -155,10 +162,32 @@ func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
 		return s.Err()
 	}
 	defer func() { <-s.waitTurn }()
-	sql, args := waitSQL(lockFunc(shared, false), keys, s.pid, s.c.cfg.waitSlice())
+	sql, args := waitSQL(lockFunc(shared, false), keys, s.pid)
 	for {
-		sctx, cancel := context.WithCancelCause(ctx)
+		slice, byDeadline := s.c.cfg.waitSlice(), false
+		if dl, ok := ctx.Deadline(); ok {
+			left := time.Until(dl)
+			if left <= 0 {
+				return context.DeadlineExceeded
+			}
+			if left <= slice {
+				slice, byDeadline = left, true
+			}
+		}
+		args[len(args)-1] = strconv.FormatInt((slice+time.Millisecond-1).Milliseconds(), 10)
+		sctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
+		stop := context.AfterFunc(ctx, func() {
+			if byDeadline && ctx.Err() == context.DeadlineExceeded {
+				select {
+				case <-sctx.Done():
+					return
+				case <-time.After(deadlineGrace):
+				}
+			}
+			cancel(context.Cause(ctx))
+		})
 		if err := s.grabForWait(ctx, cancel); err != nil {
+			stop()
 			cancel(nil)
 			return err
 		}
@@ -172,9 +201,10 @@ func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
 		s.state.Lock()
 		s.interrupt = nil
 		s.state.Unlock()
+		stop()
 		yielded := errors.Is(context.Cause(sctx), errYield)
 		cancel(nil)
-		if err == nil || ctx.Err() != nil || s.Err() != nil || !(pgCode(err) == "55P03" || yielded && pgCode(err) == "57014") {
+		if err == nil || ctx.Err() != nil || byDeadline || s.Err() != nil || !(pgCode(err) == "55P03" || yielded && pgCode(err) == "57014") {
 			s.release()
 			return err
 		}
@@ -193,6 +223,10 @@ func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
 		s.release()
 	}
 }
+
+// deadlineGrace is how long after ctx's deadline a wait cut to it may go
+// on before it is cancelled with a cancel request.
+const deadlineGrace = 50 * time.Millisecond
 
 // grabForWait takes the connection for one slice of a blocking acquire,
 // after any statement that is waiting for it, and installs interrupt.

@@ -5,10 +5,8 @@ import (
 	"fmt"
 	"iter"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
-	"time"
 )
 
 // A Lock is a held advisory lock on one or more keys. It is released once,
@@ -215,21 +213,25 @@ func trySQL(fn string, keys []Key, pid int32) (string, []any) {
 	return guard(&b, args, pid)
 }
 
-// waitSQL takes keys, waiting at most slice (lock_timeout, set for this
-// statement's transaction only) before failing with SQLSTATE 55P03.
-func waitSQL(fn string, keys []Key, pid int32, slice time.Duration) (string, []any) {
-	ms := strconv.FormatInt(max(slice.Milliseconds(), 1), 10)
+// waitSQL takes keys, waiting at most the lock_timeout given as the last
+// argument (milliseconds, as text; set for this statement's transaction
+// only) before failing with SQLSTATE 55P03. The caller fills that argument
+// in.
+func waitSQL(fn string, keys []Key, pid int32) (string, []any) {
 	if len(keys) == 1 {
-		return singleKeySQL(fn, "SELECT set_config('lock_timeout', '"+ms+"', true), %s", keys[0], pid)
+		sql, args := singleKeySQL(fn, "SELECT set_config('lock_timeout', $%d, true), %s", keys[0], pid)
+		return sql, append(args, "")
 	}
 	var b strings.Builder
-	b.WriteString("SELECT set_config('lock_timeout', '" + ms + "', true), ")
-	args := selectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)+1))
-	return guard(&b, args, pid)
+	b.WriteString("SELECT set_config('lock_timeout', $%d, true), ")
+	args := selectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)+2))
+	sql, args := guard(&b, args, pid)
+	return fmt.Sprintf(sql, len(args)+1), append(args, "")
 }
 
 // singleKeySQL builds the statement for one key from a cache: the common
-// case builds no SQL.
+// case builds no SQL. format has a %s for the key's call and guard, and
+// may have a %d before it for the number of the argument after them.
 func singleKeySQL(fn, format string, k Key, pid int32) (string, []any) {
 	_, _, pair := k.Pair()
 	ck := singleKey{fn, format, pair}
@@ -237,8 +239,12 @@ func singleKeySQL(fn, format string, k Key, pid int32) (string, []any) {
 	if !ok {
 		var b strings.Builder
 		args := selectKeys(&b, fn, []Key{k}, nil)
-		text, _ := guard(&b, args, pid)
-		sql, _ = singleKeyCache.LoadOrStore(ck, fmt.Sprintf(format, text))
+		text, args := guard(&b, args, pid)
+		if strings.Contains(format, "%d") {
+			sql, _ = singleKeyCache.LoadOrStore(ck, fmt.Sprintf(format, len(args)+1, text))
+		} else {
+			sql, _ = singleKeyCache.LoadOrStore(ck, fmt.Sprintf(format, text))
+		}
 	}
 	if a, b, pair := k.Pair(); pair {
 		return sql.(string), []any{a, b, pid}
