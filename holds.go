@@ -174,7 +174,7 @@ func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
 				slice, byDeadline = left, true
 			}
 		}
-		args[len(args)-1] = strconv.FormatInt((slice+time.Millisecond-1).Milliseconds(), 10)
+		args[len(args)-1] = strconv.FormatInt((slice + time.Millisecond - 1).Milliseconds(), 10)
 		sctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 		stop := context.AfterFunc(ctx, func() {
 			if byDeadline && ctx.Err() == context.DeadlineExceeded {
