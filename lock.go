@@ -116,9 +116,10 @@ func (l *Lock) Unlock(ctx context.Context) error {
 		<-l.done
 		return fmt.Errorf("pgcoord: unlock %s: %w", keyList(l.keys), l.Err())
 	}
-	ctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
-	defer cancel()
-	err := s.releaseKeys(ctx, l.keys, l.shared)
+	// The release is bounded by the session's lease: with no answer
+	// from the server for the loss deadline, the session is lost and its
+	// connection closed, which ends the statement.
+	err := s.releaseKeys(context.WithoutCancel(ctx), l.keys, l.shared)
 	l.end(ErrNotHeld)
 	if err != nil {
 		return fmt.Errorf("pgcoord: unlock %s: %w", keyList(l.keys), err)

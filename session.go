@@ -39,7 +39,7 @@ type Session struct {
 	locks     map[*Lock]struct{} // live handles
 	err       error              // why the session ended; nil while open
 	pending   int                // callers waiting for conn, other than a blocking acquire
-	noPending chan struct{}      // closed when pending drops to 0
+	noPending chan struct{}      // closed when pending drops to 0; made by whoever waits for that
 	interrupt func(error)        // ends the lock wait on conn; nil if none
 	done      chan struct{}
 	lease     *time.Timer
@@ -246,9 +246,6 @@ func (s *Session) grab(ctx context.Context) error {
 		s.state.Unlock()
 		return s.err
 	}
-	if s.pending == 0 {
-		s.noPending = make(chan struct{})
-	}
 	s.pending++
 	if s.interrupt != nil {
 		s.interrupt(errYield)
@@ -256,8 +253,9 @@ func (s *Session) grab(ctx context.Context) error {
 	s.state.Unlock()
 	defer func() {
 		s.state.Lock()
-		if s.pending--; s.pending == 0 {
+		if s.pending--; s.pending == 0 && s.noPending != nil {
 			close(s.noPending)
+			s.noPending = nil
 		}
 		s.state.Unlock()
 	}()
@@ -294,7 +292,7 @@ func (s *Session) run(ctx context.Context, f func(ctx context.Context, conn *pgx
 // returned as they are for the caller to resolve.
 func (s *Session) exec(ctx context.Context, f func(ctx context.Context, conn *pgx.Conn) error) error {
 	start := time.Now()
-	err := f(ctx, s.conn)
+	err := f(stmtCtx(ctx), s.conn)
 	var pe *pgconn.PgError
 	if err == nil || errors.As(err, &pe) {
 		s.proved(start)
