@@ -36,6 +36,7 @@ type request struct {
 	shared bool
 	try    bool
 	fence  bool
+	tried  bool // a try of these keys just failed: wait at once
 }
 
 func newRequest(keys []Key, shared, try bool, opts []LockOption) (request, error) {

@@ -148,6 +148,7 @@ func (c *Client) takeOnce(ctx context.Context, r request) (*Lock, error) {
 		return nil, err
 	}
 	defer done()
+	r.tried = true
 	return b.take(ctx, r)
 }
 

@@ -117,29 +117,46 @@ func (s *Session) reserve(ctx context.Context, keys []Key, shared bool) ([]Key, 
 func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, error) {
 	for _, chunk := range chunked(need) {
 		if !r.try {
+			// One free key is taken with a plain try, which needs no
+			// lock_timeout for the statement; a try takes nothing when
+			// it fails, so the wait after it starts from nothing.
+			if len(need) == 1 && !r.tried {
+				got, err := s.tryKeys(ctx, chunk, r.shared)
+				if err != nil || got {
+					return got, err
+				}
+			}
 			if err := s.wait(ctx, chunk, r.shared); err != nil {
 				return false, err
 			}
 			continue
 		}
-		sql, args := trySQL(lockFunc(r.shared, true), chunk, s.pid)
-		var failed int32
-		err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-			if len(chunk) == 1 {
-				var ok bool
-				err := conn.QueryRow(ctx, sql, args...).Scan(&ok)
-				if !ok {
-					failed = 1
-				}
-				return s.wrongBackend(err)
-			}
-			return s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(&failed))
-		})
-		if err != nil || failed != 0 {
+		got, err := s.tryKeys(ctx, chunk, r.shared)
+		if err != nil || !got {
 			return false, err
 		}
 	}
 	return true, nil
+}
+
+// tryKeys tries keys (at most one chunk) in order, without waiting. It
+// reports false if a key is held elsewhere; for more than one key, the
+// keys before it stay taken.
+func (s *Session) tryKeys(ctx context.Context, chunk []Key, shared bool) (bool, error) {
+	sql, args := trySQL(lockFunc(shared, true), chunk, s.pid)
+	var failed int32
+	err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		if len(chunk) == 1 {
+			var ok bool
+			err := conn.QueryRow(ctx, sql, args...).Scan(&ok)
+			if !ok {
+				failed = 1
+			}
+			return s.wrongBackend(err)
+		}
+		return s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(&failed))
+	})
+	return err == nil && failed == 0, err
 }
 
 // wait takes keys on the server, waiting until they are free. It waits in
@@ -249,6 +266,9 @@ func (s *Session) grabForWait(ctx context.Context, interrupt func(error)) error 
 			s.interrupt = interrupt
 			s.state.Unlock()
 			return nil
+		}
+		if s.noPending == nil {
+			s.noPending = make(chan struct{})
 		}
 		ch := s.noPending
 		s.state.Unlock()
