@@ -2,8 +2,11 @@ package pgcoord
 
 import (
 	"context"
+	"slices"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -100,4 +103,74 @@ func BenchmarkClientTryLockUnlock(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// BenchmarkInterleaved runs the four benchmarks above in one loop, one
+// Lock+Unlock of each per iteration, and reports the median of each
+// (client-p50-us, raw-pool-p50-us, session-p50-us, raw-pinned-p50-us)
+// and the ratios of pgcoord to its floor (client/raw, session/raw).
+// Separate benchmarks run minutes apart, and on a shared or virtual machine
+// their round trips drift by more than the overhead being measured;
+// interleaved, every path sees the same conditions. ns/op is one round of
+// all four.
+func BenchmarkInterleaved(b *testing.B) {
+	ctx := context.Background()
+	dsn := pgtest.DB(b)
+	c := newTestClient(b, dsn)
+	s := newTestSession(b, c)
+	pool := pgtest.Pool(b, dsn)
+	pinned := pgtest.Conn(b, dsn)
+	k := Int64Key(42)
+	var ok bool
+	rawPair := func(q interface {
+		QueryRow(context.Context, string, ...any) pgx.Row
+	}) {
+		if err := q.QueryRow(ctx, "SELECT pg_try_advisory_lock($1::int8)", int64(43)).Scan(&ok); err != nil || !ok {
+			b.Fatal(err, ok)
+		}
+		if err := q.QueryRow(ctx, "SELECT pg_advisory_unlock($1::int8)", int64(43)).Scan(&ok); err != nil || !ok {
+			b.Fatal(err, ok)
+		}
+	}
+	lockPair := func(lock func(context.Context, Key, ...LockOption) (*Lock, error)) {
+		l, err := lock(ctx, k)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := l.Unlock(ctx); err != nil {
+			b.Fatal(err)
+		}
+	}
+	paths := []struct {
+		name string
+		run  func()
+	}{
+		{"raw-pool", func() {
+			conn, err := pool.Acquire(ctx)
+			if err != nil {
+				b.Fatal(err)
+			}
+			rawPair(conn)
+			conn.Release()
+		}},
+		{"client", func() { lockPair(c.Lock) }},
+		{"raw-pinned", func() { rawPair(pinned) }},
+		{"session", func() { lockPair(s.Lock) }},
+	}
+	took := make([][]time.Duration, len(paths))
+	for b.Loop() {
+		for i, p := range paths {
+			start := time.Now()
+			p.run()
+			took[i] = append(took[i], time.Since(start))
+		}
+	}
+	p50 := make([]float64, len(paths))
+	for i, p := range paths {
+		slices.Sort(took[i])
+		p50[i] = float64(took[i][len(took[i])/2].Nanoseconds()) / 1e3
+		b.ReportMetric(p50[i], p.name+"-p50-us")
+	}
+	b.ReportMetric(p50[1]/p50[0], "client/raw")
+	b.ReportMetric(p50[3]/p50[2], "session/raw")
 }
