@@ -55,25 +55,34 @@ func (l *Lock) Err() error {
 
 // finish records why the lock ended and closes Done. It reports whether
 // this call ended the lock.
-func (l *Lock) finish(why error) bool {
+func (l *Lock) finish(why error) bool { return l.finishThen(why, nil) }
+
+// finishThen is finish that runs then, if this call ends the lock, before
+// Done closes.
+func (l *Lock) finishThen(why error, then func()) bool {
 	l.mu.Lock()
-	defer l.mu.Unlock()
 	if l.err != nil {
+		l.mu.Unlock()
 		return false
 	}
 	l.err = why
+	l.mu.Unlock()
+	if then != nil {
+		then()
+	}
 	close(l.done)
 	return true
 }
 
 // end finishes the lock and lets the next goroutine of this Client at its
-// keys.
+// keys. The keys' gates are left before Done closes, so a caller that sees
+// Done closed can take the keys again in this process at once.
 func (l *Lock) end(why error) {
-	if l.finish(why) {
+	l.finishThen(why, func() {
 		for _, k := range l.keys {
 			l.s.c.gates.leave(k, l.shared)
 		}
-	}
+	})
 }
 
 // Unlock releases the lock. It works even if ctx is already cancelled: the
