@@ -312,13 +312,7 @@ func (s *Session) undo(ctx context.Context, r request, need []Key, nothingTaken 
 	if len(need) > 0 && !nothingTaken && s.Err() == nil {
 		err = s.unlockKeys(ctx, need, r.shared, false)
 	}
-	s.state.Lock()
-	for _, k := range need {
-		h := s.keys[k]
-		delete(s.keys, k)
-		close(h.busy)
-	}
-	s.state.Unlock()
+	s.forgetKeys(need)
 	if err != nil {
 		s.lose(fmt.Errorf("release after failed acquire: %w", err))
 		return
@@ -355,13 +349,7 @@ func (s *Session) releaseKeys(ctx context.Context, keys []Key, shared bool) erro
 		return nil
 	}
 	err := s.unlockKeys(ctx, free, shared, true)
-	s.state.Lock()
-	for _, k := range free {
-		h := s.keys[k]
-		delete(s.keys, k)
-		close(h.busy)
-	}
-	s.state.Unlock()
+	s.forgetKeys(free)
 	if err != nil {
 		s.lose(err)
 		if e := s.Err(); e != nil {
@@ -369,6 +357,18 @@ func (s *Session) releaseKeys(ctx context.Context, keys []Key, shared bool) erro
 		}
 	}
 	return err
+}
+
+// forgetKeys drops busy keys whose statement has ended and that the
+// backend no longer holds, and wakes whoever waits for them.
+func (s *Session) forgetKeys(keys []Key) {
+	s.state.Lock()
+	defer s.state.Unlock()
+	for _, k := range keys {
+		h := s.keys[k]
+		delete(s.keys, k)
+		close(h.busy)
+	}
 }
 
 // unlockKeys releases keys on the server, taking the connection for each
