@@ -34,6 +34,9 @@ type Client struct {
 	waitSlots   chan struct{} // a token per blocking acquire waiting on the server
 	queuedWaits atomic.Int64
 
+	notifier  notifier    // the listener connection's subscriptions
+	listening atomic.Bool // the listener listens now
+
 	mu       sync.Mutex
 	closed   bool
 	sessions map[*Session]struct{} // every open session: backends and NewSession's
