@@ -35,6 +35,8 @@ type Client struct {
 	queuedWaits atomic.Int64
 
 	notifier  notifier    // the listener connection's subscriptions
+	guardMu   sync.Mutex  // guards guard
+	guard     *Session    // holds the guards of the Client's leaderships
 	listening atomic.Bool // the listener listens now
 
 	mu       sync.Mutex

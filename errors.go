@@ -64,6 +64,10 @@ var (
 	// with the same schema first.
 	ErrNotMigrated = errors.New("pgcoord: tables missing; run pgcoord.Migrate first")
 
+	// ErrNoLeader is returned by Election.Leader and RequestResign when
+	// nobody leads the election: no candidate holds its lock.
+	ErrNoLeader = errors.New("pgcoord: no leader")
+
 	// ErrInvalidKey is returned for the zero Key, HashKey with no parts, an
 	// empty key list, or a key string or pg_locks row that cannot be decoded.
 	ErrInvalidKey = errors.New("pgcoord: invalid key")

@@ -96,7 +96,7 @@ func wantMigrated(t *testing.T, ctx context.Context, pool *pgxpool.Pool, schema 
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if want := []string{"fences", "schema_version"}; !slices.Equal(tables, want) {
+	if want := []string{"fences", "leaders", "schema_version"}; !slices.Equal(tables, want) {
 		t.Fatalf("tables in schema %q = %q, want %q", schema, tables, want)
 	}
 	return vs
@@ -424,7 +424,7 @@ func TestMigrationFilesWithSearchPath(t *testing.T) {
 	for _, name := range ups {
 		run(name)
 	}
-	if got, want := schemaRelations(t, ctx, conn, schema), []string{"fences:r", "fences_pkey:i"}; !slices.Equal(got, want) {
+	if got, want := schemaRelations(t, ctx, conn, schema), []string{"fences:r", "fences_pkey:i", "leaders:r", "leaders_pkey:i"}; !slices.Equal(got, want) {
 		t.Fatalf("relations after the up files = %q, want %q", got, want)
 	}
 	if got := schemaRelations(t, ctx, conn, "public"); len(got) != 0 {

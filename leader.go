@@ -1,0 +1,706 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Leader election
+//
+// An Election is an advisory lock plus a row. The lock, on the election's
+// key (Election.Key), says who leads: the server frees it the moment the
+// leader's backend ends, so a waiting candidate takes over in
+// milliseconds when a leader's process dies. The row in the leaders table
+// says who that is (identity, term, since, backend pid). The term is the
+// fence of the election's key (see WithFence): it grows with every new
+// leader, across restarts, and CheckFence accepts it.
+//
+// States. A candidate campaigns (Campaign, or Run): it waits for the lock
+// on the server, on one of the Client's bounded waits (see WithMaxWaits);
+// a campaign gives its wait up every loss deadline and takes it again, so
+// campaigns and locks of one Client beyond WithMaxWaits all get their
+// turn. Once it has the lock, with a fresh fence as its term, it takes the
+// election's guard (below), writes the row, notifies observers, and leads:
+// Run calls fn with the term and a context that is cancelled when the
+// leadership ends. It ends by Resign (Run resigns when fn returns), by a
+// RequestResign from any process, by loss of either connection it rests
+// on, or by Close. Ending cancels the leader's context first and only then
+// frees the guard and the lock.
+//
+// The guard. A leader whose backend is terminated, or whose connection
+// breaks, loses the lock at once on the server, but its process may not
+// notice for up to a heartbeat interval (WithHeartbeat), or, with the
+// network silent, the loss deadline (WithLossDeadline). So that no new
+// leader starts before the old one's context is cancelled, a leader also
+// holds a second lock, the guard, on another connection: the Client's
+// guard session, one per Client, shared by all its elections. A new leader
+// takes the guard before it starts. If the old leader's process died, its
+// guard went with it and the new leader starts at once. If the process
+// lives, it frees the guard right after it has cancelled its leader's
+// context (within a heartbeat interval of the loss, normally); a new
+// leader waits for the guard at most the loss deadline, after which the
+// old leader has declared the loss by its own clock, and then starts
+// without the guard (the next takeover then waits the loss deadline too).
+// A process paused longer than that (a stopped process, a long GC pause)
+// cannot know it was replaced; its term is then older than the new
+// leader's, and CheckFence rejects its writes.
+//
+// Bounds (defaults: heartbeat 1 s, loss deadline L = 5 s):
+//   - leader's process killed: a waiting candidate leads within a few
+//     milliseconds (the server notices closed sockets at once);
+//   - leader's backend terminated, process alive: the old leader's context
+//     is cancelled within a heartbeat interval, and the new leader starts
+//     right after, never before; at most L;
+//   - network to the leader silent: the old leader's context is cancelled
+//     within L, the server frees the lock within 2L, and a candidate leads
+//     then;
+//   - Leader reports ErrNoLeader as soon as the server has freed the lock.
+//
+// Connections. A Client's leaderships live on its shared backends (the
+// lock) and its guard session (the guard); a waiting campaign uses one of
+// its bounded waits; Observe, and leaders (to hear RequestResign), use the
+// Client's listener connection. So a Client that takes part in elections
+// uses at most WithSharedBackends + WithMaxWaits + 2 connections, however
+// many elections it leads or follows.
+
+// Term is a leader's term: the fence issued for the election's key when
+// the leader won. Terms of one election only grow. Check a leader's writes
+// with CheckFence(ctx, tx, e.Key(), int64(term)).
+type Term int64
+
+// LeaderInfo describes a leader: its identity, term, when it won, and the
+// backend pid that holds the election's lock (pg_terminate_backend(Pid)
+// forces a new election). The zero LeaderInfo, from Observe, means no
+// leader.
+type LeaderInfo struct {
+	Identity string
+	Term     Term
+	Since    time.Time
+	Pid      int32
+}
+
+// ElectionOption configures an Election.
+type ElectionOption interface {
+	applyElection(*Election) error
+}
+
+type electionOptionFunc func(*Election) error
+
+func (f electionOptionFunc) applyElection(e *Election) error { return f(e) }
+
+// Limits on election names and identities. Identities travel in NOTIFY
+// payloads, which PostgreSQL limits to 8000 bytes.
+const (
+	maxElectionName = 1024
+	maxIdentity     = 1024
+)
+
+// WithIdentity sets the identity a candidate leads under, as Leader and
+// Observe report it (default: host name and process id, "host:pid"). It
+// must be 1 to 1024 bytes of UTF-8 without NUL.
+func WithIdentity(identity string) ElectionOption {
+	return electionOptionFunc(func(e *Election) error {
+		if err := checkText("identity", identity, maxIdentity); err != nil {
+			return err
+		}
+		e.identity = identity
+		return nil
+	})
+}
+
+// An Election is a named leader election in the Client's database. Many
+// independent elections coexist, one per name. An Election's methods are
+// safe for concurrent use; several candidates may campaign through one
+// Election (they then take turns in the process).
+type Election struct {
+	c        *Client
+	name     string
+	identity string
+	key      Key // the leadership lock; its fence is the term
+	guard    Key // held by the leader on the Client's guard session
+	prefix   string
+	err      error
+}
+
+// Election returns the election called name. It does not touch the
+// network. An invalid name or option is reported by every method of the
+// returned Election: a name must be 1 to 1024 bytes of UTF-8 without NUL.
+// Elections need the tables of Migrate.
+func (c *Client) Election(name string, opts ...ElectionOption) *Election {
+	e := &Election{c: c, name: name, key: HashKey("pgcoord.election", name), guard: HashKey("pgcoord.election.guard", name)}
+	k, _ := e.key.Int64()
+	e.prefix = strconv.FormatInt(k, 10) + ":"
+	if err := checkText("election name", name, maxElectionName); err != nil {
+		e.err = fmt.Errorf("pgcoord: election: %w", err)
+		return e
+	}
+	host, _ := os.Hostname()
+	e.identity = host + ":" + strconv.Itoa(os.Getpid())
+	for _, o := range opts {
+		if o == nil {
+			e.err = fmt.Errorf("pgcoord: election %q: nil option", name)
+			return e
+		}
+		if err := o.applyElection(e); err != nil {
+			e.err = fmt.Errorf("pgcoord: election %q: %w", name, err)
+			return e
+		}
+	}
+	return e
+}
+
+// checkText validates a name stored in a text column.
+func checkText(what, s string, limit int) error {
+	switch {
+	case s == "":
+		return fmt.Errorf("%s is empty", what)
+	case len(s) > limit:
+		return fmt.Errorf("%s is %d bytes; at most %d are allowed", what, len(s), limit)
+	case strings.IndexByte(s, 0) >= 0:
+		return fmt.Errorf("%s contains a NUL byte, which PostgreSQL text cannot store", what)
+	case !utf8.ValidString(s):
+		return fmt.Errorf("%s is not valid UTF-8", what)
+	}
+	return nil
+}
+
+// Name returns the election's name.
+func (e *Election) Name() string { return e.name }
+
+// Key returns the election's lock key: pass it, with a leader's term, to
+// CheckFence. It is HashKey("pgcoord.election", name).
+func (e *Election) Key() Key { return e.key }
+
+// Leadership is a won election: it lasts until Resign, a RequestResign
+// from any process, the loss of a connection it rests on, or the Client's
+// Close. Its methods are safe for concurrent use.
+type Leadership struct {
+	e     *Election
+	lock  *Lock // on one of the Client's shared backends
+	guard *Lock // on the Client's guard session; nil if taken without it
+	sub   *subscription
+	term  Term
+	since time.Time
+
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	resign chan struct{} // closed by Resign
+	once   sync.Once
+	done   chan struct{}
+	mu     sync.Mutex
+	err    error // why it ended
+}
+
+// Term returns the leader's term.
+func (ld *Leadership) Term() Term { return ld.term }
+
+// Since returns when the leadership began, by the server's clock.
+func (ld *Leadership) Since() time.Time { return ld.since }
+
+// Context returns a context that is cancelled, with the reason as its
+// cause, as soon as the leadership ends, before anything is released.
+// Work that must run only while leading runs under it.
+func (ld *Leadership) Context() context.Context { return ld.ctx }
+
+// Done returns a channel that is closed when the leadership has ended and
+// its locks are released (or lost).
+func (ld *Leadership) Done() <-chan struct{} { return ld.done }
+
+// Err returns nil while leading. Once Done is closed it says why the
+// leadership ended: an error wrapping ErrNotHeld after Resign or a
+// RequestResign, ErrLockLost (with the cause) after a loss, ErrClosed
+// after the Client's Close.
+func (ld *Leadership) Err() error {
+	ld.mu.Lock()
+	defer ld.mu.Unlock()
+	return ld.err
+}
+
+// Resign ends the leadership: it cancels the leader's context, tells
+// observers, and frees the election for the next candidate. ctx bounds
+// the wait for the release; the release itself goes on, bounded by the
+// loss deadline. It returns nil once the leadership has ended, whatever
+// ended it, or ctx's error.
+func (ld *Leadership) Resign(ctx context.Context) error {
+	ld.once.Do(func() { close(ld.resign) })
+	select {
+	case <-ld.done:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("pgcoord: election %q: resign: %w", ld.e.name, context.Cause(ctx))
+	}
+}
+
+// errResigned and errResignRequested are the causes of a leadership that
+// ended by Resign or by RequestResign.
+var (
+	errResigned        = fmt.Errorf("%w: resigned", ErrNotHeld)
+	errResignRequested = fmt.Errorf("%w: resigned on request (RequestResign)", ErrNotHeld)
+)
+
+// campaignRound bounds one server-side wait of a campaign, so that the
+// Client's bounded waits rotate among its campaigns and locks.
+func (e *Election) campaignRound() time.Duration { return e.c.cfg.lossDeadline }
+
+// Campaign waits until this candidate leads the election, then returns the
+// Leadership. ctx bounds only the wait: the leadership lasts until it
+// ends (see Leadership). Campaign returns ctx's error when ctx ends first,
+// ErrClosed after Close, an error wrapping ErrNotMigrated without the
+// tables of Migrate, and connection errors.
+func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
+	if e.err != nil {
+		return nil, e.err
+	}
+	c := e.c
+	if err := c.enter(); err != nil {
+		return nil, fmt.Errorf("pgcoord: election %q: %w", e.name, err)
+	}
+	defer c.wg.Done()
+	// Listen before winning, so a RequestResign right after the win is
+	// heard.
+	sub, err := c.subscribe(leaderChannel, e.prefix+"resign:")
+	if err != nil {
+		return nil, fmt.Errorf("pgcoord: election %q: %w", e.name, err)
+	}
+	for {
+		l, err := e.wait(ctx)
+		if err != nil {
+			sub.close()
+			return nil, err
+		}
+		ld, err := e.lead(ctx, l, sub)
+		if err == nil {
+			return ld, nil
+		}
+		if !errors.Is(err, errLostWhileWinning) {
+			sub.close()
+			return nil, err
+		}
+	}
+}
+
+// errLostWhileWinning means the lock was lost before the leadership
+// began; the campaign goes on.
+var errLostWhileWinning = errors.New("pgcoord: leadership lock lost while winning")
+
+// wait takes the election's lock with a fresh fence, in rounds.
+func (e *Election) wait(ctx context.Context) (*Lock, error) {
+	for {
+		round, cancel := context.WithTimeout(ctx, e.campaignRound())
+		l, err := e.c.Lock(round, e.key, WithFence())
+		cancel()
+		switch {
+		case err == nil:
+			return l, nil
+		case ctx.Err() != nil:
+			return nil, fmt.Errorf("pgcoord: election %q: campaign: %w", e.name, context.Cause(ctx))
+		case round.Err() != nil:
+			continue // the round ended: wait again
+		default:
+			return nil, fmt.Errorf("pgcoord: election %q: campaign: %w", e.name, err)
+		}
+	}
+}
+
+// lead turns a held election lock into a leadership: guard, row, notice.
+func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leadership, error) {
+	c := e.c
+	fail := func(g *Lock, err error) (*Leadership, error) {
+		rctx, cancel := withoutCancel(ctx, c.cfg.lossDeadline)
+		defer cancel()
+		if g != nil {
+			_ = g.Unlock(rctx)
+		}
+		_ = l.Unlock(rctx)
+		return nil, err
+	}
+	g, err := e.takeGuard(ctx)
+	if err != nil {
+		return fail(nil, err)
+	}
+	if l.Err() != nil {
+		return fail(g, errLostWhileWinning)
+	}
+	term := Term(l.Fence())
+	k, _ := e.key.Int64()
+	var since time.Time
+	err = l.s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		return conn.QueryRow(ctx, `WITH won AS (
+			INSERT INTO `+c.cfg.table("leaders")+` AS l (name, lock_key, identity, term, since, pid)
+			VALUES ($1, $2, $3, $4, now(), pg_backend_pid())
+			ON CONFLICT (name) DO UPDATE SET lock_key = EXCLUDED.lock_key, identity = EXCLUDED.identity,
+				term = EXCLUDED.term, since = EXCLUDED.since, pid = EXCLUDED.pid
+			WHERE l.term < EXCLUDED.term
+			RETURNING since)
+		SELECT since, pg_notify($5, format('%s:lead:%s:%s:%s:%s', $2::bigint, $4::bigint, pg_backend_pid(),
+			(extract(epoch FROM since) * 1000000)::bigint, $3::text)) IS NULL FROM won`,
+			e.name, k, e.identity, int64(term), leaderChannel).Scan(&since, new(bool))
+	})
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return fail(g, fmt.Errorf("pgcoord: election %q: term %d is not newer than the recorded leader's: the fences table was reset or restored while the leaders table was not; delete the election's row in leaders to continue", e.name, term))
+	case err != nil && l.Err() != nil:
+		return fail(g, errLostWhileWinning)
+	case err != nil:
+		return fail(g, notMigrated(c.cfg, fmt.Sprintf("election %q: record leader", e.name), err))
+	}
+	lctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
+	ld := &Leadership{
+		e: e, lock: l, guard: g, sub: sub, term: term, since: since,
+		ctx: lctx, cancel: cancel,
+		resign: make(chan struct{}),
+		done:   make(chan struct{}),
+	}
+	c.wg.Add(1)
+	go ld.watch()
+	return ld, nil
+}
+
+// takeGuard takes the election's guard on the Client's guard session,
+// waiting at most the loss deadline for a previous leader that lives to
+// free it. It returns a nil Lock, and no error, when that wait ran out.
+func (e *Election) takeGuard(ctx context.Context) (*Lock, error) {
+	c := e.c
+	var err error
+	for range 3 {
+		var s *Session
+		if s, err = c.guardSession(ctx); err != nil {
+			return nil, err
+		}
+		var g *Lock
+		g, err = s.TryLock(ctx, e.guard)
+		if errors.Is(err, ErrLocked) {
+			wctx, cancel := context.WithTimeout(ctx, c.cfg.lossDeadline)
+			g, err = s.Lock(wctx, e.guard)
+			expired := wctx.Err() != nil && ctx.Err() == nil
+			cancel()
+			if err != nil && expired {
+				c.cfg.logger.Warn("pgcoord: the previous leader did not free the election's guard within the loss deadline; leading without it",
+					"election", e.name, "loss_deadline", c.cfg.lossDeadline)
+				return nil, nil
+			}
+		}
+		if err == nil {
+			return g, nil
+		}
+		if !errorIsLoss(err) || ctx.Err() != nil {
+			break
+		}
+	}
+	return nil, fmt.Errorf("pgcoord: election %q: take guard: %w", e.name, err)
+}
+
+// guardSession returns the Client's guard session, opening it if needed.
+func (c *Client) guardSession(ctx context.Context) (*Session, error) {
+	c.guardMu.Lock()
+	defer c.guardMu.Unlock()
+	if c.guard != nil && c.guard.Err() == nil {
+		return c.guard, nil
+	}
+	s, err := c.newSession(ctx, false)
+	if err != nil {
+		return nil, err
+	}
+	if !c.track(s) {
+		s.close(context.Background())
+		return nil, ErrClosed
+	}
+	c.guard = s
+	return s, nil
+}
+
+// watch ends the leadership when something ends it.
+func (ld *Leadership) watch() {
+	c := ld.e.c
+	defer c.wg.Done()
+	var guardDone <-chan struct{}
+	if ld.guard != nil {
+		guardDone = ld.guard.Done()
+	}
+	requested := ld.e.prefix + "resign:" + strconv.FormatInt(int64(ld.term), 10)
+	var why error
+	for why == nil {
+		select {
+		case <-ld.lock.Done():
+			why = fmt.Errorf("%w: election lock: %w", ErrLockLost, ld.lock.Err())
+		case <-guardDone:
+			why = fmt.Errorf("%w: election guard: %w", ErrLockLost, ld.guard.Err())
+		case <-ld.resign:
+			why = errResigned
+		case <-c.closing.Done():
+			why = ErrClosed
+		case <-ld.sub.kick:
+			ld.sub.mu.Lock()
+			q := ld.sub.queue
+			ld.sub.queue = nil
+			ld.sub.mu.Unlock()
+			for _, p := range q {
+				if p == requested {
+					why = errResignRequested
+				}
+			}
+		}
+	}
+	ld.end(why)
+}
+
+// end cancels the leader's context, then tells observers (after a
+// resign) and frees the guard and the lock.
+func (ld *Leadership) end(why error) {
+	ld.cancel(why)
+	ld.sub.close()
+	ctx, cancel := withoutCancel(context.Background(), ld.e.c.cfg.lossDeadline)
+	defer cancel()
+	if errors.Is(why, ErrNotHeld) && ld.lock.Err() == nil {
+		_ = ld.lock.s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+			_, err := conn.Exec(ctx, "SELECT pg_notify($1, $2)", leaderChannel,
+				ld.e.prefix+"end:"+strconv.FormatInt(int64(ld.term), 10))
+			return err
+		})
+	}
+	if ld.guard != nil {
+		_ = ld.guard.Unlock(ctx)
+	}
+	_ = ld.lock.Unlock(ctx)
+	ld.mu.Lock()
+	ld.err = fmt.Errorf("pgcoord: election %q: term %d ended: %w", ld.e.name, ld.term, why)
+	ld.mu.Unlock()
+	close(ld.done)
+}
+
+// Leader returns the current leader. It returns an error wrapping
+// ErrNoLeader when nobody leads: a leader is reported only while its
+// backend holds the election's lock, so never a dead one. ctx bounds the
+// query, which runs on the Client's pool. Other errors: ErrNotMigrated
+// without the tables of Migrate, and query errors.
+func (e *Election) Leader(ctx context.Context) (LeaderInfo, error) {
+	if e.err != nil {
+		return LeaderInfo{}, e.err
+	}
+	classid, objid, _ := e.key.lockColumns()
+	var info LeaderInfo
+	var term int64
+	err := e.c.pool.QueryRow(ctx, `SELECT l.identity, l.term, l.since, l.pid FROM `+e.c.cfg.table("leaders")+` AS l
+		WHERE l.name = $1 AND EXISTS (SELECT 1 FROM pg_locks AS k
+			WHERE k.locktype = 'advisory' AND k.granted AND k.pid = l.pid
+			AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+			AND k.classid::bigint = $2 AND k.objid::bigint = $3 AND k.objsubid = 1)`,
+		e.name, int64(classid), int64(objid)).Scan(&info.Identity, &term, &info.Since, &info.Pid)
+	info.Term = Term(term)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return LeaderInfo{}, fmt.Errorf("pgcoord: election %q: %w", e.name, ErrNoLeader)
+	case err != nil:
+		return LeaderInfo{}, notMigrated(e.c.cfg, fmt.Sprintf("election %q: read leader", e.name), err)
+	}
+	return info, nil
+}
+
+// RequestResign asks the current leader, in whatever process it runs, to
+// step down: its context is cancelled, it resigns, and the next candidate
+// leads with a greater term. The request names the current term, so it
+// never reaches a later leader. Any process may call it, candidate or
+// not. It returns once the request is sent (follow the change with
+// Observe or Leader); ErrNoLeader when nobody leads. ctx bounds the two
+// queries, which run on the Client's pool.
+func (e *Election) RequestResign(ctx context.Context) error {
+	info, err := e.Leader(ctx)
+	if err != nil {
+		return err
+	}
+	_, err = e.c.pool.Exec(ctx, "SELECT pg_notify($1, $2)", leaderChannel,
+		e.prefix+"resign:"+strconv.FormatInt(int64(info.Term), 10))
+	if err != nil {
+		return fmt.Errorf("pgcoord: election %q: request resign: %w", e.name, err)
+	}
+	return nil
+}
+
+// Run campaigns, runs fn while leading, and campaigns again, until ctx
+// ends. fn gets the term and a context that is cancelled when the
+// leadership ends (see Leadership.Context) or ctx ends; when fn returns,
+// Run resigns.
+// If fn returns an error while still leading, Run resigns and returns that
+// error. An error fn returns after its leadership ended is the expected
+// reaction to the cancellation, and Run campaigns again. After a
+// RequestResign, Run lets another candidate lead before it campaigns
+// again (it waits until one does, at most the loss deadline). Run returns
+// ctx's error when ctx ends, and the errors of Campaign.
+func (e *Election) Run(ctx context.Context, fn func(ctx context.Context, term Term) error) error {
+	for {
+		ld, err := e.Campaign(ctx)
+		if err != nil {
+			return err
+		}
+		// Run's ctx ending ends the leadership, which cancels fn's ctx.
+		stop := context.AfterFunc(ctx, func() { ld.once.Do(func() { close(ld.resign) }) })
+		ferr := fn(ld.ctx, ld.term)
+		stop()
+		leading := ld.ctx.Err() == nil
+		rctx, cancel := withoutCancel(ctx, e.c.cfg.lossDeadline)
+		_ = ld.Resign(rctx)
+		cancel()
+		switch {
+		case ctx.Err() != nil:
+			return fmt.Errorf("pgcoord: election %q: %w", e.name, context.Cause(ctx))
+		case ferr != nil && leading:
+			return fmt.Errorf("pgcoord: election %q: term %d: %w", e.name, ld.term, ferr)
+		case errors.Is(context.Cause(ld.ctx), errResignRequested):
+			e.yield(ctx, ld.term)
+		}
+	}
+}
+
+// yield waits until a leader with a term after term leads, at most the
+// loss deadline or until ctx ends.
+func (e *Election) yield(ctx context.Context, term Term) {
+	ctx, cancel := context.WithTimeout(ctx, e.c.cfg.lossDeadline)
+	defer cancel()
+	sub, err := e.c.subscribe(leaderChannel, e.prefix+"lead:")
+	if err != nil {
+		return
+	}
+	defer sub.close()
+	for {
+		if info, err := e.Leader(ctx); err == nil && info.Term > term {
+			return
+		}
+		if _, err := sub.next(ctx, nil); err != nil {
+			return
+		}
+	}
+}
+
+// Observe returns a channel that delivers the election's leaders as they
+// change, in order: first the current leader (or the zero LeaderInfo when
+// nobody leads), then every new leader, and the zero LeaderInfo when a
+// leader ends and nobody has followed yet. New leaders and resignations
+// arrive by NOTIFY, as they commit; a leader that died without resigning
+// is noticed by a check every heartbeat interval (WithHeartbeat), once the
+// server has freed its lock. Observing never slows the candidates: changes
+// queue in the process until the receiver takes them. The channel is
+// closed when ctx ends or the Client closes, or at once if the Election is
+// invalid. Observe uses the Client's listener connection and one query on
+// the pool per heartbeat interval.
+func (e *Election) Observe(ctx context.Context) <-chan LeaderInfo {
+	out := make(chan LeaderInfo)
+	if e.err != nil || e.c.enter() != nil {
+		close(out)
+		return out
+	}
+	sub, err := e.c.subscribe(leaderChannel, e.prefix)
+	if err != nil {
+		e.c.wg.Done()
+		close(out)
+		return out
+	}
+	go func() {
+		defer e.c.wg.Done()
+		defer close(out)
+		defer sub.close()
+		e.observe(ctx, sub, out)
+	}()
+	return out
+}
+
+// observer is the state of one Observe.
+type observer struct {
+	cur     LeaderInfo // zero: no leader
+	maxTerm Term
+	started bool
+	pending []LeaderInfo
+}
+
+func (o *observer) leader(info LeaderInfo) {
+	if info.Term > o.maxTerm {
+		o.maxTerm, o.cur, o.started = info.Term, info, true
+		o.pending = append(o.pending, info)
+	}
+}
+
+func (o *observer) none() {
+	if !o.started || o.cur.Pid != 0 {
+		o.cur, o.started = LeaderInfo{}, true
+		o.pending = append(o.pending, LeaderInfo{})
+	}
+}
+
+func (e *Election) observe(ctx context.Context, sub *subscription, out chan<- LeaderInfo) {
+	var o observer
+	tick := time.NewTicker(e.c.cfg.heartbeat)
+	defer tick.Stop()
+	check := func(resync bool) {
+		info, err := e.Leader(ctx)
+		switch {
+		case errors.Is(err, ErrNoLeader):
+			o.none()
+		case err == nil && (resync || !o.started || !e.c.listening.Load()):
+			// A new leader is taken from its notification, which keeps
+			// the order; read here only when notifications may be lost.
+			o.leader(info)
+		}
+	}
+	check(true)
+	for {
+		var send chan<- LeaderInfo
+		var head LeaderInfo
+		if len(o.pending) > 0 {
+			send, head = out, o.pending[0]
+		}
+		select {
+		case send <- head:
+			o.pending = o.pending[1:]
+		case <-tick.C:
+			check(false)
+		case <-sub.kick:
+			sub.mu.Lock()
+			q := sub.queue
+			sub.queue = nil
+			sub.mu.Unlock()
+			for _, p := range q {
+				e.observed(&o, p, check)
+			}
+		case <-ctx.Done():
+			return
+		case <-e.c.closing.Done():
+			return
+		}
+	}
+}
+
+// observed applies one payload of the election's channel.
+func (e *Election) observed(o *observer, payload string, check func(bool)) {
+	if payload == "" {
+		check(true)
+		return
+	}
+	rest := strings.TrimPrefix(payload, e.prefix)
+	kind, rest, _ := strings.Cut(rest, ":")
+	switch kind {
+	case "lead":
+		f := strings.SplitN(rest, ":", 4)
+		if len(f) != 4 {
+			return
+		}
+		term, err1 := strconv.ParseInt(f[0], 10, 64)
+		pid, err2 := strconv.ParseInt(f[1], 10, 32)
+		micros, err3 := strconv.ParseInt(f[2], 10, 64)
+		if err1 != nil || err2 != nil || err3 != nil {
+			return
+		}
+		o.leader(LeaderInfo{Identity: f[3], Term: Term(term), Since: time.UnixMicro(micros), Pid: int32(pid)})
+	case "end":
+		if term, err := strconv.ParseInt(rest, 10, 64); err == nil && Term(term) == o.cur.Term {
+			o.none()
+		}
+	}
+}

@@ -1,0 +1,280 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// migratedDB returns a fresh database with pgcoord's tables.
+func migratedDB(t *testing.T) string {
+	t.Helper()
+	dsn := pgtest.DB(t)
+	if err := Migrate(testCtx(t), pgtest.Pool(t, dsn)); err != nil {
+		t.Fatal(err)
+	}
+	return dsn
+}
+
+// nextInfo receives the next LeaderInfo from an Observe channel.
+func nextInfo(t *testing.T, ch <-chan LeaderInfo) LeaderInfo {
+	t.Helper()
+	select {
+	case info, ok := <-ch:
+		if !ok {
+			t.Fatal("Observe channel closed")
+		}
+		return info
+	case <-time.After(testTimeout):
+		t.Fatal("no change observed")
+	}
+	return LeaderInfo{}
+}
+
+func TestElectionCampaignLeaderResign(t *testing.T) {
+	t.Parallel()
+	dsn := migratedDB(t)
+	ctx := testCtx(t)
+	a := newTestClient(t, dsn)
+	b := newTestClient(t, dsn)
+	ea := a.Election("scheduler", WithIdentity("pod-a"))
+	eb := b.Election("scheduler", WithIdentity("pod-b"))
+
+	if _, err := ea.Leader(ctx); !errors.Is(err, ErrNoLeader) {
+		t.Fatalf("Leader before any campaign: %v, want ErrNoLeader", err)
+	}
+	obs := eb.Observe(ctx)
+	if info := nextInfo(t, obs); info != (LeaderInfo{}) {
+		t.Fatalf("first observation %+v, want no leader", info)
+	}
+
+	la, err := ea.Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := eb.Leader(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Identity != "pod-a" || info.Term != la.Term() || info.Term < 1 {
+		t.Fatalf("Leader = %+v, want pod-a with term %d", info, la.Term())
+	}
+	heldOnlyBy(t, dsn, ea.Key(), info.Pid)
+	if got := nextInfo(t, obs); got.Identity != "pod-a" || got.Term != la.Term() || got.Pid != info.Pid {
+		t.Fatalf("observed %+v, want %+v", got, info)
+	}
+
+	// b campaigns while a leads; a resigns; b leads with a greater term.
+	won := make(chan *Leadership, 1)
+	go func() {
+		lb, err := eb.Campaign(ctx)
+		if err != nil {
+			t.Error(err)
+		}
+		won <- lb
+	}()
+	pgtest.Eventually(t, testTimeout, "b waits for the election lock", func() bool { return waitingOn(t, dsn, ea.Key()) == 1 })
+	if err := la.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if la.Context().Err() == nil || !errors.Is(la.Err(), ErrNotHeld) {
+		t.Fatalf("after Resign: ctx err %v, Err %v", la.Context().Err(), la.Err())
+	}
+	lb := <-won
+	if lb == nil {
+		t.FailNow()
+	}
+	if lb.Term() <= la.Term() {
+		t.Fatalf("term %d after %d", lb.Term(), la.Term())
+	}
+	// Observe shows a's end, then b (or b directly, if b's win committed
+	// before a's end was read).
+	got := nextInfo(t, obs)
+	if got == (LeaderInfo{}) {
+		got = nextInfo(t, obs)
+	}
+	if got.Identity != "pod-b" || got.Term != lb.Term() {
+		t.Fatalf("observed %+v, want pod-b term %d", got, lb.Term())
+	}
+	// The term is a fence: a's is stale, b's is current.
+	tx, err := pgtest.Pool(t, dsn).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if err := CheckFence(ctx, tx, ea.Key(), int64(la.Term())); !errors.Is(err, ErrStaleFence) {
+		t.Fatalf("CheckFence(old term) = %v, want ErrStaleFence", err)
+	}
+	if err := CheckFence(ctx, tx, ea.Key(), int64(lb.Term())); err != nil {
+		t.Fatalf("CheckFence(new term) = %v", err)
+	}
+	if err := lb.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	notHeld(t, dsn, ea.Key())
+	if _, err := ea.Leader(ctx); !errors.Is(err, ErrNoLeader) {
+		t.Fatalf("Leader after the last resign: %v, want ErrNoLeader", err)
+	}
+	if got := nextInfo(t, obs); got != (LeaderInfo{}) {
+		t.Fatalf("observed %+v after the last resign, want no leader", got)
+	}
+}
+
+// After the leader's backend is terminated while its process lives, the
+// old leader's context is cancelled before the new leader's fn starts,
+// and the new term is greater.
+func TestElectionTerminatedLeaderBackend(t *testing.T) {
+	t.Parallel()
+	dsn := migratedDB(t)
+	ctx := testCtx(t)
+	opts := []Option{WithHeartbeat(100 * time.Millisecond), WithLossDeadline(time.Second)}
+	a := newTestClient(t, dsn, opts...)
+	b := newTestClient(t, dsn, opts...)
+	ea := a.Election("jobs", WithIdentity("a"))
+	eb := b.Election("jobs", WithIdentity("b"))
+
+	la, err := ea.Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var aEnded time.Time
+	aCtxDone := make(chan struct{})
+	go func() {
+		<-la.Context().Done()
+		aEnded = time.Now()
+		close(aCtxDone)
+	}()
+	type win struct {
+		at time.Time
+		ld *Leadership
+	}
+	won := make(chan win, 1)
+	runCtx, stop := context.WithCancel(ctx)
+	ran := make(chan struct{})
+	defer func() { stop(); <-ran }()
+	go func() {
+		defer close(ran)
+		err := eb.Run(runCtx, func(lctx context.Context, term Term) error {
+			won <- win{time.Now(), nil}
+			<-lctx.Done()
+			return lctx.Err()
+		})
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("Run: %v, want context.Canceled", err)
+		}
+	}()
+	pgtest.Eventually(t, testTimeout, "b waits for the election lock", func() bool { return waitingOn(t, dsn, ea.Key()) == 1 })
+	info, err := ea.Leader(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Terminate(t, dsn, info.Pid)
+	w := <-won
+	select {
+	case <-aCtxDone:
+	default:
+		t.Fatal("b leads while a's leader context is not cancelled")
+	}
+	if w.at.Before(aEnded) {
+		t.Fatalf("b started %v before a's context was cancelled", aEnded.Sub(w.at))
+	}
+	if !errors.Is(context.Cause(la.Context()), ErrLockLost) {
+		t.Fatalf("a's cause: %v, want ErrLockLost", context.Cause(la.Context()))
+	}
+	nb, err := eb.Leader(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if nb.Identity != "b" || nb.Term <= la.Term() {
+		t.Fatalf("new leader %+v, old term %d", nb, la.Term())
+	}
+	<-la.Done()
+}
+
+func TestElectionRequestResign(t *testing.T) {
+	t.Parallel()
+	dsn := migratedDB(t)
+	ctx := testCtx(t)
+	a := newTestClient(t, dsn)
+	b := newTestClient(t, dsn)
+	outsider := newTestClient(t, dsn)
+
+	type start struct {
+		who  string
+		term Term
+		at   time.Time
+	}
+	starts := make(chan start, 10)
+	ends := make(chan start, 10)
+	runCtx, stop := context.WithCancel(ctx)
+	var running sync.WaitGroup
+	defer func() { stop(); running.Wait() }()
+	for _, p := range []struct {
+		c   *Client
+		who string
+	}{{a, "a"}, {b, "b"}} {
+		e := p.c.Election("cron", WithIdentity(p.who))
+		running.Add(1)
+		go func() {
+			defer running.Done()
+			_ = e.Run(runCtx, func(lctx context.Context, term Term) error {
+				starts <- start{p.who, term, time.Now()}
+				<-lctx.Done()
+				ends <- start{p.who, term, time.Now()}
+				return nil
+			})
+		}()
+	}
+	first := <-starts
+	e := outsider.Election("cron")
+	if err := e.RequestResign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	second := <-starts
+	end := <-ends
+	if second.who == first.who || second.term <= first.term {
+		t.Fatalf("after RequestResign: %+v then %+v", first, second)
+	}
+	if end.who != first.who || end.at.After(second.at) {
+		t.Fatalf("old leader's context ended at %v, new leader started at %v", end.at, second.at)
+	}
+	stop()
+}
+
+func TestElectionBadInput(t *testing.T) {
+	t.Parallel()
+	c, err := New(pgtest.Pool(t, pgtest.DB(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx := testCtx(t)
+	for _, tc := range []struct {
+		e    *Election
+		want string
+	}{
+		{c.Election(""), "election name is empty"},
+		{c.Election("a\x00b"), "NUL"},
+		{c.Election(strings.Repeat("x", 10000)), "at most 1024"},
+		{c.Election("ok", WithIdentity("")), "identity is empty"},
+		{c.Election("ok", nil), "nil option"},
+	} {
+		if _, err := tc.e.Campaign(ctx); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("Campaign: %v, want an error containing %q", err, tc.want)
+		}
+		if _, err := tc.e.Leader(ctx); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("Leader: %v, want an error containing %q", err, tc.want)
+		}
+	}
+	// Hostile but valid names are data, never SQL.
+	for _, name := range []string{`'; DROP TABLE leaders; --`, `"quoted"`, strings.Repeat("é", 500)} {
+		if _, err := c.Election(name).Leader(ctx); err == nil || !errors.Is(err, ErrNotMigrated) {
+			t.Errorf("Leader(%.20q) on an unmigrated database: %v, want ErrNotMigrated", name, err)
+		}
+	}
+}
