@@ -98,7 +98,8 @@ func TestTransactionPoolingIdlePool(t *testing.T) {
 
 // Behind PgBouncer in transaction pooling mode with a busy pool, where the
 // server connection changes between transactions, session locks are
-// refused every time and nothing is left on any backend.
+// refused every time and nothing is left on any backend; the
+// transaction-level functions work.
 func TestTransactionPoolingBusyPool(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
@@ -143,6 +144,34 @@ func TestTransactionPoolingBusyPool(t *testing.T) {
 		if n := len(lockState(t, dsn)); n != 0 {
 			t.Fatalf("attempt %d: %d advisory locks on the server, want none", i, n)
 		}
+	}
+	// Transaction-level locks work through the busy pool.
+	for i := range 5 {
+		err := InTx(ctx, pool, []Key{k}, func(tx pgx.Tx) error {
+			var pid int32
+			if err := tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+				return err
+			}
+			heldOnlyBy(t, dsn, k, pid)
+			return nil
+		})
+		if err != nil {
+			t.Fatalf("InTx %d through a busy transaction pool: %v", i, err)
+		}
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := XactLock(ctx, tx, k); err != nil {
+			t.Fatalf("XactLock %d through a busy transaction pool: %v", i, err)
+		}
+		if len(grantedTo(t, dsn, k)) != 1 {
+			t.Fatal("XactLock through a busy pool holds nothing")
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		notHeld(t, dsn, k)
 	}
 }
 
