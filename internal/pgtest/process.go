@@ -130,6 +130,17 @@ func (p *Process) Kill(t testing.TB) {
 // been reaped.
 func (p *Process) Exited() <-chan struct{} { return p.c.done }
 
+// ExitErr returns how the child exited (nil for status 0, an
+// *exec.ExitError otherwise) once Exited is closed, and nil before.
+func (p *Process) ExitErr() error {
+	select {
+	case <-p.c.done:
+		return p.c.err
+	default:
+		return nil
+	}
+}
+
 // Stderr returns what the child wrote to its standard error so far.
 func (p *Process) Stderr() string {
 	p.mu.Lock()
