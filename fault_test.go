@@ -34,7 +34,7 @@ import (
 
 // Environment of a child process of the fault tests.
 const (
-	faultChildEnv  = "PGCOORD_FAULT_CHILD"  // the child's role: "holder"
+	faultChildEnv  = "PGCOORD_FAULT_CHILD"  // the child's role: "holder" or "soak"
 	faultDSNEnv    = "PGCOORD_FAULT_DSN"    // the database
 	faultTargetEnv = "PGCOORD_FAULT_TARGET" // what to hold, as faultTarget.String gives it
 	faultOptsEnv   = "PGCOORD_FAULT_OPTS"   // Client options, as "loss=5s,beat=1s"
@@ -170,7 +170,8 @@ func backendGone(t testing.TB, pool *pgxpool.Pool, pid int32) {
 	})
 }
 
-// childOptions encodes Client options for a child process.
+// childOptions encodes Client options for a child process; parseChildOptions
+// also takes "app=NAME" for WithApplicationName.
 func childOptions(loss, beat time.Duration) string {
 	return fmt.Sprintf("loss=%v,beat=%v", loss, beat)
 }
@@ -182,6 +183,10 @@ func parseChildOptions(s string) ([]Option, error) {
 			continue
 		}
 		k, v, _ := strings.Cut(kv, "=")
+		if k == "app" {
+			opts = append(opts, WithApplicationName(v))
+			continue
+		}
 		d, err := time.ParseDuration(v)
 		if err != nil {
 			return nil, fmt.Errorf("option %q: %w", kv, err)
@@ -191,6 +196,7 @@ func parseChildOptions(s string) ([]Option, error) {
 			opts = append(opts, WithLossDeadline(d))
 		case "beat":
 			opts = append(opts, WithHeartbeat(d))
+
 		default:
 			return nil, fmt.Errorf("unknown option %q", kv)
 		}
@@ -286,6 +292,8 @@ func faultChildMain(role string) int {
 	switch role {
 	case "holder":
 		err = runHolderChild(out)
+	case "soak":
+		err = runSoakChild(out)
 	default:
 		err = fmt.Errorf("unknown role %q", role)
 	}
