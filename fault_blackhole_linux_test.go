@@ -55,20 +55,7 @@ func TestFaultBlackhole(t *testing.T) {
 		t.Fatal(err)
 	}
 	oldPID := h.pid()
-	type acquired struct {
-		h   faultHold
-		at  time.Time
-		err error
-	}
-	ch := make(chan acquired, 1)
-	go func() {
-		h, err := target.acquire(ctx, contender)
-		ch <- acquired{h, time.Now(), err}
-	}()
-	pgtest.Eventually(t, testTimeout, "the contender waits on the server", func() bool {
-		_, waiting := target.holders(t, dsn)
-		return waiting == 1
-	})
+	ch := startContender(t, ctx, target, contender, dsn)
 
 	// Every connection of the holder's Client, by its port on the client side.
 	admin := pgtest.Conn(t, dsn)
@@ -123,12 +110,7 @@ func TestFaultBlackhole(t *testing.T) {
 		t.Fatalf("pg_locks when the holder gave up: held by %v with %d waiting, want the old backend %d and the contender waiting", pids, waiting, oldPID)
 	}
 
-	var r acquired
-	select {
-	case r = <-ch:
-	case <-time.After(testTimeout):
-		t.Fatal("the contender never acquired")
-	}
+	r := <-ch
 	if r.err != nil {
 		t.Fatal(r.err)
 	}

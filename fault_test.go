@@ -283,6 +283,38 @@ func (p *faultProc) ended(t testing.TB) (at time.Time, lost bool, why string) {
 	return time.Unix(0, ns), f[2] == "lost=true", strings.Join(f[3:], " ")
 }
 
+// acquired is the outcome of a contender's acquire, and when it returned.
+type acquired struct {
+	h   faultHold
+	at  time.Time
+	err error
+}
+
+// startContender starts acquiring target through c and returns once the acquire
+// waits on the server (the target being held). The channel delivers the
+// outcome, or a timeout error after testTimeout.
+func startContender(t testing.TB, ctx context.Context, target faultTarget, c *Client, dsn string) <-chan acquired {
+	t.Helper()
+	ch, out := make(chan acquired, 1), make(chan acquired, 1)
+	go func() {
+		h, err := target.acquire(ctx, c)
+		ch <- acquired{h, time.Now(), err}
+	}()
+	pgtest.Eventually(t, testTimeout, "the contender waits on the server", func() bool {
+		_, waiting := target.holders(t, dsn)
+		return waiting == 1
+	})
+	go func() {
+		select {
+		case r := <-ch:
+			out <- r
+		case <-time.After(testTimeout):
+			out <- acquired{err: fmt.Errorf("the contender did not acquire within %v", testTimeout)}
+		}
+	}()
+	return out
+}
+
 // faultChildMain runs a child process of the fault tests, in the role
 // named by PGCOORD_FAULT_CHILD, and returns its exit code. It reports on
 // standard output, one event a line, and takes commands on standard input.
@@ -447,28 +479,9 @@ func TestFaultHolderLoss(t *testing.T) {
 				t.Fatalf("pg_locks: %v held by %v, want the child's backend %d", target, pids, oldPID)
 			}
 
-			type acquired struct {
-				h   faultHold
-				at  time.Time
-				err error
-			}
-			ch := make(chan acquired, 1)
-			go func() {
-				h, err := target.acquire(ctx, c)
-				ch <- acquired{h, time.Now(), err}
-			}()
-			pgtest.Eventually(t, testTimeout, "the contender waits on the server", func() bool {
-				_, waiting := target.holders(t, dsn)
-				return waiting == 1
-			})
-
+			ch := startContender(t, ctx, target, c, dsn)
 			faulted := tc.inject(t, p, dsn, oldPID)
-			var r acquired
-			select {
-			case r = <-ch:
-			case <-time.After(testTimeout):
-				t.Fatal("the contender did not acquire after the fault")
-			}
+			r := <-ch
 			if r.err != nil {
 				t.Fatalf("contender: %v", r.err)
 			}
