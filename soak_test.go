@@ -491,7 +491,12 @@ func TestFaultSoak(t *testing.T) {
 			t.Errorf("write %s returned ok but is not in fault_writes", id)
 		}
 	}
+	t.Logf("soak of %v with %d children: %d operations: %d acquires returned a fence, %d failed or were cut short; "+
+		"%d writes accepted, %d refused as stale, %d failed or cut short (%d of them committed, %d not)",
+		*soakFor, children, len(h.calls), f.acquired, f.acquireUnknown, f.written, f.stale, f.writeUnknown, f.resolvedWritten, f.resolvedNotFound)
+	t.Logf("faults injected: %v", f.faults)
 	illegal := 0
+	checked := time.Now()
 	for _, k := range kinds {
 		var mine []porcupine.Operation
 		for _, op := range ops {
@@ -504,11 +509,7 @@ func TestFaultSoak(t *testing.T) {
 			t.Errorf("%s: %v", k.name, err)
 		}
 	}
-	stored := storedFences(t, ctx, pool, &config{schema: DefaultSchema})
-	t.Logf("soak of %v with %d children: %d operations: %d acquires returned a fence, %d failed or were cut short; "+
-		"%d writes accepted, %d refused as stale, %d failed or cut short (%d of them committed, %d not)",
-		*soakFor, children, len(h.calls), f.acquired, f.acquireUnknown, f.written, f.stale, f.writeUnknown, f.resolvedWritten, f.resolvedNotFound)
-	t.Logf("faults injected: %v", f.faults)
-	t.Logf("histories not linearizable: %d; fences going backwards in fault_writes: %d; highest fence returned per target: %v; fences table: %v",
-		illegal, backwards, f.maxFence, stored)
+	stored := storedFences(t, testCtx(t), pool, &config{schema: DefaultSchema})
+	t.Logf("porcupine checked the histories in %v: %d not linearizable; fences going backwards in fault_writes: %d; highest fence returned per target: %v; fences table: %v",
+		time.Since(checked).Round(time.Millisecond), illegal, backwards, f.maxFence, stored)
 }
