@@ -446,7 +446,12 @@ func TestFaultSoak(t *testing.T) {
 	for _, p := range procs {
 		select {
 		case <-p.Exited():
+			// A child that stopped by itself also passed the race detector.
+			if err := p.ExitErr(); err != nil {
+				t.Errorf("soak child %d: %v\n%s", p.Pid(), err, p.Stderr())
+			}
 		case <-time.After(testTimeout):
+			t.Errorf("soak child %d did not stop within %v", p.Pid(), testTimeout)
 			p.Kill(t)
 		}
 	}
