@@ -41,17 +41,7 @@ func TestFaultLossWhileIssuingFence(t *testing.T) {
 	}
 
 	ch := goLock(func() (*Lock, error) { return c.Lock(ctx, k, WithFence()) })
-	var issuing int32
-	pgtest.Eventually(t, testTimeout, "the acquire holds the key and waits to issue its fence", func() bool {
-		pids := grantedTo(t, dsn, k)
-		if len(pids) != 1 {
-			return false
-		}
-		var waiting bool
-		err := pool.QueryRow(ctx, "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pids[0]).Scan(&waiting)
-		issuing = pids[0]
-		return err == nil && waiting
-	})
+	issuing := awaitIssuingFence(t, pool, dsn, k)
 	pgtest.Terminate(t, dsn, issuing)
 	pgtest.Eventually(t, testTimeout, "the acquire goes on on another backend", func() bool {
 		pids := grantedTo(t, dsn, k)
