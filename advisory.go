@@ -217,8 +217,10 @@ func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, tr
 	} else {
 		l, err = c.take(ctx, r)
 	}
-	if err != nil {
+	if err != nil || !l.claimGates() {
 		c.leaveAll(r)
+	}
+	if err != nil {
 		return nil, c.acquireErr(ctx, r, err)
 	}
 	return l, nil

@@ -188,7 +188,7 @@ func (c *Client) handoff(l *Lock) bool {
 		if _, ok := s.locks[l]; !ok || s.err != nil {
 			return nil
 		}
-		next := &Lock{s: s, keys: l.keys, done: make(chan struct{})}
+		next := &Lock{s: s, keys: l.keys, gated: true, done: make(chan struct{})}
 		delete(s.locks, l)
 		s.locks[next] = struct{}{}
 		l.finish(ErrNotHeld) // the old handle ends before the new one is delivered

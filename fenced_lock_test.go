@@ -160,15 +160,7 @@ func TestFencedAcquireWaitsForCheckedTransaction(t *testing.T) {
 
 	bch := goLock(func() (*Lock, error) { return b.Lock(ctx, k, WithFence()) })
 	// B holds the advisory lock but waits for the fence row.
-	pgtest.Eventually(t, testTimeout, "B holds the key and waits for the fence row", func() bool {
-		pids := grantedTo(t, dsn, k)
-		if len(pids) != 1 {
-			return false
-		}
-		var waiting bool
-		err := pool.QueryRow(ctx, "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pids[0]).Scan(&waiting)
-		return err == nil && waiting
-	})
+	awaitIssuingFence(t, pool, dsn, k)
 	stillWaiting(t, bch)
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
@@ -181,6 +173,26 @@ func TestFencedAcquireWaitsForCheckedTransaction(t *testing.T) {
 		t.Fatalf("B's fence %d, want %d", r.l.Fence(), la.Fence()+1)
 	}
 	mustUnlock(t, r.l)
+}
+
+// awaitIssuingFence waits until one backend holds k and waits for a row
+// lock (the fence row, share-locked by a transaction that checked the
+// fence), and returns that backend.
+func awaitIssuingFence(t *testing.T, pool *pgxpool.Pool, dsn string, k Key) int32 {
+	t.Helper()
+	ctx := testCtx(t)
+	var pid int32
+	pgtest.Eventually(t, testTimeout, "a backend holds the key and waits to issue its fence", func() bool {
+		pids := grantedTo(t, dsn, k)
+		if len(pids) != 1 {
+			return false
+		}
+		var waiting bool
+		err := pool.QueryRow(ctx, "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pids[0]).Scan(&waiting)
+		pid = pids[0]
+		return err == nil && waiting
+	})
+	return pid
 }
 
 func TestWithFenceNeedsMigrateAndExclusiveSingleKey(t *testing.T) {

@@ -21,6 +21,7 @@ type Lock struct {
 	mu        sync.Mutex
 	err       error // nil while held
 	releasing bool  // Unlock has begun
+	gated     bool  // the lock, not its acquire, owns its keys' in-process gates
 	done      chan struct{}
 }
 
@@ -76,13 +77,28 @@ func (l *Lock) finishThen(why error, then func()) bool {
 
 // end finishes the lock and lets the next goroutine of this Client at its
 // keys. The keys' gates are left before Done closes, so a caller that sees
-// Done closed can take the keys again in this process at once.
+// Done closed can take the keys again in this process at once. A lock that
+// ends before its acquire has handed it over (claimGates) leaves the gates
+// to the acquire.
 func (l *Lock) end(why error) {
 	l.finishThen(why, func() {
+		if !l.gated {
+			return
+		}
 		for _, k := range l.keys {
 			l.s.c.gates.leave(k, l.shared)
 		}
 	})
+}
+
+// claimGates makes l, about to be returned by its acquire, the owner of its
+// keys' gates. It reports false if l has ended already: the gates are
+// still the acquire's to leave.
+func (l *Lock) claimGates() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.gated = l.err == nil
+	return l.gated
 }
 
 // Unlock releases the lock. It works even if ctx is already cancelled: the

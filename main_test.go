@@ -10,6 +10,9 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	if role := os.Getenv(faultChildEnv); role != "" {
+		os.Exit(faultChildMain(role)) // a child process of the fault tests
+	}
 	pgtest.Main(leakChecked{m})
 }
 

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -69,36 +70,13 @@ func TestTransactionPoolingIdlePool(t *testing.T) {
 	}
 
 	// Transaction-level locks work through the same pool.
-	err := InTx(ctx, pool, []Key{k, HashKey("pooled-2")}, func(tx pgx.Tx) error {
-		var pid int32
-		if err := tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
-			return err
-		}
-		heldOnlyBy(t, dsn, k, pid)
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := XactLock(ctx, tx, k); err != nil {
-		t.Fatal(err)
-	}
-	if len(grantedTo(t, dsn, k)) != 1 {
-		t.Fatal("XactLock through PgBouncer holds nothing")
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	notHeld(t, dsn, k)
+	xactLocksWork(t, ctx, pool, dsn, k, HashKey("pooled-2"))
 }
 
 // Behind PgBouncer in transaction pooling mode with a busy pool, where the
 // server connection changes between transactions, session locks are
-// refused every time and nothing is left on any backend.
+// refused every time and nothing is left on any backend; the
+// transaction-level functions work.
 func TestTransactionPoolingBusyPool(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
@@ -144,6 +122,43 @@ func TestTransactionPoolingBusyPool(t *testing.T) {
 			t.Fatalf("attempt %d: %d advisory locks on the server, want none", i, n)
 		}
 	}
+	// Transaction-level locks work through the busy pool.
+	for range 5 {
+		xactLocksWork(t, ctx, pool, dsn, k)
+	}
+}
+
+// xactLocksWork checks InTx on keys, then XactLock on the first key,
+// through pool: each holds its keys on its transaction's backend
+// (pg_locks) and frees them at the end of the transaction.
+func xactLocksWork(t *testing.T, ctx context.Context, pool *pgxpool.Pool, dsn string, keys ...Key) {
+	t.Helper()
+	k := keys[0]
+	err := InTx(ctx, pool, keys, func(tx pgx.Tx) error {
+		var pid int32
+		if err := tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+			return err
+		}
+		heldOnlyBy(t, dsn, k, pid)
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("InTx through a transaction pool: %v", err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := XactLock(ctx, tx, k); err != nil {
+		t.Fatalf("XactLock through a transaction pool: %v", err)
+	}
+	if len(grantedTo(t, dsn, k)) != 1 {
+		t.Fatal("XactLock through PgBouncer holds nothing")
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	notHeld(t, dsn, k)
 }
 
 // Behind PgBouncer in session pooling mode a client keeps its server
