@@ -3,7 +3,6 @@ package pgcoord
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -62,11 +61,11 @@ func Open(ctx context.Context, connString string, opts ...Option) (*Client, erro
 	}
 	pool, err := pgxpool.New(ctx, connString)
 	if err != nil {
-		return nil, fmt.Errorf("pgcoord: Open: %w", err)
+		return nil, errorf("Open: %w", err)
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		return nil, fmt.Errorf("pgcoord: Open: %w", err)
+		return nil, errorf("Open: %w", err)
 	}
 	return newClient(pool, true, opts)
 }

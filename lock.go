@@ -105,9 +105,9 @@ func (l *Lock) Unlock(ctx context.Context) error {
 		err := l.err
 		l.mu.Unlock()
 		if err == nil {
-			err = fmt.Errorf("%w: another Unlock is releasing it", ErrNotHeld)
+			err = errorf("%w: another Unlock is releasing it", ErrNotHeld)
 		}
-		return fmt.Errorf("pgcoord: unlock %s: %w", keyList(l.keys), err)
+		return errorf("unlock %s: %w", keyList(l.keys), err)
 	}
 	l.releasing = true
 	l.mu.Unlock()
@@ -123,7 +123,7 @@ func (l *Lock) Unlock(ctx context.Context) error {
 	if !mine {
 		// The session ended meanwhile and is ending this lock.
 		<-l.done
-		return fmt.Errorf("pgcoord: unlock %s: %w", keyList(l.keys), l.Err())
+		return errorf("unlock %s: %w", keyList(l.keys), l.Err())
 	}
 	// The release is bounded by the session's lease: with no answer
 	// from the server for the loss deadline, the session is lost and its
@@ -131,7 +131,7 @@ func (l *Lock) Unlock(ctx context.Context) error {
 	err := s.releaseKeys(context.WithoutCancel(ctx), l.keys, l.shared)
 	l.end(ErrNotHeld)
 	if err != nil {
-		return fmt.Errorf("pgcoord: unlock %s: %w", keyList(l.keys), err)
+		return errorf("unlock %s: %w", keyList(l.keys), err)
 	}
 	return nil
 }
