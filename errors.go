@@ -65,6 +65,11 @@ var (
 	// with the same schema first.
 	ErrNotMigrated = errors.New("pgcoord: tables missing; run pgcoord.Migrate first")
 
+	// ErrForeignBackend is returned by Client.Terminate for a backend that
+	// is not pgcoord's: its application_name is not the Client's, or it is
+	// connected to another database. Client.TerminateAny ends it anyway.
+	ErrForeignBackend = errors.New("pgcoord: not a pgcoord backend of this database")
+
 	// ErrInvalidKey is returned for the zero Key, HashKey with no parts, an
 	// empty key list, or a key string or pg_locks row that cannot be decoded.
 	ErrInvalidKey = errors.New("pgcoord: invalid key")

@@ -70,6 +70,7 @@ type config struct {
 	maxHandoffs    int
 	handoffWindow  time.Duration
 	sessionPooler  bool
+	keyNames       map[Key]string
 }
 
 // waitSlice is how long one slice of a blocking acquire waits on the
