@@ -202,8 +202,27 @@ func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, tr
 		return nil, err
 	}
 	defer c.wg.Done()
+	if !c.observed() {
+		l, _, err := c.acquireGated(ctx, s, r, false)
+		return l, err
+	}
+	start := time.Now()
+	l, handoff, err := c.acquireGated(ctx, s, r, true)
+	c.acquired(start, r, l, handoff, err)
+	return l, err
+}
+
+// acquireGated is acquire after the checks. It reports whether the lock
+// was handed over by a releasing goroutine; observed reports contention
+// to the hooks and the logger.
+func (c *Client) acquireGated(ctx context.Context, s *Session, r request, observed bool) (*Lock, bool, error) {
 	ctx, cancel := c.acquireCtx(ctx)
 	defer cancel()
+	shared, try := r.shared, r.try
+	var queued func()
+	if observed {
+		queued = func() { c.contended(r, true) }
+	}
 
 	var accept func(*Lock) bool
 	if !shared && len(r.keys) == 1 {
@@ -213,37 +232,45 @@ func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, tr
 		}
 	}
 	for i, k := range r.keys {
-		handed, ok, err := c.gates.enter(ctx, k, shared, try, accept)
+		handed, ok, err := c.gates.enter(ctx, k, shared, try, accept, queued)
 		if err == nil && !ok {
+			if observed {
+				c.contended(r, true)
+			}
 			err = errorf("%w (by this process)", ErrLocked)
 		}
 		if err != nil {
 			for _, k := range r.keys[:i] {
 				c.gates.leave(k, shared)
 			}
-			return nil, c.acquireErr(ctx, r, err)
+			return nil, false, c.acquireErr(ctx, r, err)
 		}
 		if handed != nil {
 			if r.fence {
 				if err := handed.s.issueFence(ctx, handed); err != nil {
+					handed.unreported.Store(true) // the acquire fails: no release to report
 					_ = handed.Unlock(ctx)
-					return nil, c.acquireErr(ctx, r, err)
+					return nil, false, c.acquireErr(ctx, r, err)
 				}
 			}
-			return handed, nil
+			return handed, true, nil
 		}
 	}
 	var l *Lock
+	var err error
 	if s != nil {
 		l, err = s.take(ctx, r)
 	} else {
 		l, err = c.take(ctx, r)
 	}
 	if err != nil {
+		if observed && try && errors.Is(err, ErrLocked) {
+			c.contended(r, false)
+		}
 		c.leaveAll(r)
-		return nil, c.acquireErr(ctx, r, err)
+		return nil, false, c.acquireErr(ctx, r, err)
 	}
-	return l, nil
+	return l, false, nil
 }
 
 func (c *Client) leaveAll(r request) {

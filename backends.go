@@ -55,6 +55,8 @@ type Stat struct {
 	Waits       int // blocking acquires waiting on the server
 	QueuedWaits int // blocking acquires queued in the process for a wait slot
 	Locks       int // live Lock handles, on backends and Sessions
+
+	DroppedHookEvents int64 // events not delivered to WithHooks' hooks because too many were pending
 }
 
 // Stat returns a snapshot of the Client's connections, waits and locks.
@@ -66,6 +68,8 @@ func (c *Client) Stat() Stat {
 		Sessions:    len(c.sessions) - len(c.backends),
 		Connecting:  c.opening,
 		QueuedWaits: int(c.queuedWaits.Load()),
+
+		DroppedHookEvents: c.hooks.droppedEvents(),
 	}
 	for s := range c.sessions {
 		if s.waiter {
@@ -131,6 +135,9 @@ func (c *Client) takeOnce(ctx context.Context, r request) (*Lock, error) {
 	l, err := b.take(ctx, tr)
 	if r.try || !errors.Is(err, ErrLocked) {
 		return l, err
+	}
+	if c.observed() {
+		c.contended(r, false)
 	}
 
 	c.queuedWaits.Add(1)

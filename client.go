@@ -25,6 +25,7 @@ type Client struct {
 	afterConnect   func(context.Context, *pgx.Conn) error
 	connectTimeout time.Duration
 	gates          gates
+	hooks          *hookQueue // nil without WithHooks
 
 	closing context.Context // cancelled with ErrClosed by Close
 	stop    context.CancelCauseFunc
@@ -92,6 +93,7 @@ func newClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
 		c.connectTimeout = serverBound(cfg.lossDeadline)
 	}
 	c.closing, c.stop = context.WithCancelCause(context.Background())
+	c.hooks = newHookQueue(cfg.hooks, cfg.warnLogger)
 	return c, nil
 }
 
@@ -124,6 +126,7 @@ func (c *Client) Close() error {
 		<-s.cleaned
 	}
 	c.wg.Wait()
+	c.hooks.close()
 	if c.ownPool {
 		c.pool.Close()
 	}
@@ -183,6 +186,9 @@ func (c *Client) handoff(l *Lock) bool {
 			return nil
 		}
 		next := &Lock{s: s, keys: l.keys, done: make(chan struct{})}
+		if s.c.observed() {
+			next.since = time.Now()
+		}
 		delete(s.locks, l)
 		s.locks[next] = struct{}{}
 		l.finish(ErrNotHeld) // the old handle ends before the new one is delivered

@@ -124,6 +124,9 @@ func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, er
 				if err != nil || got {
 					return got, err
 				}
+				if s.c.observed() {
+					s.c.contended(r, false)
+				}
 			}
 			if err := s.wait(ctx, chunk, r.shared); err != nil {
 				return false, err

@@ -174,7 +174,7 @@ func Migrate(ctx context.Context, db TxBeginner, opts ...Option) error {
 		latest := migs[len(migs)-1].version
 		if have >= latest {
 			if have > latest {
-				c.logger.WarnContext(ctx, "pgcoord: database schema is newer than this version of pgcoord knows", "schema", c.schema, "version", have, "known", latest)
+				c.warnLogger().WarnContext(ctx, "pgcoord: database schema is newer than this version of pgcoord knows", "schema", c.schema, "version", have, "known", latest)
 			}
 			return nil
 		}
@@ -199,7 +199,7 @@ func Migrate(ctx context.Context, db TxBeginner, opts ...Option) error {
 			if _, err := tx.Exec(ctx, "INSERT INTO "+c.table("schema_version")+" (version, name) VALUES ($1, $2)", m.version, m.name); err != nil {
 				return pgError("Migrate: record version", err)
 			}
-			c.logger.InfoContext(ctx, "pgcoord: applied migration", "schema", c.schema, "version", m.version, "name", m.name)
+			c.infoLogger().InfoContext(ctx, "pgcoord: applied migration", "schema", c.schema, "version", m.version, "name", m.name)
 		}
 		return nil
 	})

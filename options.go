@@ -71,6 +71,7 @@ type config struct {
 	handoffWindow  time.Duration
 	sessionPooler  bool
 	keyNames       map[Key]string
+	hooks          Hooks
 }
 
 // waitSlice is how long one slice of a blocking acquire waits on the
@@ -85,7 +86,6 @@ func newConfig(s scope, opts []Option) (*config, error) {
 		scope:        s,
 		heartbeat:    DefaultHeartbeat,
 		lossDeadline: DefaultLossDeadline,
-		logger:       slog.New(slog.DiscardHandler),
 		appName:      "pgcoord",
 		schema:       DefaultSchema,
 
@@ -139,8 +139,13 @@ func WithLossDeadline(d time.Duration) Option {
 	}}
 }
 
-// WithLogger sets the logger for session loss, heartbeat failures and
-// cleanup problems (default: discard). It must not be nil.
+// WithLogger sets the logger of the Client (or of Migrate). Lost locks
+// are logged at Warn (the keys, the backend and the cause), hooks that
+// panic at Error, migrations applied at Info, and every acquire,
+// contention and release at Debug. Without WithLogger, Warn and Error
+// records go to slog.Default() (a lost lock is never silent) and the
+// others are discarded. Debug records cost nothing unless the logger is
+// enabled for Debug. It must not be nil.
 func WithLogger(l *slog.Logger) Option {
 	return optionFunc{"WithLogger", scopeClient | scopeMigrate, func(c *config) error {
 		if l == nil {

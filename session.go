@@ -217,8 +217,16 @@ func (s *Session) end(why error) bool {
 	if interrupt != nil {
 		interrupt(why)
 	}
+	observed := s.c.observed()
 	for l := range locks {
 		l.end(why)
+		switch {
+		case !observed:
+		case errors.Is(why, ErrClosed):
+			l.released(false, why)
+		default:
+			l.lost(why)
+		}
 	}
 	s.c.retire(s)
 	return true
@@ -228,11 +236,25 @@ func (s *Session) end(why error) bool {
 // closes the socket at once so that the server frees them and any
 // statement in flight returns.
 func (s *Session) lose(cause error) {
+	s.state.Lock()
+	n := len(s.locks)
+	var keys []Key
+	for l := range s.locks {
+		if len(keys) >= 4 {
+			break
+		}
+		keys = append(keys, l.keys[0])
+	}
+	s.state.Unlock()
 	err := errorf("%w: %w", ErrLockLost, cause)
 	if !s.end(err) {
 		return
 	}
-	s.c.cfg.logger.Warn("pgcoord: session lost", "pid", s.pid, "err", cause)
+	if n > 0 {
+		s.c.cfg.warnLogger().Warn("pgcoord: locks lost", "locks", n, "keys", keyList(keys), "pid", s.pid, "err", cause)
+	} else {
+		s.c.cfg.infoLogger().Info("pgcoord: connection lost; it held no lock", "pid", s.pid, "err", cause)
+	}
 	s.closeSocket()
 }
 
