@@ -251,7 +251,17 @@ func (s *Session) lose(cause error) {
 		return
 	}
 	if n > 0 {
-		s.c.cfg.warnLogger().Warn("pgcoord: locks lost", "locks", n, "keys", keyList(keys), "pid", s.pid, "err", cause)
+		attrs := []any{"locks", n, "keys", keyList(keys), "pid", s.pid, "err", cause}
+		var names []string
+		for _, k := range keys {
+			if name := s.c.cfg.keyName(k); name != "" {
+				names = append(names, name)
+			}
+		}
+		if len(names) > 0 {
+			attrs = append(attrs, "names", names)
+		}
+		s.c.cfg.warnLogger().Warn("pgcoord: locks lost", attrs...)
 	} else {
 		s.c.cfg.infoLogger().Info("pgcoord: connection lost; it held no lock", "pid", s.pid, "err", cause)
 	}
