@@ -19,8 +19,8 @@ import (
 // is slow only delays later hooks; when more than [MaxPendingHookEvents]
 // events wait, newer ones are dropped and counted in
 // Stat().DroppedHookEvents. A hook that panics is recovered and logged at
-// Error. Hooks may call the Client. Close delivers the events of the locks
-// it ends before it returns.
+// Error. Hooks may call the Client, except Close, which waits for them.
+// Close delivers the events of the locks it ends before it returns.
 //
 // Every Lock that an acquire returned ends in exactly one OnRelease or
 // OnLoss, so acquires minus releases minus losses is the number of locks

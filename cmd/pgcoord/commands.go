@@ -206,7 +206,9 @@ func releaseCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		}
 		if err := terminate(ctx, int32(*pid)); err != nil {
 			if errors.Is(err, pgcoord.ErrForeignBackend) {
-				return fmt.Errorf("%w (pass --force to terminate it anyway)", err)
+				// Name the flag, not the library's TerminateAny.
+				msg, _, _ := strings.Cut(err.Error(), "; use TerminateAny")
+				return errors.New(msg + "; pass --force to terminate it anyway")
 			}
 			return err
 		}
