@@ -3,7 +3,6 @@ package pgcoord
 import (
 	"context"
 	"errors"
-	"fmt"
 	"time"
 )
 
@@ -82,17 +81,18 @@ func (c *Client) TryLock(ctx context.Context, key Key, opts ...LockOption) (*Loc
 
 // RLock blocks until it holds key shared: any number of shared holders
 // coexist, and exclude exclusive ones. A waiting exclusive holder is not
-// starved: PostgreSQL queues new shared requests behind it. ctx and errors
-// are as for Lock.
-func (c *Client) RLock(ctx context.Context, key Key) (*Lock, error) {
-	return c.acquire(ctx, nil, []Key{key}, true, false, nil)
+// starved: PostgreSQL queues new shared requests behind it. ctx, opts and
+// errors are as for Lock, except that [WithFence] is refused (a fence
+// orders exclusive holders).
+func (c *Client) RLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return c.acquire(ctx, nil, []Key{key}, true, false, opts)
 }
 
 // TryRLock takes key shared if no exclusive holder has it, without
-// waiting; otherwise it returns an error wrapping [ErrLocked]. ctx and
-// other errors are as for Lock.
-func (c *Client) TryRLock(ctx context.Context, key Key) (*Lock, error) {
-	return c.acquire(ctx, nil, []Key{key}, true, true, nil)
+// waiting; otherwise it returns an error wrapping [ErrLocked]. ctx, opts
+// and other errors are as for RLock.
+func (c *Client) TryRLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return c.acquire(ctx, nil, []Key{key}, true, true, opts)
 }
 
 // LockAll blocks until it holds every key exclusively, or none. Keys are
@@ -100,6 +100,8 @@ func (c *Client) TryRLock(ctx context.Context, key Key) (*Lock, error) {
 // uses), so two LockAll calls with overlapping keys never deadlock each
 // other. Up to 1000 keys take one round trip; larger sets take one per
 // 1000. ctx and errors are as for Lock; on error no key stays locked.
+// LockAll takes no LockOption: its variadic parameter is the keys, and
+// the one option there is, [WithFence], orders single-key holders.
 func (c *Client) LockAll(ctx context.Context, keys ...Key) (*Lock, error) {
 	return c.acquire(ctx, nil, keys, false, false, nil)
 }
@@ -110,6 +112,13 @@ func (c *Client) LockAll(ctx context.Context, keys ...Key) (*Lock, error) {
 // the wait and is the parent of fn's context. Do returns the acquire
 // error, or fn's error joined with an error wrapping [ErrLockLost] if the
 // lock was lost while fn ran, and the Unlock error if releasing failed.
+// opts are as for Lock. fn finds the held Lock, and so its [Lock.Fence]
+// when opts include [WithFence], with [LockFromContext]:
+//
+//	err := c.Do(ctx, key, func(ctx context.Context) error {
+//		l, _ := pgcoord.LockFromContext(ctx)
+//		return write(ctx, l.Fence())
+//	}, pgcoord.WithFence())
 func (c *Client) Do(ctx context.Context, key Key, fn func(ctx context.Context) error, opts ...LockOption) error {
 	l, err := c.Lock(ctx, key, opts...)
 	if err != nil {
@@ -118,8 +127,21 @@ func (c *Client) Do(ctx context.Context, key Key, fn func(ctx context.Context) e
 	return l.do(ctx, fn)
 }
 
+// LockFromContext returns the Lock that [Client.Do] holds while it runs
+// fn, given fn's context or one derived from it; ok is false for any other
+// context. When Do calls nest, it returns the innermost lock. The Lock
+// gives fn its key, its fence ([WithFence]) and Done; fn must not Unlock
+// it, which Do does when fn returns.
+func LockFromContext(ctx context.Context) (l *Lock, ok bool) {
+	l, ok = ctx.Value(lockContextKey{}).(*Lock)
+	return l, ok
+}
+
+// lockContextKey is the context key of the Lock that Do holds.
+type lockContextKey struct{}
+
 func (l *Lock) do(ctx context.Context, fn func(ctx context.Context) error) error {
-	fctx, cancel := context.WithCancelCause(ctx)
+	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, lockContextKey{}, l))
 	defer cancel(nil)
 	fnDone, watched := make(chan struct{}), make(chan struct{})
 	go func() {
@@ -134,7 +156,7 @@ func (l *Lock) do(ctx context.Context, fn func(ctx context.Context) error) error
 	close(fnDone)
 	<-watched
 	if lost := l.Err(); lost != nil {
-		return errors.Join(err, fmt.Errorf("pgcoord: Do %s: lock ended while fn ran: %w", keyList(l.keys), lost))
+		return errors.Join(err, errorf("Do %s: lock ended while fn ran: %w", keyList(l.keys), lost))
 	}
 	return errors.Join(err, l.Unlock(ctx))
 }
@@ -150,13 +172,13 @@ func (s *Session) TryLock(ctx context.Context, key Key, opts ...LockOption) (*Lo
 }
 
 // RLock is [Client.RLock] on this session's connection.
-func (s *Session) RLock(ctx context.Context, key Key) (*Lock, error) {
-	return s.c.acquire(ctx, s, []Key{key}, true, false, nil)
+func (s *Session) RLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return s.c.acquire(ctx, s, []Key{key}, true, false, opts)
 }
 
 // TryRLock is [Client.TryRLock] on this session's connection.
-func (s *Session) TryRLock(ctx context.Context, key Key) (*Lock, error) {
-	return s.c.acquire(ctx, s, []Key{key}, true, true, nil)
+func (s *Session) TryRLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return s.c.acquire(ctx, s, []Key{key}, true, true, opts)
 }
 
 // LockAll is [Client.LockAll] on this session's connection. A session that
@@ -180,8 +202,27 @@ func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, tr
 		return nil, err
 	}
 	defer c.wg.Done()
+	if !c.observed() {
+		l, _, err := c.acquireGated(ctx, s, r, false)
+		return l, err
+	}
+	start := time.Now()
+	l, handoff, err := c.acquireGated(ctx, s, r, true)
+	c.acquired(start, r, l, handoff, err)
+	return l, err
+}
+
+// acquireGated is acquire after the checks. It reports whether the lock
+// was handed over by a releasing goroutine; observed reports contention
+// to the hooks and the logger.
+func (c *Client) acquireGated(ctx context.Context, s *Session, r request, observed bool) (*Lock, bool, error) {
 	ctx, cancel := c.acquireCtx(ctx)
 	defer cancel()
+	shared, try := r.shared, r.try
+	var queued func()
+	if observed {
+		queued = func() { c.contended(r, true) }
+	}
 
 	var accept func(*Lock) bool
 	if !shared && len(r.keys) == 1 {
@@ -191,27 +232,32 @@ func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, tr
 		}
 	}
 	for i, k := range r.keys {
-		handed, ok, err := c.gates.enter(ctx, k, shared, try, accept)
+		handed, ok, err := c.gates.enter(ctx, k, shared, try, accept, queued)
 		if err == nil && !ok {
-			err = fmt.Errorf("%w (by this process)", ErrLocked)
+			if observed {
+				c.contended(r, true)
+			}
+			err = errorf("%w (by this process)", ErrLocked)
 		}
 		if err != nil {
 			for _, k := range r.keys[:i] {
 				c.gates.leave(k, shared)
 			}
-			return nil, c.acquireErr(ctx, r, err)
+			return nil, false, c.acquireErr(ctx, r, err)
 		}
 		if handed != nil {
 			if r.fence {
 				if err := handed.s.issueFence(ctx, handed); err != nil {
+					handed.unreported.Store(true) // the acquire fails: no release to report
 					_ = handed.Unlock(ctx)
-					return nil, c.acquireErr(ctx, r, err)
+					return nil, false, c.acquireErr(ctx, r, err)
 				}
 			}
-			return handed, nil
+			return handed, true, nil
 		}
 	}
 	var l *Lock
+	var err error
 	if s != nil {
 		l, err = s.take(ctx, r)
 	} else {
@@ -221,9 +267,12 @@ func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, tr
 		c.leaveAll(r)
 	}
 	if err != nil {
-		return nil, c.acquireErr(ctx, r, err)
+		if observed && try && errors.Is(err, ErrLocked) {
+			c.contended(r, false)
+		}
+		return nil, false, c.acquireErr(ctx, r, err)
 	}
-	return l, nil
+	return l, false, nil
 }
 
 func (c *Client) leaveAll(r request) {
@@ -242,7 +291,7 @@ func (c *Client) acquireErr(ctx context.Context, r request, err error) error {
 		cause = context.DeadlineExceeded
 	}
 	if cause != nil && !errors.Is(err, cause) {
-		err = fmt.Errorf("%w: %w", cause, err)
+		err = errorf("%w: %w", cause, err)
 	}
-	return fmt.Errorf("pgcoord: lock %s: %w", keyList(r.keys), err)
+	return errorf("lock %s: %w", keyList(r.keys), err)
 }

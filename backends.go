@@ -3,7 +3,6 @@ package pgcoord
 import (
 	"context"
 	"errors"
-	"fmt"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -56,6 +55,8 @@ type Stat struct {
 	Waits       int // blocking acquires waiting on the server
 	QueuedWaits int // blocking acquires queued in the process for a wait slot
 	Locks       int // live Lock handles, on backends and Sessions
+
+	DroppedHookEvents int64 // events not delivered to WithHooks' hooks because too many were pending
 }
 
 // Stat returns a snapshot of the Client's connections, waits and locks.
@@ -67,6 +68,8 @@ func (c *Client) Stat() Stat {
 		Sessions:    len(c.sessions) - len(c.backends),
 		Connecting:  c.opening,
 		QueuedWaits: int(c.queuedWaits.Load()),
+
+		DroppedHookEvents: c.hooks.droppedEvents(),
 	}
 	for s := range c.sessions {
 		if s.waiter {
@@ -132,6 +135,9 @@ func (c *Client) takeOnce(ctx context.Context, r request) (*Lock, error) {
 	l, err := b.take(ctx, tr)
 	if r.try || !errors.Is(err, ErrLocked) {
 		return l, err
+	}
+	if c.observed() {
+		c.contended(r, false)
 	}
 
 	c.queuedWaits.Add(1)
@@ -392,7 +398,7 @@ func (c *Client) dial(ctx context.Context) (*pgx.Conn, error) {
 	cc := c.connConfig.Copy()
 	if c.beforeConnect != nil {
 		if err := c.beforeConnect(ctx, cc); err != nil {
-			return nil, fmt.Errorf("pgcoord: open connection: BeforeConnect: %w", err)
+			return nil, errorf("open connection: BeforeConnect: %w", err)
 		}
 	}
 	conn, err := pgx.ConnectConfig(ctx, cc)
@@ -402,7 +408,7 @@ func (c *Client) dial(ctx context.Context) (*pgx.Conn, error) {
 	if c.afterConnect != nil {
 		if err := c.afterConnect(ctx, conn); err != nil {
 			closeConn(conn, c.cfg.lossDeadline)
-			return nil, fmt.Errorf("pgcoord: open connection: AfterConnect: %w", err)
+			return nil, errorf("open connection: AfterConnect: %w", err)
 		}
 	}
 	return conn, nil
@@ -412,9 +418,9 @@ func (c *Client) dial(ctx context.Context) (*pgx.Conn, error) {
 // wraps ErrTooManyConnections.
 func connectError(err error) error {
 	if pgCode(err) == "53300" {
-		return fmt.Errorf("pgcoord: open connection: %w: the server has no free connection slot (SQLSTATE 53300); raise max_connections, close idle connections elsewhere, or lower WithMaxWaits: %w", ErrTooManyConnections, err)
+		return errorf("open connection: %w: the server has no free connection slot (SQLSTATE 53300); raise max_connections, close idle connections elsewhere, or lower WithMaxWaits: %w", ErrTooManyConnections, err)
 	}
-	return fmt.Errorf("pgcoord: open connection: %w", err)
+	return errorf("open connection: %w", err)
 }
 
 // prepare applies the session settings to conn's backend and checks that
@@ -440,7 +446,7 @@ func (c *Client) prepare(ctx context.Context, conn *pgx.Conn) (int32, error) {
 		return pid, err
 	}
 	if !c.cfg.sessionPooler {
-		return 0, fmt.Errorf("%w: a connection pooler is between pgcoord and the server (the backend pid differs from the one announced at connect); session locks cannot work through transaction pooling: use the Xact functions, or, if the pooler runs in session mode, pass WithSessionPooler", ErrTransactionPooling)
+		return 0, errorf("%w: a connection pooler is between pgcoord and the server (the backend pid differs from the one announced at connect); session locks cannot work through transaction pooling: use the Xact functions, or, if the pooler runs in session mode, pass WithSessionPooler", ErrTransactionPooling)
 	}
 	probe, err := c.dial(ctx)
 	if err != nil {
@@ -449,21 +455,21 @@ func (c *Client) prepare(ctx context.Context, conn *pgx.Conn) (int32, error) {
 	defer closeConn(probe, c.cfg.lossDeadline)
 	var inRecovery bool
 	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid(), pg_is_in_recovery()").Scan(&pid, &inRecovery); err != nil {
-		return 0, fmt.Errorf("pgcoord: prepare session connection: %w", err)
+		return 0, errorf("prepare session connection: %w", err)
 	}
 	if inRecovery {
 		return 0, readOnlyError()
 	}
 	var other int32
 	if err := probe.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&other); err != nil {
-		return 0, fmt.Errorf("pgcoord: prepare session connection: probe: %w", err)
+		return 0, errorf("prepare session connection: probe: %w", err)
 	}
 	if other == pid {
-		return 0, fmt.Errorf("%w: two client connections share backend %d (the pooler pools transactions, not sessions); use the Xact functions", ErrTransactionPooling, pid)
+		return 0, errorf("%w: two client connections share backend %d (the pooler pools transactions, not sessions); use the Xact functions", ErrTransactionPooling, pid)
 	}
 	got, err := c.setup(ctx, conn, major, pid)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, fmt.Errorf("%w: the backend changed between two statements (the pooler pools transactions, not sessions); use the Xact functions", ErrTransactionPooling)
+		return 0, errorf("%w: the backend changed between two statements (the pooler pools transactions, not sessions); use the Xact functions", ErrTransactionPooling)
 	}
 	return got, err
 }
@@ -483,7 +489,7 @@ func (c *Client) setup(ctx context.Context, conn *pgx.Conn, major int, pid int32
 	case errors.Is(err, pgx.ErrNoRows):
 		return 0, err
 	case err != nil:
-		return 0, fmt.Errorf("pgcoord: prepare session connection: %w", err)
+		return 0, errorf("prepare session connection: %w", err)
 	case inRecovery:
 		return 0, readOnlyError()
 	}
@@ -491,5 +497,5 @@ func (c *Client) setup(ctx context.Context, conn *pgx.Conn, major int, pid int32
 }
 
 func readOnlyError() error {
-	return fmt.Errorf("%w: pg_is_in_recovery() is true; connect to the primary", ErrReadOnly)
+	return errorf("%w: pg_is_in_recovery() is true; connect to the primary", ErrReadOnly)
 }

@@ -3,7 +3,6 @@ package pgcoord
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -26,6 +25,7 @@ type Client struct {
 	afterConnect   func(context.Context, *pgx.Conn) error
 	connectTimeout time.Duration
 	gates          gates
+	hooks          *hookQueue // nil without WithHooks
 
 	closing context.Context // cancelled with ErrClosed by Close
 	stop    context.CancelCauseFunc
@@ -67,11 +67,11 @@ func Open(ctx context.Context, connString string, opts ...Option) (*Client, erro
 	}
 	pool, err := pgxpool.New(ctx, connString)
 	if err != nil {
-		return nil, fmt.Errorf("pgcoord: Open: %w", err)
+		return nil, errorf("Open: %w", err)
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		return nil, fmt.Errorf("pgcoord: Open: %w", err)
+		return nil, errorf("Open: %w", err)
 	}
 	return newClient(pool, true, opts)
 }
@@ -98,6 +98,7 @@ func newClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
 		c.connectTimeout = serverBound(cfg.lossDeadline)
 	}
 	c.closing, c.stop = context.WithCancelCause(context.Background())
+	c.hooks = newHookQueue(cfg.hooks, cfg.warnLogger)
 	return c, nil
 }
 
@@ -130,6 +131,7 @@ func (c *Client) Close() error {
 		<-s.cleaned
 	}
 	c.wg.Wait()
+	c.hooks.close()
 	if c.ownPool {
 		c.pool.Close()
 	}
@@ -189,6 +191,9 @@ func (c *Client) handoff(l *Lock) bool {
 			return nil
 		}
 		next := &Lock{s: s, keys: l.keys, gated: true, done: make(chan struct{})}
+		if s.c.observed() {
+			next.since = time.Now()
+		}
 		delete(s.locks, l)
 		s.locks[next] = struct{}{}
 		l.finish(ErrNotHeld) // the old handle ends before the new one is delivered

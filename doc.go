@@ -2,7 +2,71 @@
 // use: session- and transaction-level advisory locks, exclusive and shared,
 // on hashed or numeric keys, taken in one canonical order so multi-key locks
 // never deadlock, with fencing tokens for writes that must not come from a
-// holder that has lost its lock.
+// holder that has lost its lock. It needs PostgreSQL 13 or newer and pgx v5;
+// no extension, no superuser.
+//
+// # Getting started
+//
+//	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+//	if err != nil {
+//		return err
+//	}
+//	c, err := pgcoord.New(pool)
+//	if err != nil {
+//		return err
+//	}
+//	defer c.Close()
+//
+//	err = c.Do(ctx, pgcoord.HashKey("report", "daily"), func(ctx context.Context) error {
+//		return buildReport(ctx) // ctx is cancelled if the lock is lost
+//	})
+//
+// # Which function to use
+//
+//   - One job at a time across a fleet: [Client.Do] (the lock is held for
+//     the callback, whose context ends if the lock is lost), or
+//     [Client.Lock] and [Lock.Unlock]. [Client.TryLock] returns [ErrLocked]
+//     instead of waiting.
+//   - Readers and writers: [Client.RLock] and [Client.TryRLock] take a key
+//     shared; Lock excludes them.
+//   - Several keys at once without deadlocks: [Client.LockAll] on a
+//     connection, [XactLock] or [InTx] in a transaction.
+//   - A lock that lives as long as a transaction the code already has:
+//     [XactLock], [XactTryLock], [XactRLock]; [InTx] and [InTxOptions]
+//     begin, lock, call and commit. These work behind PgBouncer in
+//     transaction pooling mode.
+//   - Many locks on one connection of its own: [Client.NewSession].
+//   - Writes that must not come from a holder that has lost its lock: take
+//     it [WithFence] and check [Lock.Fence] with [CheckFence] in the
+//     write's transaction; [Migrate] creates the table fences need.
+//   - Keys: [HashKey] from strings (a frozen algorithm, documented in the
+//     README so other languages can compute it), [Int64Key] and [PairKey]
+//     for PostgreSQL's two key spaces. A Key is text in JSON
+//     ([Key.MarshalText]).
+//
+// # Operations
+//
+// [Client.Locks] lists every holder and waiter of an advisory lock in the
+// database, from any process, with backend, application name and times;
+// [WithKeyNames] gives keys readable names. [Client.Terminate] force-releases
+// a stuck pgcoord backend's locks. The command cmd/pgcoord does both from a
+// shell ("pgcoord locks", "pgcoord release --pid N"), and maps names to
+// keys and to their pg_locks columns ("pgcoord key NAME").
+//
+// [WithHooks] calls functions of the application on every acquire,
+// release, contention and loss (for metrics; examples/metrics shows
+// Prometheus and OpenTelemetry mappings), off the locking path. [WithLogger]
+// takes a log/slog logger: lock operations at Debug, losses at Warn.
+// Without it, losses still go to slog.Default() at Warn: a lost lock is
+// never silent.
+//
+// # Errors
+//
+// Every error that pgcoord makes starts with "pgcoord: " once (Do and InTx
+// return the callback's own error as it is). Test for the sentinels
+// ([ErrLocked], [ErrLockLost], [ErrClosed], ...) with errors.Is; errors
+// that came from PostgreSQL keep the *pgconn.PgError reachable with
+// errors.As.
 //
 // # Locks that live as long as a transaction
 //

@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -68,6 +69,11 @@ var (
 	// nobody leads the election: no candidate holds its lock.
 	ErrNoLeader = errors.New("pgcoord: no leader")
 
+	// ErrForeignBackend is returned by Client.Terminate for a backend that
+	// is not pgcoord's: its application_name is not the Client's, or it is
+	// connected to another database. Client.TerminateAny ends it anyway.
+	ErrForeignBackend = errors.New("pgcoord: not a pgcoord backend of this database")
+
 	// ErrInvalidKey is returned for the zero Key, HashKey with no parts, an
 	// empty key list, or a key string or pg_locks row that cannot be decoded.
 	ErrInvalidKey = errors.New("pgcoord: invalid key")
@@ -84,10 +90,51 @@ func pgError(op string, err error) error {
 	if errors.As(err, &pe) {
 		switch pe.Code {
 		case "40P01":
-			return fmt.Errorf("pgcoord: %s: %w: %w", op, ErrDeadlock, err)
+			return errorf("%s: %w: %w", op, ErrDeadlock, err)
 		case "53200":
-			return fmt.Errorf("pgcoord: %s: %w (raise max_locks_per_transaction, or hold fewer keys): %w", op, ErrTooManyLocks, err)
+			return errorf("%s: %w (raise max_locks_per_transaction, or hold fewer keys): %w", op, ErrTooManyLocks, err)
 		}
 	}
-	return fmt.Errorf("pgcoord: %s: %w", op, err)
+	return errorf("%s: %w", op, err)
+}
+
+// prefix starts the message of every error pgcoord returns, once.
+const prefix = "pgcoord: "
+
+// errorf is fmt.Errorf for pgcoord's own errors. The message is
+// "pgcoord: " followed by format, where each error among args is shown
+// without its own leading "pgcoord: ", so that errors nested several calls
+// deep still say "pgcoord:" once. The %w operands stay reachable with
+// errors.Is and errors.As, exactly as with fmt.Errorf.
+func errorf(format string, args ...any) error {
+	wrapped := fmt.Errorf(format, args...)
+	shown := make([]any, len(args))
+	for i, a := range args {
+		if e, ok := a.(error); ok && e != nil {
+			a = strings.TrimPrefix(e.Error(), prefix)
+		}
+		shown[i] = a
+	}
+	return &coordError{msg: prefix + fmt.Sprintf(strings.ReplaceAll(format, "%w", "%v"), shown...), wrapped: wrapped}
+}
+
+// coordError is an error built by errorf.
+type coordError struct {
+	msg     string
+	wrapped error // from fmt.Errorf: its operands are the %w arguments
+}
+
+func (e *coordError) Error() string { return e.msg }
+
+// Unwrap returns the %w operands of the error.
+func (e *coordError) Unwrap() []error {
+	switch w := e.wrapped.(type) {
+	case interface{ Unwrap() []error }:
+		return w.Unwrap()
+	case interface{ Unwrap() error }:
+		if u := w.Unwrap(); u != nil {
+			return []error{u}
+		}
+	}
+	return nil
 }

@@ -10,6 +10,10 @@ import (
 	"github.com/pgcoord/pgcoord"
 )
 
+// The examples below run as tests against a throwaway database; in a
+// program, databaseURL is your connection string, such as
+// os.Getenv("DATABASE_URL"). See example_helpers_test.go.
+
 func ExampleHashKey() {
 	k := pgcoord.HashKey("invoice", "42")
 	v, _ := k.Int64()
@@ -31,12 +35,92 @@ func ExampleParseKey() {
 	// invalid true
 }
 
+// Take a lock, do the work, release it. ctx bounds only the wait: the
+// lock is held until Unlock or until it is lost, which Done reports.
+func ExampleClient_Lock() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, databaseURL("ExampleClient_Lock"))
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	c, err := pgcoord.New(pool)
+	if err != nil {
+		panic(err)
+	}
+	defer c.Close()
+
+	l, err := c.Lock(ctx, pgcoord.HashKey("report", "daily"))
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("holding", l.Key())
+	select {
+	case <-l.Done():
+		fmt.Println("lost:", l.Err()) // wraps pgcoord.ErrLockLost
+	default:
+		fmt.Println("still held")
+	}
+	if err := l.Unlock(ctx); err != nil {
+		panic(err)
+	}
+	fmt.Println("released")
+	// Output:
+	// holding int64:6223870854755599160
+	// still held
+	// released
+}
+
+// TryLock does not wait: another holder, in this process or any other,
+// makes it fail with ErrLocked.
+func ExampleClient_TryLock() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, databaseURL("ExampleClient_TryLock"))
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	worker1, err := pgcoord.New(pool)
+	if err != nil {
+		panic(err)
+	}
+	defer worker1.Close()
+	worker2, err := pgcoord.New(pool)
+	if err != nil {
+		panic(err)
+	}
+	defer worker2.Close()
+
+	job := pgcoord.HashKey("job", "reindex")
+	l, err := worker1.TryLock(ctx, job)
+	if err != nil {
+		panic(err)
+	}
+	_, err = worker2.TryLock(ctx, job)
+	fmt.Println("worker2:", errors.Is(err, pgcoord.ErrLocked), err)
+
+	if err := l.Unlock(ctx); err != nil {
+		panic(err)
+	}
+	l2, err := worker2.TryLock(ctx, job)
+	fmt.Println("worker2 after the unlock:", err)
+	_ = l2.Unlock(ctx)
+	// Output:
+	// worker2: true pgcoord: lock int64:8563826410180472450: key is locked by another holder
+	// worker2 after the unlock: <nil>
+}
+
 // Hold a lock for as long as a job runs; the job's context is cancelled if
-// the lock is lost.
+// the lock is lost. With WithFence, the job finds its fencing token
+// through LockFromContext.
 func ExampleClient_Do() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, "postgres://localhost/app")
+	pool, err := pgxpool.New(ctx, databaseURL("ExampleClient_Do"))
 	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	if err := pgcoord.Migrate(ctx, pool); err != nil { // WithFence needs the fences table
 		panic(err)
 	}
 	c, err := pgcoord.New(pool)
@@ -44,23 +128,94 @@ func ExampleClient_Do() {
 		panic(err)
 	}
 	defer c.Close()
-	err = c.Do(ctx, pgcoord.HashKey("nightly-report"), func(ctx context.Context) error {
-		return generateReport(ctx) // stop when ctx is done
-	})
-	if errors.Is(err, pgcoord.ErrLockLost) {
-		fmt.Println("lost the lock while the report ran; it may be incomplete")
+
+	for range 2 {
+		err = c.Do(ctx, pgcoord.HashKey("nightly-report"), func(ctx context.Context) error {
+			l, _ := pgcoord.LockFromContext(ctx)
+			fmt.Println("generating the report with fence", l.Fence())
+			return ctx.Err() // a real job stops when ctx is done
+		}, pgcoord.WithFence())
+		if errors.Is(err, pgcoord.ErrLockLost) {
+			fmt.Println("lost the lock while the report ran; it may be incomplete")
+		} else if err != nil {
+			panic(err)
+		}
 	}
+	// Output:
+	// generating the report with fence 1
+	// generating the report with fence 2
+}
+
+// LockAll takes several keys in one canonical order, all or none, so two
+// callers that lock overlapping sets never deadlock.
+func ExampleClient_LockAll() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, databaseURL("ExampleClient_LockAll"))
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	c, err := pgcoord.New(pool)
+	if err != nil {
+		panic(err)
+	}
+	defer c.Close()
+
+	l, err := c.LockAll(ctx, pgcoord.Int64Key(2), pgcoord.PairKey(1, 1), pgcoord.Int64Key(1), pgcoord.Int64Key(2))
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(l.Keys()) // deduplicated, in canonical order
+	if err := l.Unlock(ctx); err != nil {
+		panic(err)
+	}
+	// Output:
+	// [int64:1 int64:2 pair:1,1]
+}
+
+// A transaction-level lock lives exactly as long as the transaction that
+// took it, and works behind PgBouncer's transaction pooling.
+func ExampleXactLock() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, databaseURL("ExampleXactLock"))
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+
+	invoice := pgcoord.HashKey("invoice", "42")
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if err := pgcoord.XactLock(ctx, tx, invoice); err != nil {
+			return err
+		}
+		// Another transaction cannot take the key until this one ends.
+		return pgx.BeginFunc(ctx, pool, func(other pgx.Tx) error {
+			err := pgcoord.XactTryLock(ctx, other, invoice)
+			fmt.Println("another transaction:", errors.Is(err, pgcoord.ErrLocked))
+			return nil
+		})
+	})
+	if err != nil {
+		panic(err)
+	}
+	// Output:
+	// another transaction: true
 }
 
 // Lock two accounts inside a transaction, in canonical order, so opposite
 // transfers never deadlock.
 func ExampleInTx() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, "postgres://localhost/app")
+	pool, err := pgxpool.New(ctx, databaseURL("ExampleInTx"))
 	if err != nil {
 		panic(err)
 	}
-	from, to := int64(1), int64(2)
+	defer pool.Close()
+	if _, err := pool.Exec(ctx, "CREATE TABLE accounts (id int PRIMARY KEY, balance int); INSERT INTO accounts VALUES (1, 100), (2, 100)"); err != nil {
+		panic(err)
+	}
+
+	from, to := 1, 2
 	keys := []pgcoord.Key{pgcoord.HashKey("account", fmt.Sprint(from)), pgcoord.HashKey("account", fmt.Sprint(to))}
 	err = pgcoord.InTx(ctx, pool, keys, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, "UPDATE accounts SET balance = balance - 10 WHERE id = $1", from); err != nil {
@@ -72,17 +227,28 @@ func ExampleInTx() {
 	if err != nil {
 		panic(err)
 	}
+	var a, b int
+	if err := pool.QueryRow(ctx, "SELECT (SELECT balance FROM accounts WHERE id = 1), (SELECT balance FROM accounts WHERE id = 2)").Scan(&a, &b); err != nil {
+		panic(err)
+	}
+	fmt.Println(a, b)
+	// Output:
+	// 90 110
 }
 
 // A fenced lock protects the write itself: a holder that lost its lock
 // while paused cannot write with its old fence.
 func ExampleCheckFence() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, "postgres://localhost/app")
+	pool, err := pgxpool.New(ctx, databaseURL("ExampleCheckFence"))
 	if err != nil {
 		panic(err)
 	}
+	defer pool.Close()
 	if err := pgcoord.Migrate(ctx, pool); err != nil {
+		panic(err)
+	}
+	if _, err := pool.Exec(ctx, "CREATE TABLE exports (day date PRIMARY KEY, done bool)"); err != nil {
 		panic(err)
 	}
 	c, err := pgcoord.New(pool)
@@ -90,22 +256,75 @@ func ExampleCheckFence() {
 		panic(err)
 	}
 	defer c.Close()
+
 	job := pgcoord.HashKey("export", "daily")
+	write := func(fence int64) error {
+		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			if err := pgcoord.CheckFence(ctx, tx, job, fence); err != nil {
+				return err // ErrStaleFence: another holder exists; do not write
+			}
+			_, err := tx.Exec(ctx, "INSERT INTO exports VALUES (current_date, true) ON CONFLICT (day) DO NOTHING")
+			return err
+		})
+	}
+
+	old, err := c.Lock(ctx, job, pgcoord.WithFence())
+	if err != nil {
+		panic(err)
+	}
+	oldFence := old.Fence()
+	if err := old.Unlock(ctx); err != nil { // as if the lock had been lost
+		panic(err)
+	}
 	l, err := c.Lock(ctx, job, pgcoord.WithFence())
 	if err != nil {
 		panic(err)
 	}
 	defer l.Unlock(ctx)
-	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if err := pgcoord.CheckFence(ctx, tx, job, l.Fence()); err != nil {
-			return err // ErrStaleFence: another holder exists; do not write
-		}
-		_, err := tx.Exec(ctx, "UPDATE exports SET done = true WHERE day = current_date")
-		return err
-	})
-	if errors.Is(err, pgcoord.ErrStaleFence) {
-		fmt.Println("superseded by a newer holder")
-	}
+
+	fmt.Println("new holder:", write(l.Fence()))
+	err = write(oldFence)
+	fmt.Println("old holder:", errors.Is(err, pgcoord.ErrStaleFence))
+	// Output:
+	// new holder: <nil>
+	// old holder: true
 }
 
-func generateReport(ctx context.Context) error { return ctx.Err() }
+// Locks shows every holder and waiter of an advisory lock in the database,
+// from any process, by name where one was given.
+func ExampleClient_Locks() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, databaseURL("ExampleClient_Locks"))
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	report, cache := pgcoord.HashKey("report"), pgcoord.HashKey("cache")
+	c, err := pgcoord.New(pool, pgcoord.WithKeyNames(map[pgcoord.Key]string{report: "report", cache: "cache"}))
+	if err != nil {
+		panic(err)
+	}
+	defer c.Close()
+
+	l1, err := c.Lock(ctx, report)
+	if err != nil {
+		panic(err)
+	}
+	defer l1.Unlock(ctx)
+	l2, err := c.RLock(ctx, cache)
+	if err != nil {
+		panic(err)
+	}
+	defer l2.Unlock(ctx)
+
+	locks, err := c.Locks(ctx)
+	if err != nil {
+		panic(err)
+	}
+	for _, li := range locks {
+		fmt.Println(li.Name, li.Mode, li.Granted, li.ApplicationName, li.PID != 0)
+	}
+	// Unordered output:
+	// report exclusive true pgcoord true
+	// cache shared true pgcoord true
+}

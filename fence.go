@@ -3,7 +3,6 @@ package pgcoord
 import (
 	"context"
 	"errors"
-	"fmt"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -113,23 +112,23 @@ func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence int64, opts ...Op
 		return errors.New("pgcoord: CheckFence: tx is nil")
 	}
 	if err := key.check(); err != nil {
-		return fmt.Errorf("pgcoord: CheckFence: %w", err)
+		return errorf("CheckFence: %w", err)
 	}
 	if fence <= 0 {
-		return fmt.Errorf("pgcoord: CheckFence: fence %d is not a fence (fences start at 1; was the lock taken with WithFence?)", fence)
+		return errorf("CheckFence: fence %d is not a fence (fences start at 1; was the lock taken with WithFence?)", fence)
 	}
 	space, k := fenceRow(key)
 	var stored int64
 	err = tx.QueryRow(ctx, "SELECT fence FROM "+c.table("fences")+" WHERE key_space = $1 AND key = $2 FOR SHARE", space, k).Scan(&stored)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		return fmt.Errorf("pgcoord: CheckFence: %w: fence %d for key %s was never issued: no fence exists for the key in schema %s", ErrStaleFence, fence, key, c.quotedSchema())
+		return errorf("CheckFence: %w: fence %d for key %s was never issued: no fence exists for the key in schema %s", ErrStaleFence, fence, key, c.quotedSchema())
 	case err != nil:
 		return notMigrated(c, "CheckFence", err)
 	case stored > fence:
-		return fmt.Errorf("pgcoord: CheckFence: %w: fence %d for key %s is stale: fence %d has been issued", ErrStaleFence, fence, key, stored)
+		return errorf("CheckFence: %w: fence %d for key %s is stale: fence %d has been issued", ErrStaleFence, fence, key, stored)
 	case stored < fence:
-		return fmt.Errorf("pgcoord: CheckFence: %w: fence %d for key %s was never issued: the newest is %d", ErrStaleFence, fence, key, stored)
+		return errorf("CheckFence: %w: fence %d for key %s was never issued: the newest is %d", ErrStaleFence, fence, key, stored)
 	}
 	return nil
 }
@@ -140,7 +139,7 @@ func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence int64, opts ...Op
 func notMigrated(c *config, op string, err error) error {
 	var pe *pgconn.PgError
 	if errors.As(err, &pe) && (pe.Code == "42P01" || pe.Code == "3F000") {
-		return fmt.Errorf("pgcoord: %s: %w (schema %s): %w", op, ErrNotMigrated, c.quotedSchema(), err)
+		return errorf("%s: %w (schema %s): %w", op, ErrNotMigrated, c.quotedSchema(), err)
 	}
 	return pgError(op, err)
 }

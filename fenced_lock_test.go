@@ -220,3 +220,48 @@ func TestWithFenceNeedsMigrateAndExclusiveSingleKey(t *testing.T) {
 		t.Fatal("WithFence on a shared lock: no error")
 	}
 }
+
+// Do with WithFence: fn finds the held Lock, and its fence, in its context;
+// the fence passes CheckFence, and the key is held by the Lock's backend
+// while fn runs.
+func TestDoFenceFromContext(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	pool := migrated(t, dsn)
+	c := newTestClient(t, dsn)
+	k := HashKey("do", "fenced")
+	if _, ok := LockFromContext(ctx); ok {
+		t.Fatal("LockFromContext outside Do reported a lock")
+	}
+	var fences []int64
+	for range 2 {
+		err := c.Do(ctx, k, func(ctx context.Context) error {
+			l, ok := LockFromContext(ctx)
+			if !ok || l.Key() != k || l.Fence() <= 0 {
+				t.Fatalf("LockFromContext in Do: %v, %v", l, ok)
+			}
+			heldOnlyBy(t, dsn, k, l.s.PID())
+			fences = append(fences, l.Fence())
+			return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				return CheckFence(ctx, tx, k, l.Fence())
+			})
+		}, WithFence())
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(fences) != 2 || fences[1] <= fences[0] {
+		t.Fatalf("fences %v, want increasing", fences)
+	}
+	notHeld(t, dsn, k)
+	// Without WithFence, fn still finds the lock; its fence is 0.
+	err := c.Do(ctx, k, func(ctx context.Context) error {
+		if l, ok := LockFromContext(ctx); !ok || l.Fence() != 0 {
+			t.Errorf("LockFromContext without WithFence: %v, %v", l, ok)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}

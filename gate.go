@@ -46,10 +46,10 @@ type gateWaiter struct {
 
 // enter waits until the gate of k admits a reader (shared) or a writer,
 // or until ctx is done. try makes it return false at once instead of
-// waiting. It returns a non-nil lock when a holder handed one over (then
+// waiting. queued, if not nil, is called when enter starts to wait. It returns a non-nil lock when a holder handed one over (then
 // the caller owns that lock instead of the gate). The caller must call
 // leave(k, shared) once admitted without a lock.
-func (g *gates) enter(ctx context.Context, k Key, shared, try bool, accept func(*Lock) bool) (*Lock, bool, error) {
+func (g *gates) enter(ctx context.Context, k Key, shared, try bool, accept func(*Lock) bool, queued func()) (*Lock, bool, error) {
 	g.mu.Lock()
 	if g.m == nil {
 		g.m = make(map[Key]*gate)
@@ -72,6 +72,9 @@ func (g *gates) enter(ctx context.Context, k Key, shared, try bool, accept func(
 	w := &gateWaiter{shared: shared, accept: accept, ready: make(chan *Lock, 1)}
 	e.queue = append(e.queue, w)
 	g.mu.Unlock()
+	if queued != nil {
+		queued()
+	}
 
 	select {
 	case l := <-w.ready:

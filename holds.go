@@ -3,7 +3,6 @@ package pgcoord
 import (
 	"context"
 	"errors"
-	"fmt"
 	"strconv"
 	"time"
 
@@ -86,7 +85,7 @@ func (s *Session) reserve(ctx context.Context, keys []Key, shared bool) ([]Key, 
 			for _, k := range keys {
 				if h := s.keys[k]; h != nil && (!shared || !h.shared) {
 					s.state.Unlock()
-					return nil, fmt.Errorf("pgcoord: %s is already held on this backend in another mode", k)
+					return nil, errorf("%s is already held on this backend in another mode", k)
 				}
 			}
 			var need []Key
@@ -124,6 +123,9 @@ func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, er
 				got, err := s.tryKeys(ctx, chunk, r.shared)
 				if err != nil || got {
 					return got, err
+				}
+				if s.c.observed() {
+					s.c.contended(r, false)
 				}
 			}
 			if err := s.wait(ctx, chunk, r.shared); err != nil {
@@ -314,7 +316,7 @@ func (s *Session) undo(ctx context.Context, r request, need []Key, nothingTaken 
 	}
 	s.forgetKeys(need)
 	if err != nil {
-		s.lose(fmt.Errorf("release after failed acquire: %w", err))
+		s.lose(errorf("release after failed acquire: %w", err))
 		return
 	}
 	joined := make([]Key, 0, len(r.keys)-len(need))
@@ -400,7 +402,7 @@ func (s *Session) unlockStatement(ctx context.Context, conn *pgx.Conn, keys []Ke
 	}
 	for i, k := range keys {
 		if strict && !ok[i] {
-			return fmt.Errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, s.pid)
+			return errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, s.pid)
 		}
 	}
 	return nil
@@ -435,7 +437,7 @@ func (s *Session) issueFence(ctx context.Context, l *Lock) error {
 // the statement ran on another backend, and did nothing there.
 func (s *Session) wrongBackend(err error) error {
 	if errors.Is(err, pgx.ErrNoRows) {
-		return fmt.Errorf("%w: a statement of backend %d ran on another backend (and did nothing there)", ErrTransactionPooling, s.pid)
+		return errorf("%w: a statement of backend %d ran on another backend (and did nothing there)", ErrTransactionPooling, s.pid)
 	}
 	return err
 }

@@ -117,7 +117,7 @@ func (k Key) String() string {
 // [ErrInvalidKey] that names the problem for anything else.
 func ParseKey(s string) (Key, error) {
 	bad := func(why string) (Key, error) {
-		return Key{}, fmt.Errorf("%w: %q: %s (want \"int64:N\" or \"pair:A,B\")", ErrInvalidKey, s, why)
+		return Key{}, errorf("%w: %q: %s (want \"int64:N\" or \"pair:A,B\")", ErrInvalidKey, s, why)
 	}
 	kind, rest, ok := strings.Cut(s, ":")
 	if !ok {
@@ -158,7 +158,7 @@ func KeyFromLock(classid, objid uint32, objsubid int16) (Key, error) {
 	case 2:
 		return Key{kind: kindPair, v: v}, nil
 	}
-	return Key{}, fmt.Errorf("%w: pg_locks objsubid %d is not an advisory lock key space (want 1 or 2)", ErrInvalidKey, objsubid)
+	return Key{}, errorf("%w: pg_locks objsubid %d is not an advisory lock key space (want 1 or 2)", ErrInvalidKey, objsubid)
 }
 
 // lockColumns returns the classid, objid and objsubid that k has in pg_locks.
@@ -173,7 +173,7 @@ func (k Key) lockColumns() (classid, objid uint32, objsubid int16) {
 // check returns an error wrapping ErrInvalidKey for the zero Key.
 func (k Key) check() error {
 	if !k.Valid() {
-		return fmt.Errorf("%w: the zero Key (or HashKey with no parts); build keys with HashKey, Int64Key or PairKey", ErrInvalidKey)
+		return errorf("%w: the zero Key (or HashKey with no parts); build keys with HashKey, Int64Key or PairKey", ErrInvalidKey)
 	}
 	return nil
 }
@@ -201,11 +201,11 @@ func compareKeys(x, y Key) int {
 // invalid key.
 func canonicalKeys(keys []Key) ([]Key, error) {
 	if len(keys) == 0 {
-		return nil, fmt.Errorf("%w: no keys given", ErrInvalidKey)
+		return nil, errorf("%w: no keys given", ErrInvalidKey)
 	}
 	for i, k := range keys {
 		if err := k.check(); err != nil {
-			return nil, fmt.Errorf("key %d: %w", i, err)
+			return nil, errorf("key %d: %w", i, err)
 		}
 	}
 	out := slices.Clone(keys)
@@ -222,4 +222,32 @@ func (k Key) sqlArgs(n int, args []any) (string, []any) {
 		return fmt.Sprintf("$%d::int4, $%d::int4", n, n+1), append(args, a, b)
 	}
 	return fmt.Sprintf("$%d::int8", n), append(args, k.v)
+}
+
+// MarshalText implements [encoding.TextMarshaler] with the form of
+// [Key.String] ("int64:N" or "pair:A,B"), so a Key can be a field or a map
+// key in JSON, YAML or TOML. The zero Key marshals to empty text, which
+// UnmarshalText reads back as the zero Key (still rejected by every lock
+// function). It never returns an error.
+func (k Key) MarshalText() ([]byte, error) {
+	if !k.Valid() {
+		return []byte{}, nil
+	}
+	return []byte(k.String()), nil
+}
+
+// UnmarshalText implements [encoding.TextUnmarshaler]: it reads what
+// [ParseKey] reads, and empty text as the zero Key. It returns an error
+// wrapping [ErrInvalidKey] for anything else, and leaves k unchanged then.
+func (k *Key) UnmarshalText(text []byte) error {
+	if len(text) == 0 {
+		*k = Key{}
+		return nil
+	}
+	v, err := ParseKey(string(text))
+	if err != nil {
+		return err
+	}
+	*k = v
+	return nil
 }

@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"bytes"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -163,6 +164,11 @@ func FuzzKeyRoundTrip(f *testing.F) {
 			if err != nil || parsed != k {
 				t.Fatalf("ParseKey(%q) = %v, %v", k.String(), parsed, err)
 			}
+			text, err := k.MarshalText()
+			var back2 Key
+			if err != nil || string(text) != k.String() || back2.UnmarshalText(text) != nil || back2 != k {
+				t.Fatalf("%v: MarshalText %q, %v; UnmarshalText -> %v", k, text, err, back2)
+			}
 		}
 		if x, y, _ := PairKey(a, b).Pair(); x != a || y != b {
 			t.Fatalf("PairKey(%d, %d).Pair() = %d, %d", a, b, x, y)
@@ -268,5 +274,44 @@ func TestHashKeyHostileParts(t *testing.T) {
 		}
 		heldOnlyBy(t, dsn, k, l.s.PID())
 		mustUnlock(t, l)
+	}
+}
+
+// A Key is text in JSON, as a value and as a map key, in the form of
+// String; the zero Key is empty text.
+func TestKeyJSON(t *testing.T) {
+	type job struct {
+		Key    Key
+		Keys   []Key
+		Owners map[Key]string
+		None   Key
+	}
+	in := job{
+		Key:    HashKey("report", "daily"),
+		Keys:   []Key{Int64Key(-1), PairKey(-2, 3)},
+		Owners: map[Key]string{PairKey(1, 2): "a", Int64Key(5): "b"},
+	}
+	b, err := json.Marshal(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const want = `{"Key":"int64:6223870854755599160","Keys":["int64:-1","pair:-2,3"],"Owners":{"int64:5":"b","pair:1,2":"a"},"None":""}`
+	if string(b) != want {
+		t.Errorf("json.Marshal:\n got %s\nwant %s", b, want)
+	}
+	var out job
+	if err := json.Unmarshal(b, &out); err != nil {
+		t.Fatal(err)
+	}
+	if out.Key != in.Key || len(out.Keys) != 2 || out.Keys[0] != in.Keys[0] || out.Keys[1] != in.Keys[1] ||
+		len(out.Owners) != 2 || out.Owners[PairKey(1, 2)] != "a" || out.Owners[Int64Key(5)] != "b" || out.None.Valid() {
+		t.Errorf("round trip: got %+v, want %+v", out, in)
+	}
+	for _, bad := range []string{`{"Key":"42"}`, `{"Key":"pair:1"}`, `{"Key":7}`} {
+		var j job
+		err := json.Unmarshal([]byte(bad), &j)
+		if err == nil || (bad != `{"Key":7}` && !errors.Is(err, ErrInvalidKey)) {
+			t.Errorf("json.Unmarshal(%s): %v, want an error wrapping ErrInvalidKey", bad, err)
+		}
 	}
 }

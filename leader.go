@@ -140,18 +140,18 @@ func (c *Client) Election(name string, opts ...ElectionOption) *Election {
 	k, _ := e.key.Int64()
 	e.prefix = strconv.FormatInt(k, 10) + ":"
 	if err := checkText("election name", name, maxElectionName); err != nil {
-		e.err = fmt.Errorf("pgcoord: election: %w", err)
+		e.err = errorf("election: %w", err)
 		return e
 	}
 	host, _ := os.Hostname()
 	e.identity = host + ":" + strconv.Itoa(os.Getpid())
 	for _, o := range opts {
 		if o == nil {
-			e.err = fmt.Errorf("pgcoord: election %q: nil option", name)
+			e.err = errorf("election %q: nil option", name)
 			return e
 		}
 		if err := o.applyElection(e); err != nil {
-			e.err = fmt.Errorf("pgcoord: election %q: %w", name, err)
+			e.err = errorf("election %q: %w", name, err)
 			return e
 		}
 	}
@@ -236,15 +236,15 @@ func (ld *Leadership) Resign(ctx context.Context) error {
 	case <-ld.done:
 		return nil
 	case <-ctx.Done():
-		return fmt.Errorf("pgcoord: election %q: resign: %w", ld.e.name, context.Cause(ctx))
+		return errorf("election %q: resign: %w", ld.e.name, context.Cause(ctx))
 	}
 }
 
 // errResigned and errResignRequested are the causes of a leadership that
 // ended by Resign or by RequestResign.
 var (
-	errResigned        = fmt.Errorf("%w: resigned", ErrNotHeld)
-	errResignRequested = fmt.Errorf("%w: resigned on request (RequestResign)", ErrNotHeld)
+	errResigned        = errorf("%w: resigned", ErrNotHeld)
+	errResignRequested = errorf("%w: resigned on request (RequestResign)", ErrNotHeld)
 )
 
 // campaignRound bounds one server-side wait of a campaign, so that the
@@ -262,14 +262,14 @@ func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 	}
 	c := e.c
 	if err := c.enter(); err != nil {
-		return nil, fmt.Errorf("pgcoord: election %q: %w", e.name, err)
+		return nil, errorf("election %q: %w", e.name, err)
 	}
 	defer c.wg.Done()
 	// Listen before winning, so a RequestResign right after the win is
 	// heard.
 	sub, err := c.subscribe(leaderChannel, e.prefix+"resign:")
 	if err != nil {
-		return nil, fmt.Errorf("pgcoord: election %q: %w", e.name, err)
+		return nil, errorf("election %q: %w", e.name, err)
 	}
 	for {
 		l, err := e.wait(ctx)
@@ -302,11 +302,11 @@ func (e *Election) wait(ctx context.Context) (*Lock, error) {
 		case err == nil:
 			return l, nil
 		case ctx.Err() != nil:
-			return nil, fmt.Errorf("pgcoord: election %q: campaign: %w", e.name, context.Cause(ctx))
+			return nil, errorf("election %q: campaign: %w", e.name, context.Cause(ctx))
 		case round.Err() != nil:
 			continue // the round ended: wait again
 		default:
-			return nil, fmt.Errorf("pgcoord: election %q: campaign: %w", e.name, err)
+			return nil, errorf("election %q: campaign: %w", e.name, err)
 		}
 	}
 }
@@ -347,7 +347,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 	})
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		return fail(g, fmt.Errorf("pgcoord: election %q: term %d is not newer than the recorded leader's: the fences table was reset or restored while the leaders table was not; delete the election's row in leaders to continue", e.name, term))
+		return fail(g, errorf("election %q: term %d is not newer than the recorded leader's: the fences table was reset or restored while the leaders table was not; delete the election's row in leaders to continue", e.name, term))
 	case err != nil && l.Err() != nil:
 		return fail(g, errLostWhileWinning)
 	case err != nil:
@@ -396,7 +396,7 @@ func (e *Election) takeGuard(ctx context.Context) (*Lock, error) {
 			break
 		}
 	}
-	return nil, fmt.Errorf("pgcoord: election %q: take guard: %w", e.name, err)
+	return nil, errorf("election %q: take guard: %w", e.name, err)
 }
 
 // guardSession returns the Client's guard session, opening it if needed.
@@ -431,9 +431,9 @@ func (ld *Leadership) watch() {
 	for why == nil {
 		select {
 		case <-ld.lock.Done():
-			why = fmt.Errorf("%w: election lock: %w", ErrLockLost, ld.lock.Err())
+			why = errorf("%w: election lock: %w", ErrLockLost, ld.lock.Err())
 		case <-guardDone:
-			why = fmt.Errorf("%w: election guard: %w", ErrLockLost, ld.guard.Err())
+			why = errorf("%w: election guard: %w", ErrLockLost, ld.guard.Err())
 		case <-ld.resign:
 			why = errResigned
 		case <-c.closing.Done():
@@ -472,7 +472,7 @@ func (ld *Leadership) end(why error) {
 	}
 	_ = ld.lock.Unlock(ctx)
 	ld.mu.Lock()
-	ld.err = fmt.Errorf("pgcoord: election %q: term %d ended: %w", ld.e.name, ld.term, why)
+	ld.err = errorf("election %q: term %d ended: %w", ld.e.name, ld.term, why)
 	ld.mu.Unlock()
 	close(ld.done)
 }
@@ -498,7 +498,7 @@ func (e *Election) Leader(ctx context.Context) (LeaderInfo, error) {
 	info.Term = Term(term)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		return LeaderInfo{}, fmt.Errorf("pgcoord: election %q: %w", e.name, ErrNoLeader)
+		return LeaderInfo{}, errorf("election %q: %w", e.name, ErrNoLeader)
 	case err != nil:
 		return LeaderInfo{}, notMigrated(e.c.cfg, fmt.Sprintf("election %q: read leader", e.name), err)
 	}
@@ -520,7 +520,7 @@ func (e *Election) RequestResign(ctx context.Context) error {
 	_, err = e.c.pool.Exec(ctx, "SELECT pg_notify($1, $2)", leaderChannel,
 		e.prefix+"resign:"+strconv.FormatInt(int64(info.Term), 10))
 	if err != nil {
-		return fmt.Errorf("pgcoord: election %q: request resign: %w", e.name, err)
+		return errorf("election %q: request resign: %w", e.name, err)
 	}
 	return nil
 }
@@ -551,9 +551,9 @@ func (e *Election) Run(ctx context.Context, fn func(ctx context.Context, term Te
 		cancel()
 		switch {
 		case ctx.Err() != nil:
-			return fmt.Errorf("pgcoord: election %q: %w", e.name, context.Cause(ctx))
+			return errorf("election %q: %w", e.name, context.Cause(ctx))
 		case ferr != nil && leading:
-			return fmt.Errorf("pgcoord: election %q: term %d: %w", e.name, ld.term, ferr)
+			return errorf("election %q: term %d: %w", e.name, ld.term, ferr)
 		case errors.Is(context.Cause(ld.ctx), errResignRequested):
 			e.yield(ctx, ld.term)
 		}

@@ -54,6 +54,9 @@ func TestLongWaitSurvivesRoleStatementTimeout(t *testing.T) {
 	ctx := testCtx(t)
 	dsn := pgtest.DB(t)
 	admin := pgtest.Conn(t, dsn)
+	// Open the pg_locks observer first, so that it does not get the
+	// database's 50 ms statement_timeout, which a loaded machine exceeds.
+	notHeld(t, dsn, HashKey("long-wait"))
 	if _, err := admin.Exec(ctx, "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = 50', current_database()); END $$"); err != nil {
 		t.Fatal(err)
 	}

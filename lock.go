@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"time"
 )
 
 // A Lock is a held advisory lock on one or more keys. It is released once,
@@ -17,6 +19,9 @@ type Lock struct {
 	keys   []Key // canonical order
 	shared bool
 	fence  int64
+	since  time.Time // when the lock was granted; set only when lock events are observed
+
+	unreported atomic.Bool // never returned by its acquire: its end is not an event
 
 	mu        sync.Mutex
 	err       error // nil while held
@@ -26,7 +31,11 @@ type Lock struct {
 }
 
 func newLock(s *Session, r request) *Lock {
-	return &Lock{s: s, keys: r.keys, shared: r.shared, done: make(chan struct{})}
+	l := &Lock{s: s, keys: r.keys, shared: r.shared, done: make(chan struct{})}
+	if s.c.observed() {
+		l.since = time.Now()
+	}
+	return l
 }
 
 // Key returns the lock's key; for a lock from LockAll, the first key in
@@ -121,15 +130,16 @@ func (l *Lock) Unlock(ctx context.Context) error {
 		err := l.err
 		l.mu.Unlock()
 		if err == nil {
-			err = fmt.Errorf("%w: another Unlock is releasing it", ErrNotHeld)
+			err = errorf("%w: another Unlock is releasing it", ErrNotHeld)
 		}
-		return fmt.Errorf("pgcoord: unlock %s: %w", keyList(l.keys), err)
+		return errorf("unlock %s: %w", keyList(l.keys), err)
 	}
 	l.releasing = true
 	l.mu.Unlock()
 
 	s := l.s
 	if s.c.handoff(l) {
+		l.released(true, nil)
 		return nil
 	}
 	s.state.Lock()
@@ -139,15 +149,16 @@ func (l *Lock) Unlock(ctx context.Context) error {
 	if !mine {
 		// The session ended meanwhile and is ending this lock.
 		<-l.done
-		return fmt.Errorf("pgcoord: unlock %s: %w", keyList(l.keys), l.Err())
+		return errorf("unlock %s: %w", keyList(l.keys), l.Err())
 	}
 	// The release is bounded by the session's lease: with no answer
 	// from the server for the loss deadline, the session is lost and its
 	// connection closed, which ends the statement.
 	err := s.releaseKeys(context.WithoutCancel(ctx), l.keys, l.shared)
 	l.end(ErrNotHeld)
+	l.released(false, err)
 	if err != nil {
-		return fmt.Errorf("pgcoord: unlock %s: %w", keyList(l.keys), err)
+		return errorf("unlock %s: %w", keyList(l.keys), err)
 	}
 	return nil
 }

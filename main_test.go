@@ -23,6 +23,7 @@ type leakChecked struct{ m *testing.M }
 
 func (l leakChecked) Run() int {
 	code := l.m.Run()
+	runExampleCleanups()
 	if code != 0 {
 		return code
 	}

@@ -5,7 +5,6 @@ import (
 	"context"
 	"embed"
 	"errors"
-	"fmt"
 	"io/fs"
 	"path"
 	"regexp"
@@ -74,21 +73,21 @@ var migrationName = regexp.MustCompile(`^([0-9]+)_([a-z0-9_]+)\.(up|down)\.sql$`
 func loadMigrations(fsys fs.FS) ([]migration, error) {
 	entries, err := fs.ReadDir(fsys, ".")
 	if err != nil {
-		return nil, fmt.Errorf("pgcoord: read migrations: %w", err)
+		return nil, errorf("read migrations: %w", err)
 	}
 	byVersion := map[int64]*migration{}
 	for _, e := range entries {
 		m := migrationName.FindStringSubmatch(e.Name())
 		if m == nil || e.IsDir() {
-			return nil, fmt.Errorf("pgcoord: migrations: unexpected file %q (want NNNNNN_name.up.sql or NNNNNN_name.down.sql)", e.Name())
+			return nil, errorf("migrations: unexpected file %q (want NNNNNN_name.up.sql or NNNNNN_name.down.sql)", e.Name())
 		}
 		v, err := strconv.ParseInt(m[1], 10, 64)
 		if err != nil || v <= 0 {
-			return nil, fmt.Errorf("pgcoord: migrations: bad version in %q", e.Name())
+			return nil, errorf("migrations: bad version in %q", e.Name())
 		}
 		body, err := fs.ReadFile(fsys, path.Clean(e.Name()))
 		if err != nil {
-			return nil, fmt.Errorf("pgcoord: read migration %s: %w", e.Name(), err)
+			return nil, errorf("read migration %s: %w", e.Name(), err)
 		}
 		mg := byVersion[v]
 		if mg == nil {
@@ -96,7 +95,7 @@ func loadMigrations(fsys fs.FS) ([]migration, error) {
 			byVersion[v] = mg
 		}
 		if mg.name != m[2] {
-			return nil, fmt.Errorf("pgcoord: migrations: version %d has two names, %q and %q", v, mg.name, m[2])
+			return nil, errorf("migrations: version %d has two names, %q and %q", v, mg.name, m[2])
 		}
 		if m[3] == "up" {
 			mg.up = string(body)
@@ -107,14 +106,14 @@ func loadMigrations(fsys fs.FS) ([]migration, error) {
 	out := make([]migration, 0, len(byVersion))
 	for _, mg := range byVersion {
 		if mg.up == "" || mg.down == "" {
-			return nil, fmt.Errorf("pgcoord: migrations: version %d (%s) needs a non-empty up and down file", mg.version, mg.name)
+			return nil, errorf("migrations: version %d (%s) needs a non-empty up and down file", mg.version, mg.name)
 		}
 		out = append(out, *mg)
 	}
 	slices.SortFunc(out, func(a, b migration) int { return cmp.Compare(a.version, b.version) })
 	for i, mg := range out {
 		if mg.version != int64(i+1) {
-			return nil, fmt.Errorf("pgcoord: migrations: version %d is missing", i+1)
+			return nil, errorf("migrations: version %d is missing", i+1)
 		}
 	}
 	return out, nil
@@ -175,7 +174,7 @@ func Migrate(ctx context.Context, db TxBeginner, opts ...Option) error {
 		latest := migs[len(migs)-1].version
 		if have >= latest {
 			if have > latest {
-				c.logger.WarnContext(ctx, "pgcoord: database schema is newer than this version of pgcoord knows", "schema", c.schema, "version", have, "known", latest)
+				c.warnLogger().WarnContext(ctx, "pgcoord: database schema is newer than this version of pgcoord knows", "schema", c.schema, "version", have, "known", latest)
 			}
 			return nil
 		}
@@ -195,12 +194,12 @@ func Migrate(ctx context.Context, db TxBeginner, opts ...Option) error {
 				continue
 			}
 			if err := c.runMigrationSQL(ctx, tx, m.up); err != nil {
-				return fmt.Errorf("pgcoord: Migrate: apply %06d_%s.up.sql to schema %s: %w", m.version, m.name, c.quotedSchema(), err)
+				return errorf("Migrate: apply %06d_%s.up.sql to schema %s: %w", m.version, m.name, c.quotedSchema(), err)
 			}
 			if _, err := tx.Exec(ctx, "INSERT INTO "+c.table("schema_version")+" (version, name) VALUES ($1, $2)", m.version, m.name); err != nil {
 				return pgError("Migrate: record version", err)
 			}
-			c.logger.InfoContext(ctx, "pgcoord: applied migration", "schema", c.schema, "version", m.version, "name", m.name)
+			c.infoLogger().InfoContext(ctx, "pgcoord: applied migration", "schema", c.schema, "version", m.version, "name", m.name)
 		}
 		return nil
 	})
@@ -220,7 +219,7 @@ func migrateDown(ctx context.Context, db TxBeginner, target int64, opts ...Optio
 		return errors.New("pgcoord: migrate down: db is nil")
 	}
 	if target < 0 {
-		return fmt.Errorf("pgcoord: migrate down: target version %d is negative", target)
+		return errorf("migrate down: target version %d is negative", target)
 	}
 	migs, err := loadMigrations(Migrations())
 	if err != nil {
@@ -232,12 +231,12 @@ func migrateDown(ctx context.Context, db TxBeginner, target int64, opts ...Optio
 			return notMigrated(c, "migrate down: read version", err)
 		}
 		if have > int64(len(migs)) {
-			return fmt.Errorf("pgcoord: migrate down: schema %s is at version %d, newer than the %d migrations known", c.quotedSchema(), have, len(migs))
+			return errorf("migrate down: schema %s is at version %d, newer than the %d migrations known", c.quotedSchema(), have, len(migs))
 		}
 		for i := have; i > target; i-- {
 			m := migs[i-1]
 			if err := c.runMigrationSQL(ctx, tx, m.down); err != nil {
-				return fmt.Errorf("pgcoord: migrate down: apply %06d_%s.down.sql to schema %s: %w", m.version, m.name, c.quotedSchema(), err)
+				return errorf("migrate down: apply %06d_%s.down.sql to schema %s: %w", m.version, m.name, c.quotedSchema(), err)
 			}
 			if _, err := tx.Exec(ctx, "DELETE FROM "+c.table("schema_version")+" WHERE version = $1", m.version); err != nil {
 				return pgError("migrate down: record version", err)
@@ -273,7 +272,7 @@ func (c *config) inMigrationTx(ctx context.Context, db TxBeginner, fn func(pgx.T
 	// The lock comes before any catalog change, so concurrent calls do not
 	// race on CREATE SCHEMA or CREATE TABLE.
 	if err := XactLock(ctx, tx, migrateKey); err != nil {
-		return fmt.Errorf("pgcoord: Migrate: wait for other migrations: %w", err)
+		return errorf("Migrate: wait for other migrations: %w", err)
 	}
 	var exists bool
 	if err := tx.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname = $1)", c.schema).Scan(&exists); err != nil {

@@ -2,7 +2,6 @@ package pgcoord
 
 import (
 	"errors"
-	"fmt"
 	"log/slog"
 	"time"
 
@@ -41,10 +40,10 @@ const (
 
 func (o optionFunc) apply(c *config) error {
 	if o.where&c.scope == 0 {
-		return fmt.Errorf("pgcoord: option %s does not apply to %s", o.name, c.scope)
+		return errorf("option %s does not apply to %s", o.name, c.scope)
 	}
 	if err := o.f(c); err != nil {
-		return fmt.Errorf("pgcoord: option %s: %w", o.name, err)
+		return errorf("option %s: %w", o.name, err)
 	}
 	return nil
 }
@@ -71,6 +70,8 @@ type config struct {
 	maxHandoffs    int
 	handoffWindow  time.Duration
 	sessionPooler  bool
+	keyNames       map[Key]string
+	hooks          Hooks
 }
 
 // waitSlice is how long one slice of a blocking acquire waits on the
@@ -85,7 +86,6 @@ func newConfig(s scope, opts []Option) (*config, error) {
 		scope:        s,
 		heartbeat:    DefaultHeartbeat,
 		lossDeadline: DefaultLossDeadline,
-		logger:       slog.New(slog.DiscardHandler),
 		appName:      "pgcoord",
 		schema:       DefaultSchema,
 
@@ -103,7 +103,7 @@ func newConfig(s scope, opts []Option) (*config, error) {
 		errs = append(errs, o.apply(c))
 	}
 	if c.heartbeat*2 > c.lossDeadline {
-		errs = append(errs, fmt.Errorf("pgcoord: heartbeat %v must be at most half the loss deadline %v, so one missed beat is not a loss", c.heartbeat, c.lossDeadline))
+		errs = append(errs, errorf("heartbeat %v must be at most half the loss deadline %v, so one missed beat is not a loss", c.heartbeat, c.lossDeadline))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
@@ -117,7 +117,7 @@ func newConfig(s scope, opts []Option) (*config, error) {
 func WithHeartbeat(d time.Duration) Option {
 	return optionFunc{"WithHeartbeat", scopeClient, func(c *config) error {
 		if d <= 0 {
-			return fmt.Errorf("interval must be positive, got %v", d)
+			return errorf("interval must be positive, got %v", d)
 		}
 		c.heartbeat = d
 		return nil
@@ -132,15 +132,20 @@ func WithHeartbeat(d time.Duration) Option {
 func WithLossDeadline(d time.Duration) Option {
 	return optionFunc{"WithLossDeadline", scopeClient, func(c *config) error {
 		if d < time.Second {
-			return fmt.Errorf("deadline must be at least 1s, got %v", d)
+			return errorf("deadline must be at least 1s, got %v", d)
 		}
 		c.lossDeadline = d
 		return nil
 	}}
 }
 
-// WithLogger sets the logger for session loss, heartbeat failures and
-// cleanup problems (default: discard). It must not be nil.
+// WithLogger sets the logger of the Client (or of Migrate). Lost locks
+// are logged at Warn (the keys, the backend and the cause), hooks that
+// panic at Error, migrations applied at Info, and every acquire,
+// contention and release at Debug. Without WithLogger, Warn and Error
+// records go to slog.Default() (a lost lock is never silent) and the
+// others are discarded. Debug records cost nothing unless the logger is
+// enabled for Debug. It must not be nil.
 func WithLogger(l *slog.Logger) Option {
 	return optionFunc{"WithLogger", scopeClient | scopeMigrate, func(c *config) error {
 		if l == nil {
@@ -157,7 +162,7 @@ func WithLogger(l *slog.Logger) Option {
 func WithApplicationName(name string) Option {
 	return optionFunc{"WithApplicationName", scopeClient, func(c *config) error {
 		if name == "" || len(name) >= 64 {
-			return fmt.Errorf("name must be 1 to 63 bytes, got %d bytes", len(name))
+			return errorf("name must be 1 to 63 bytes, got %d bytes", len(name))
 		}
 		c.appName = name
 		return nil
@@ -170,7 +175,7 @@ func WithApplicationName(name string) Option {
 func WithSchema(name string) Option {
 	return optionFunc{"WithSchema", scopeClient | scopeMigrate | scopeFence, func(c *config) error {
 		if name == "" || len(name) >= 64 {
-			return fmt.Errorf("schema name must be 1 to 63 bytes, got %d bytes", len(name))
+			return errorf("schema name must be 1 to 63 bytes, got %d bytes", len(name))
 		}
 		for _, r := range name {
 			if r == 0 {
@@ -190,7 +195,7 @@ func WithSchema(name string) Option {
 func WithMaxWaits(n int) Option {
 	return optionFunc{"WithMaxWaits", scopeClient, func(c *config) error {
 		if n < 1 || n > 1000 {
-			return fmt.Errorf("must be 1 to 1000, got %d", n)
+			return errorf("must be 1 to 1000, got %d", n)
 		}
 		c.maxWaits = n
 		return nil
@@ -205,7 +210,7 @@ func WithMaxWaits(n int) Option {
 func WithSharedBackends(n int) Option {
 	return optionFunc{"WithSharedBackends", scopeClient, func(c *config) error {
 		if n < 1 || n > 64 {
-			return fmt.Errorf("must be 1 to 64, got %d", n)
+			return errorf("must be 1 to 64, got %d", n)
 		}
 		c.sharedBackends = n
 		return nil
@@ -233,7 +238,7 @@ const (
 func WithHandoff(max int, window time.Duration) Option {
 	return optionFunc{"WithHandoff", scopeClient, func(c *config) error {
 		if max < 0 || max > 1000 || window < 0 || window > time.Second || (max == 0) != (window == 0) {
-			return fmt.Errorf("want max 0 to 1000 and window 0 to 1s, both zero or both positive; got %d and %v", max, window)
+			return errorf("want max 0 to 1000 and window 0 to 1s, both zero or both positive; got %d and %v", max, window)
 		}
 		c.maxHandoffs, c.handoffWindow = max, window
 		return nil

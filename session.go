@@ -3,7 +3,6 @@ package pgcoord
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync"
 	"time"
 
@@ -173,7 +172,7 @@ func (s *Session) close(ctx context.Context) error {
 		s.closeSocket()
 	}
 	if err != nil {
-		return fmt.Errorf("pgcoord: close session: the connection was closed without confirming the release (the server frees the locks when it notices): %w", err)
+		return errorf("close session: the connection was closed without confirming the release (the server frees the locks when it notices): %w", err)
 	}
 	return nil
 }
@@ -218,8 +217,16 @@ func (s *Session) end(why error) bool {
 	if interrupt != nil {
 		interrupt(why)
 	}
+	observed := s.c.observed()
 	for l := range locks {
 		l.end(why)
+		switch {
+		case !observed:
+		case errors.Is(why, ErrClosed):
+			l.released(false, why)
+		default:
+			l.lost(why)
+		}
 	}
 	s.c.retire(s)
 	return true
@@ -229,11 +236,35 @@ func (s *Session) end(why error) bool {
 // closes the socket at once so that the server frees them and any
 // statement in flight returns.
 func (s *Session) lose(cause error) {
-	err := fmt.Errorf("%w: %w", ErrLockLost, cause)
+	s.state.Lock()
+	n := len(s.locks)
+	var keys []Key
+	for l := range s.locks {
+		if len(keys) >= 4 {
+			break
+		}
+		keys = append(keys, l.keys[0])
+	}
+	s.state.Unlock()
+	err := errorf("%w: %w", ErrLockLost, cause)
 	if !s.end(err) {
 		return
 	}
-	s.c.cfg.logger.Warn("pgcoord: session lost", "pid", s.pid, "err", cause)
+	if n > 0 {
+		attrs := []any{"locks", n, "keys", keyList(keys), "pid", s.pid, "err", cause}
+		var names []string
+		for _, k := range keys {
+			if name := s.c.cfg.keyName(k); name != "" {
+				names = append(names, name)
+			}
+		}
+		if len(names) > 0 {
+			attrs = append(attrs, "names", names)
+		}
+		s.c.cfg.warnLogger().Warn("pgcoord: locks lost", attrs...)
+	} else {
+		s.c.cfg.infoLogger().Info("pgcoord: connection lost; it held no lock", "pid", s.pid, "err", cause)
+	}
 	s.closeSocket()
 }
 
@@ -303,7 +334,7 @@ func (s *Session) exec(ctx context.Context, f func(ctx context.Context, conn *pg
 	case s.conn.IsClosed():
 		s.lose(err)
 	case pe != nil && pe.Code == "57014" && ctx.Err() == nil:
-		s.lose(fmt.Errorf("a statement was cancelled that nothing here cancelled: %w", err))
+		s.lose(errorf("a statement was cancelled that nothing here cancelled: %w", err))
 	case errors.Is(err, ErrTransactionPooling):
 		s.lose(err)
 	default:
@@ -356,7 +387,7 @@ func (s *Session) heartbeat() {
 		cancel()
 		<-s.use
 		if err != nil {
-			s.lose(fmt.Errorf("heartbeat: %w", err))
+			s.lose(errorf("heartbeat: %w", err))
 		}
 	}
 }
@@ -369,7 +400,7 @@ func (s *Session) ping(ctx context.Context, conn *pgx.Conn) error {
 		return err
 	}
 	if pid != s.pid {
-		return fmt.Errorf("%w: backend pid changed from %d to %d", ErrTransactionPooling, s.pid, pid)
+		return errorf("%w: backend pid changed from %d to %d", ErrTransactionPooling, s.pid, pid)
 	}
 	return nil
 }
@@ -389,7 +420,7 @@ func (s *Session) checkLease() {
 		return
 	}
 	s.state.Unlock()
-	s.lose(fmt.Errorf("no answer from the server for %v (loss deadline %v)", age.Round(time.Millisecond), s.c.cfg.lossDeadline))
+	s.lose(errorf("no answer from the server for %v (loss deadline %v)", age.Round(time.Millisecond), s.c.cfg.lossDeadline))
 }
 
 // closeConn closes a connection that holds nothing, bounded by d.

@@ -236,19 +236,50 @@ func InTx(ctx context.Context, db TxBeginner, keys []Key, fn func(tx pgx.Tx) err
 	if db == nil {
 		return errors.New("pgcoord: InTx: nil TxBeginner")
 	}
+	return inTx(ctx, "InTx", db.Begin, keys, fn)
+}
+
+// TxOptionsBeginner starts a transaction with options. *pgxpool.Pool and
+// *pgx.Conn satisfy it; a pgx.Tx does not, since a nested transaction (a
+// savepoint) has no options of its own.
+type TxOptionsBeginner interface {
+	BeginTx(ctx context.Context, txOptions pgx.TxOptions) (pgx.Tx, error)
+}
+
+// InTxOptions is [InTx] with a transaction begun with txOptions (isolation
+// level, access mode, deferrable), as pgx.BeginTxFunc is pgx.BeginFunc with
+// options. Everything InTx says about keys, ctx, rollback and errors
+// applies. A read-only transaction can take the locks: advisory locks are
+// not writes. Under SERIALIZABLE, a serialization failure (SQLSTATE
+// 40001) from fn or COMMIT rolls back and releases the keys like any other
+// error; InTxOptions does not retry.
+//
+// It is a separate function rather than an option of InTx because only a
+// database or connection can begin a transaction with options: InTx also
+// accepts a pgx.Tx, and a variadic option would then have to fail at run
+// time instead of at compile time.
+func InTxOptions(ctx context.Context, db TxOptionsBeginner, txOptions pgx.TxOptions, keys []Key, fn func(tx pgx.Tx) error) error {
+	if db == nil {
+		return errors.New("pgcoord: InTxOptions: nil TxOptionsBeginner")
+	}
+	return inTx(ctx, "InTxOptions", func(ctx context.Context) (pgx.Tx, error) { return db.BeginTx(ctx, txOptions) }, keys, fn)
+}
+
+// inTx runs InTx and InTxOptions, named op in errors.
+func inTx(ctx context.Context, op string, begin func(context.Context) (pgx.Tx, error), keys []Key, fn func(tx pgx.Tx) error) error {
 	if fn == nil {
-		return errors.New("pgcoord: InTx: nil fn")
+		return errorf("%s: nil fn", op)
 	}
 	ks, err := canonicalKeys(keys)
 	if err != nil {
-		return fmt.Errorf("pgcoord: InTx: %w", err)
+		return errorf("%s: %w", op, err)
 	}
 	mode := modeXactLock
-	mode.op = "InTx"
+	mode.op = op
 
-	tx, err := db.Begin(ctx)
+	tx, err := begin(ctx)
 	if err != nil {
-		return fmt.Errorf("pgcoord: InTx: begin: %w", err)
+		return errorf("%s: begin: %w", op, err)
 	}
 	// Runs with done still false only if fn panicked or called
 	// runtime.Goexit: roll back, and let the panic go on.
@@ -271,7 +302,7 @@ func InTx(ctx context.Context, db TxBeginner, keys []Key, fn func(tx pgx.Tx) err
 	}
 	done = true
 	if err := tx.Commit(ctx); err != nil {
-		return xactError(ctx, "InTx: commit", err)
+		return xactError(ctx, op+": commit", err)
 	}
 	return nil
 }
@@ -289,11 +320,11 @@ func rollbackTx(ctx context.Context, tx pgx.Tx) {
 // xactAcquire validates tx and keys and runs the lock statement.
 func xactAcquire(ctx context.Context, mode xactMode, tx pgx.Tx, keys []Key) error {
 	if tx == nil {
-		return fmt.Errorf("pgcoord: %s: nil pgx.Tx; begin a transaction first, or use InTx", mode.op)
+		return errorf("%s: nil pgx.Tx; begin a transaction first, or use InTx", mode.op)
 	}
 	ks, err := canonicalKeys(keys)
 	if err != nil {
-		return fmt.Errorf("pgcoord: %s: %w", mode.op, err)
+		return errorf("%s: %w", mode.op, err)
 	}
 	return xactExec(ctx, mode, tx, ks)
 }
@@ -319,10 +350,10 @@ func xactExec(ctx context.Context, mode xactMode, tx pgx.Tx, ks []Key) error {
 		}
 		pos := i*maxKeysPerStatement + failed - 1 // in ks
 		if pos > 0 {
-			return fmt.Errorf("pgcoord: %s: %w: %v (the %d key(s) before it in canonical order stay locked by this transaction until it ends; roll back to release them)",
+			return errorf("%s: %w: %v (the %d key(s) before it in canonical order stay locked by this transaction until it ends; roll back to release them)",
 				mode.op, ErrLocked, ks[pos], pos)
 		}
-		return fmt.Errorf("pgcoord: %s: %w: %v", mode.op, ErrLocked, ks[pos])
+		return errorf("%s: %w: %v", mode.op, ErrLocked, ks[pos])
 	}
 	return nil
 }
@@ -354,7 +385,7 @@ func xactTryStatement(fn string, ks []Key) (string, []any) {
 func xactError(ctx context.Context, op string, err error) error {
 	err = pgError(op, err)
 	if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
-		err = fmt.Errorf("%w (%w)", err, cerr)
+		err = errorf("%w (%w)", err, cerr)
 	}
 	return err
 }

@@ -936,3 +936,40 @@ func xactIsDeadlock(err error) bool {
 	var pe *pgconn.PgError
 	return errors.Is(err, ErrDeadlock) || errors.As(err, &pe) && pe.Code == "40P01"
 }
+
+// TestInTxOptions: the transaction is begun with the given options, holds
+// the keys while fn runs and releases them when it ends.
+func TestInTxOptions(t *testing.T) {
+	dsn, pool := xactPool(t)
+	ctx := t.Context()
+	k := Int64Key(7)
+	var pid int32
+	opts := pgx.TxOptions{IsoLevel: pgx.Serializable, AccessMode: pgx.ReadOnly}
+	err := InTxOptions(ctx, pool, opts, []Key{k}, func(tx pgx.Tx) error {
+		pid = xactPID(tx)
+		xactWantHeld(t, dsn, pid, xactEx(k))
+		var iso, ro string
+		if err := tx.QueryRow(ctx, "SELECT current_setting('transaction_isolation'), current_setting('transaction_read_only')").Scan(&iso, &ro); err != nil {
+			return err
+		}
+		if iso != "serializable" || ro != "on" {
+			t.Errorf("transaction_isolation %q, transaction_read_only %q; want serializable, on", iso, ro)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	xactWantHeld(t, dsn, pid)
+
+	errFn := errors.New("fn failed")
+	if err := InTxOptions(ctx, pool, pgx.TxOptions{}, []Key{k}, func(pgx.Tx) error { return errFn }); err != errFn {
+		t.Fatalf("InTxOptions: got %v, want fn's error unchanged", err)
+	}
+	if err := InTxOptions(ctx, nil, opts, []Key{k}, func(pgx.Tx) error { return nil }); err == nil || !strings.HasPrefix(err.Error(), "pgcoord: InTxOptions") {
+		t.Fatalf("nil db: %v", err)
+	}
+	if err := InTxOptions(ctx, pool, opts, nil, func(pgx.Tx) error { return nil }); !errors.Is(err, ErrInvalidKey) {
+		t.Fatalf("no keys: %v", err)
+	}
+}

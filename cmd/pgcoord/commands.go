@@ -1,0 +1,251 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/pgcoord/pgcoord"
+)
+
+// keyOf returns the key of a name: HashKey(name), or HashKey of its parts
+// when sep is set.
+func keyOf(name, sep string) pgcoord.Key {
+	if sep == "" {
+		return pgcoord.HashKey(name)
+	}
+	return pgcoord.HashKey(strings.Split(name, sep)...)
+}
+
+// lockColumns returns the classid, objid and objsubid that k has in
+// pg_locks.
+func lockColumns(k pgcoord.Key) (classid, objid uint32, objsubid int16) {
+	if a, b, ok := k.Pair(); ok {
+		return uint32(a), uint32(b), 2
+	}
+	v, _ := k.Int64()
+	return uint32(uint64(v) >> 32), uint32(v), 1
+}
+
+func keyCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+	sep := fs.String("sep", "", "split each NAME into HashKey parts at `SEP`")
+	return func(_ context.Context, e *env, names []string) error {
+		if len(names) == 0 {
+			return usagef("key: give at least one NAME")
+		}
+		tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "NAME\tKEY\tCLASSID\tOBJID\tOBJSUBID")
+		for _, n := range names {
+			k := keyOf(n, *sep)
+			classid, objid, objsubid := lockColumns(k)
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\n", n, k, classid, objid, objsubid)
+		}
+		return tw.Flush()
+	}
+}
+
+// lockJSON is one line of "pgcoord locks --json".
+type lockJSON struct {
+	Key             pgcoord.Key `json:"key"`
+	Name            string      `json:"name,omitempty"`
+	Mode            string      `json:"mode"`
+	Granted         bool        `json:"granted"`
+	PID             int32       `json:"pid"`
+	ApplicationName string      `json:"application_name"`
+	ClientAddr      string      `json:"client_addr"`
+	Since           *time.Time  `json:"since,omitempty"`
+}
+
+func locksCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+	asJSON := fs.Bool("json", false, "print one JSON object per holder or waiter instead of a table")
+	sep := fs.String("sep", "", "split each --name into HashKey parts at `SEP`")
+	var names []string
+	fs.Func("name", "show `NAME` instead of the number of its key, HashKey(NAME) (repeatable)", func(s string) error {
+		names = append(names, s)
+		return nil
+	})
+	return func(ctx context.Context, e *env, args []string) error {
+		if len(args) > 0 {
+			return usagef("locks takes no arguments (names go with --name)")
+		}
+		m := demoNames()
+		for _, n := range names {
+			m[keyOf(n, *sep)] = n
+		}
+		c, closeAll, err := openClient(ctx, e, pgcoord.WithKeyNames(m))
+		if err != nil {
+			return err
+		}
+		defer closeAll()
+		locks, err := c.Locks(ctx)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			enc := json.NewEncoder(e.stdout)
+			for _, l := range locks {
+				j := lockJSON{Key: l.Key, Name: l.Name, Mode: l.Mode.String(), Granted: l.Granted, PID: l.PID,
+					ApplicationName: l.ApplicationName, ClientAddr: l.ClientAddr}
+				if !l.Since.IsZero() {
+					j.Since = &l.Since
+				}
+				if err := enc.Encode(j); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+		return printLocks(e, locks, time.Now())
+	}
+}
+
+// printLocks writes the table of "pgcoord locks": one row per holder and
+// per waiter, holders first, with the number of waiters of each key on
+// its holders' rows.
+func printLocks(e *env, locks []pgcoord.LockInfo, now time.Time) error {
+	if len(locks) == 0 {
+		fmt.Fprintln(e.stdout, "no advisory locks in this database")
+		return nil
+	}
+	waiters := make(map[pgcoord.Key]int)
+	for _, l := range locks {
+		if !l.Granted {
+			waiters[l.Key]++
+		}
+	}
+	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "KEY\tMODE\tSTATE\tPID\tAPPLICATION\tCLIENT\tFOR\tWAITERS")
+	for _, l := range locks {
+		name := l.Name
+		if name == "" {
+			name = l.Key.String()
+		}
+		state, since, nWait := "waiting", "", ""
+		if !l.Since.IsZero() {
+			since = duration(now.Sub(l.Since))
+		}
+		if l.Granted {
+			state, nWait = "held", strconv.Itoa(waiters[l.Key])
+			if since != "" {
+				// PostgreSQL does not record when a lock was granted: the
+				// time is since the holder's transaction or connection
+				// began, an upper bound.
+				since = "<=" + since
+			}
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\n", name, l.Mode, state, l.PID, orDash(l.ApplicationName), orDash(l.ClientAddr), orDash(since), nWait)
+	}
+	return tw.Flush()
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+// duration formats d to a precision that suits its size.
+func duration(d time.Duration) string {
+	switch {
+	case d < 0:
+		d = 0
+	case d >= time.Minute:
+		return d.Round(time.Second).String()
+	case d >= time.Second:
+		return d.Round(100 * time.Millisecond).String()
+	}
+	return d.Round(time.Millisecond).String()
+}
+
+func releaseCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+	pid := fs.Int("pid", 0, "process ID of the backend, as 'pgcoord locks' shows it")
+	force := fs.Bool("force", false, "terminate the backend even if it is not pgcoord's")
+	app := fs.String("app", "pgcoord", "the application_name that marks pgcoord's backends (WithApplicationName)")
+	return func(ctx context.Context, e *env, args []string) error {
+		if len(args) > 0 {
+			return usagef("release takes no arguments (the backend goes with --pid)")
+		}
+		if *pid <= 0 || *pid > 1<<31-1 {
+			return usagef("release: give the backend's process ID with --pid N")
+		}
+		c, closeAll, err := openClient(ctx, e, pgcoord.WithApplicationName(*app), pgcoord.WithKeyNames(demoNames()))
+		if err != nil {
+			return err
+		}
+		defer closeAll()
+		all, err := c.Locks(ctx)
+		if err != nil {
+			return err
+		}
+		var held, awaited []string
+		for _, l := range all {
+			if l.PID != int32(*pid) {
+				continue
+			}
+			name := l.Name
+			if name == "" {
+				name = l.Key.String()
+			}
+			if l.Granted {
+				held = append(held, name+" ("+l.Mode.String()+")")
+			} else {
+				awaited = append(awaited, name)
+			}
+		}
+		terminate := c.Terminate
+		if *force {
+			terminate = c.TerminateAny
+		}
+		if err := terminate(ctx, int32(*pid)); err != nil {
+			if errors.Is(err, pgcoord.ErrForeignBackend) {
+				// Name the flag, not the library's TerminateAny.
+				msg, _, _ := strings.Cut(err.Error(), "; use TerminateAny")
+				return errors.New(msg + "; pass --force to terminate it anyway")
+			}
+			return err
+		}
+		fmt.Fprintf(e.stdout, "terminated backend %d\n", *pid)
+		if len(held) > 0 {
+			fmt.Fprintf(e.stdout, "released: %s\n", strings.Join(held, ", "))
+		}
+		if len(awaited) > 0 {
+			fmt.Fprintf(e.stdout, "it no longer waits for: %s\n", strings.Join(awaited, ", "))
+		}
+		if len(held)+len(awaited) == 0 {
+			fmt.Fprintln(e.stdout, "it held no advisory lock in this database")
+		}
+		return nil
+	}
+}
+
+func migrateCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+	schema := fs.String("schema", pgcoord.DefaultSchema, "the schema of pgcoord's tables (WithSchema)")
+	return func(ctx context.Context, e *env, args []string) error {
+		if len(args) > 0 {
+			return usagef("migrate takes no arguments")
+		}
+		pool, err := openPool(ctx, e)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		if err := pgcoord.Migrate(ctx, pool, pgcoord.WithSchema(*schema)); err != nil {
+			return err
+		}
+		var version int64
+		q := "SELECT max(version) FROM " + pgx.Identifier{*schema, "schema_version"}.Sanitize()
+		if err := pool.QueryRow(ctx, q).Scan(&version); err != nil {
+			return fmt.Errorf("read the schema version: %w", err)
+		}
+		fmt.Fprintf(e.stdout, "schema %s is at version %d\n", pgx.Identifier{*schema}.Sanitize(), version)
+		return nil
+	}
+}

@@ -1,0 +1,333 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pgcoord/pgcoord"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+const testTimeout = 60 * time.Second
+
+// syncBuffer is a bytes.Buffer that a running command writes while the
+// test reads it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// cli runs the command line in-process with DATABASE_URL set to db and
+// returns its exit code, stdout and stderr.
+func cli(t *testing.T, db string, args ...string) (int, string, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	var out, errOut syncBuffer
+	code := run(ctx, args, func(name string) string {
+		if name == "DATABASE_URL" {
+			return db
+		}
+		return ""
+	}, &out, &errOut)
+	return code, out.String(), errOut.String()
+}
+
+// startDemo runs "pgcoord demo" until the test ends, and returns once its
+// locks, and the wait for demo/report, show in pg_locks.
+func startDemo(t *testing.T, db string) *syncBuffer {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	out := &syncBuffer{}
+	done := make(chan int, 1)
+	go func() { done <- run(ctx, []string{"--db", db, "demo"}, func(string) string { return "" }, out, out) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case code := <-done:
+			if code != exitOK {
+				t.Errorf("demo exited with %d:\n%s", code, out)
+			}
+		case <-time.After(testTimeout):
+			t.Errorf("demo did not end in time")
+		}
+	})
+	pgtest.Eventually(t, testTimeout, "the demo's locks and wait in pg_locks", func() bool {
+		select {
+		case code := <-done:
+			t.Fatalf("demo exited early with %d:\n%s", code, out)
+		default:
+		}
+		waits := 0
+		locks := pgtest.AdvisoryLocks(t, db)
+		for _, l := range locks {
+			if !l.Granted {
+				waits++
+			}
+		}
+		return len(locks) == 6 && waits == 1
+	})
+	return out
+}
+
+func TestUsageAndHelp(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		db   string
+		code int
+		out  string // in stdout
+		err  string // in stderr
+	}{
+		{nil, "", exitUsage, "", "Usage:"},
+		{[]string{"help"}, "", exitOK, "Exit codes:", ""},
+		{[]string{"-h"}, "", exitOK, "Commands:", ""},
+		{[]string{"locks", "-h"}, "", exitOK, "--json", ""},
+		{[]string{"nope"}, "", exitUsage, "", `unknown command "nope"`},
+		{[]string{"--bogus"}, "", exitUsage, "", "bogus"},
+		{[]string{"locks"}, "", exitUsage, "", "no database: set DATABASE_URL or pass --db"},
+		{[]string{"locks", "--bogus"}, "", exitUsage, "", "locks: flag provided but not defined"},
+		{[]string{"locks", "extra"}, "postgres://x", exitUsage, "", "takes no arguments"},
+		{[]string{"release"}, "postgres://x", exitUsage, "", "--pid"},
+		{[]string{"release", "--pid", "x"}, "postgres://x", exitUsage, "", "invalid value"},
+		{[]string{"key"}, "", exitUsage, "", "at least one NAME"},
+		{[]string{"--db", "::not a url", "locks"}, "", exitUsage, "", "bad database URL"},
+	} {
+		code, out, errOut := cli(t, tc.db, tc.args...)
+		if code != tc.code || !strings.Contains(out, tc.out) || !strings.Contains(errOut, tc.err) {
+			t.Errorf("pgcoord %q: exit %d, stdout %q, stderr %q; want exit %d, %q in stdout, %q in stderr",
+				tc.args, code, out, errOut, tc.code, tc.out, tc.err)
+		}
+		if tc.code != exitOK && !strings.HasPrefix(errOut, "pgcoord: ") && tc.args != nil {
+			t.Errorf("pgcoord %q: stderr %q should start with \"pgcoord: \"", tc.args, errOut)
+		}
+	}
+	// Every command of the table is in the help.
+	_, out, _ := cli(t, "", "help")
+	for _, c := range commands {
+		if !strings.Contains(out, "  "+c.name+" ") {
+			t.Errorf("help does not list %s:\n%s", c.name, out)
+		}
+	}
+	// An unreachable database is a failure, not a usage error.
+	if code, _, errOut := cli(t, "postgres://127.0.0.1:1/x?connect_timeout=5", "locks"); code != exitFailure || !strings.HasPrefix(errOut, "pgcoord: ") {
+		t.Errorf("unreachable database: exit %d, %q", code, errOut)
+	}
+}
+
+func TestKey(t *testing.T) {
+	code, out, _ := cli(t, "", "key", "--sep", "/", "report/daily", "demo/report")
+	if code != exitOK {
+		t.Fatalf("exit %d", code)
+	}
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if len(lines) != 3 || !strings.HasPrefix(lines[0], "NAME") {
+		t.Fatalf("output:\n%s", out)
+	}
+	for i, k := range []pgcoord.Key{pgcoord.HashKey("report", "daily"), pgcoord.HashKey("demo", "report")} {
+		v, _ := k.Int64()
+		want := fmt.Sprintf("%s %d %d 1", k, uint32(uint64(v)>>32), uint32(v))
+		if got := strings.Join(strings.Fields(lines[i+1])[1:], " "); got != want {
+			t.Errorf("line %d: %q, want %q", i+1, got, want)
+		}
+	}
+	_, out, _ = cli(t, "", "key", "demo/report")
+	if !strings.Contains(out, pgcoord.HashKey("demo/report").String()) {
+		t.Errorf("without --sep the whole name is one part:\n%s", out)
+	}
+}
+
+// "pgcoord locks" shows what pg_locks has, with the demo's names, as a
+// table and as JSON.
+func TestLocksCommand(t *testing.T) {
+	db := pgtest.DB(t)
+	if code, out, errOut := cli(t, db, "locks"); code != exitOK || !strings.Contains(out, "no advisory locks") {
+		t.Fatalf("no locks: exit %d, %q, %q", code, out, errOut)
+	}
+	startDemo(t, db)
+	conn := pgtest.Conn(t, db)
+	if _, err := conn.Exec(context.Background(), "SELECT pg_advisory_lock(42)"); err != nil {
+		t.Fatal(err)
+	}
+
+	code, out, errOut := cli(t, db, "locks", "--name", "answer")
+	if code != exitOK {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	t.Logf("pgcoord locks:\n%s", out)
+	// One row per pg_locks row: key, mode, state and pid agree.
+	type row struct{ key, mode, state, pid string }
+	var got []row
+	sc := bufio.NewScanner(strings.NewReader(out))
+	sc.Scan() // header
+	if !strings.HasPrefix(sc.Text(), "KEY") {
+		t.Fatalf("no header:\n%s", out)
+	}
+	waiters := map[string]string{}
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) < 7 {
+			t.Fatalf("short row %q", sc.Text())
+		}
+		got = append(got, row{f[0], f[1], f[2], f[3]})
+		if f[2] == "held" {
+			waiters[f[0]] = f[len(f)-1]
+		}
+	}
+	names := map[pgcoord.Key]string{}
+	for _, n := range demoKeys {
+		names[pgcoord.HashKey(n)] = n
+	}
+	var want []row
+	for _, l := range pgtest.AdvisoryLocks(t, db) {
+		k, err := pgcoord.KeyFromLock(l.ClassID, l.ObjID, l.ObjSubID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		name, ok := names[k]
+		if !ok {
+			name = k.String()
+		}
+		mode, state := "exclusive", "waiting"
+		if l.Mode == "ShareLock" {
+			mode = "shared"
+		}
+		if l.Granted {
+			state = "held"
+		}
+		want = append(want, row{name, mode, state, strconv.Itoa(int(l.PID))})
+	}
+	cmpRow := func(a, b row) int { return strings.Compare(fmt.Sprint(a), fmt.Sprint(b)) }
+	slices.SortFunc(got, cmpRow)
+	slices.SortFunc(want, cmpRow)
+	if !slices.Equal(got, want) {
+		t.Errorf("rows %v\npg_locks %v", got, want)
+	}
+	if waiters["demo/report"] != "1" || waiters["demo/cache"] != "0" {
+		t.Errorf("waiters: %v", waiters)
+	}
+	if !strings.Contains(out, "int64:42") || !regexp.MustCompile(`demo/report +exclusive +held +\d+ +pgcoord +127\.0\.0\.1:\d+ +<=\S+ +1`).MatchString(out) {
+		t.Errorf("unexpected table:\n%s", out)
+	}
+
+	code, out, _ = cli(t, db, "locks", "--json")
+	if code != exitOK {
+		t.Fatalf("--json: exit %d", code)
+	}
+	n := 0
+	dec := json.NewDecoder(strings.NewReader(out))
+	for dec.More() {
+		var j lockJSON
+		if err := dec.Decode(&j); err != nil {
+			t.Fatal(err)
+		}
+		if !j.Key.Valid() || j.PID == 0 || (j.Name == "" && j.Key != pgcoord.Int64Key(42)) {
+			t.Errorf("--json: %+v", j)
+		}
+		n++
+	}
+	if n != len(want) {
+		t.Errorf("--json: %d objects, want %d", n, len(want))
+	}
+}
+
+// "pgcoord release" refuses a backend that is not pgcoord's unless forced,
+// and frees the locks of the backend it terminates.
+func TestRelease(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	startDemo(t, db)
+	conn := pgtest.Conn(t, db)
+	if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock(42)"); err != nil {
+		t.Fatal(err)
+	}
+	foreign := strconv.Itoa(int(conn.PgConn().PID()))
+	code, _, errOut := cli(t, db, "release", "--pid", foreign)
+	if code != exitFailure || !strings.Contains(errOut, "--force") || !strings.Contains(errOut, "not a pgcoord backend") {
+		t.Fatalf("release of a foreign backend: exit %d, %q", code, errOut)
+	}
+	if holders := holdersOf(t, db, pgcoord.Int64Key(42)); len(holders) != 1 {
+		t.Fatalf("after a refused release: holders %v", holders)
+	}
+	code, out, errOut := cli(t, db, "release", "--pid", foreign, "--force")
+	if code != exitOK || !strings.Contains(out, "released: int64:42 (exclusive)") {
+		t.Fatalf("release --force: exit %d, %q, %q", code, out, errOut)
+	}
+	if holders := holdersOf(t, db, pgcoord.Int64Key(42)); len(holders) != 0 {
+		t.Fatalf("after release --force: holders %v", holders)
+	}
+
+	// The demo's backend that holds demo/report: no --force needed, and
+	// the demo's waiting client takes the key.
+	report := pgcoord.HashKey("demo/report")
+	holders := holdersOf(t, db, report)
+	if len(holders) != 1 {
+		t.Fatalf("demo/report held by %v", holders)
+	}
+	code, out, errOut = cli(t, db, "release", "--pid", strconv.Itoa(int(holders[0])))
+	if code != exitOK || !strings.Contains(out, "demo/report (exclusive)") {
+		t.Fatalf("release of the demo's backend: exit %d, %q, %q", code, out, errOut)
+	}
+	pgtest.Eventually(t, testTimeout, "the demo's waiter to take demo/report", func() bool {
+		h := holdersOf(t, db, report)
+		return len(h) == 1 && h[0] != holders[0]
+	})
+
+	if code, _, errOut := cli(t, db, "release", "--pid", "2147483000"); code != exitFailure || !strings.Contains(errOut, "no backend") {
+		t.Errorf("release of no backend: exit %d, %q", code, errOut)
+	}
+}
+
+// holdersOf returns the pids that hold k in pg_locks.
+func holdersOf(t *testing.T, db string, k pgcoord.Key) []int32 {
+	t.Helper()
+	var pids []int32
+	for _, l := range pgtest.AdvisoryLocks(t, db) {
+		if got, _ := pgcoord.KeyFromLock(l.ClassID, l.ObjID, l.ObjSubID); got == k && l.Granted {
+			pids = append(pids, l.PID)
+		}
+	}
+	return pids
+}
+
+func TestMigrate(t *testing.T) {
+	db := pgtest.DB(t)
+	for range 2 { // idempotent
+		code, out, errOut := cli(t, db, "migrate")
+		if code != exitOK || out != "schema \"pgcoord\" is at version 1\n" {
+			t.Fatalf("migrate: exit %d, %q, %q", code, out, errOut)
+		}
+	}
+	code, out, _ := cli(t, db, "migrate", "--schema", "other")
+	if code != exitOK || !strings.Contains(out, `"other"`) {
+		t.Fatalf("migrate --schema: exit %d, %q", code, out)
+	}
+	conn := pgtest.Conn(t, db)
+	var n int
+	if err := conn.QueryRow(context.Background(), "SELECT count(*) FROM other.fences").Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+}

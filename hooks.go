@@ -1,0 +1,343 @@
+package pgcoord
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Hooks are functions that a Client calls on lock events, to feed metrics
+// or traces (see examples/metrics for counters and histograms). Any of them
+// may be nil. Set them with [WithHooks].
+//
+// Hooks never run on the goroutine that caused the event and never hold
+// up the library: events are queued, and one goroutine per Client calls
+// the hooks, one at a time, in the order the events happened. A hook that
+// is slow only delays later hooks; when more than [MaxPendingHookEvents]
+// events wait, newer ones are dropped and counted in
+// Stat().DroppedHookEvents. A hook that panics is recovered and logged at
+// Error. Hooks may call the Client, except Close, which waits for them.
+// Close delivers the events of the locks it ends before it returns.
+//
+// Every Lock that an acquire returned ends in exactly one OnRelease or
+// OnLoss, so acquires minus releases minus losses is the number of locks
+// held.
+type Hooks struct {
+	// OnAcquire is called when an acquire returns: with Err nil when it
+	// took the lock, else with the error it returned.
+	OnAcquire func(AcquireEvent)
+	// OnRelease is called when a lock ends by Unlock (or by Close, with
+	// Err wrapping ErrClosed).
+	OnRelease func(ReleaseEvent)
+	// OnContention is called when an acquire finds a key held: a try that
+	// fails, or a blocking acquire that starts to wait.
+	OnContention func(ContentionEvent)
+	// OnLoss is called when a lock is lost: its connection failed, was
+	// terminated, or could not prove itself alive within the loss deadline.
+	OnLoss func(LossEvent)
+	// OnLeadership is called when an election of the Client gains or loses
+	// leadership.
+	OnLeadership func(LeadershipEvent)
+}
+
+// MaxPendingHookEvents bounds the events queued for a Client's hooks.
+const MaxPendingHookEvents = 4096
+
+// AcquireEvent describes the end of an acquire (Lock, TryLock, RLock,
+// TryRLock, LockAll, Do) on a Client or a Session.
+type AcquireEvent struct {
+	Key     Key           // the key; for LockAll, the first in canonical order
+	Keys    []Key         // every key, in canonical order
+	Name    string        // Key's name from WithKeyNames, or ""
+	Mode    LockMode      // exclusive or shared
+	Try     bool          // a try (TryLock, TryRLock), which does not wait
+	Wait    time.Duration // from the call to its return
+	PID     int32         // the backend that holds the lock; 0 on error
+	Handoff bool          // handed over by a releasing goroutine of this Client (see WithHandoff)
+	Err     error         // nil if the lock was taken
+}
+
+// ReleaseEvent describes a lock that ended by Unlock or Close.
+type ReleaseEvent struct {
+	Key     Key
+	Keys    []Key
+	Name    string
+	Mode    LockMode
+	Held    time.Duration // from the acquire's return to the release
+	PID     int32
+	Handoff bool  // passed on to a waiting goroutine of this Client, still held on the server
+	Err     error // nil, the Unlock error, or ErrClosed
+}
+
+// ContentionEvent describes an acquire that found a key held.
+type ContentionEvent struct {
+	Key  Key
+	Keys []Key
+	Name string
+	Mode LockMode
+	Try  bool // a try that failed; false: a blocking acquire that starts to wait
+	// Local is true when the holder is a goroutine of this Client: the
+	// acquire waits, or fails, in the process, using no connection. For
+	// a blocking acquire on a Client, a local wait may be followed by a
+	// wait on the server, which is reported again with Local false.
+	Local bool
+}
+
+// LossEvent describes a lock that was lost.
+type LossEvent struct {
+	Key  Key
+	Keys []Key
+	Name string
+	Mode LockMode
+	Held time.Duration // from the acquire's return to the loss being declared
+	PID  int32
+	Err  error // wraps ErrLockLost and the cause, as Lock.Err
+}
+
+// LeadershipEvent describes a change of leadership of an election run by
+// the Client: Leading is true when Identity became the leader for Term,
+// false when it stopped leading (Err says why, or is nil for a
+// resignation).
+type LeadershipEvent struct {
+	Election string
+	Identity string
+	Term     int64
+	Leading  bool
+	Err      error
+}
+
+// WithHooks sets functions called on the Client's lock events; see
+// [Hooks]. Calling WithHooks again replaces them.
+func WithHooks(h Hooks) Option {
+	return optionFunc{"WithHooks", scopeClient, func(c *config) error {
+		c.hooks = h
+		return nil
+	}}
+}
+
+// hookQueue delivers a Client's events to its hooks on one goroutine. A
+// nil *hookQueue (no hooks set) ignores every event.
+type hookQueue struct {
+	h       Hooks
+	logger  func() *slog.Logger
+	mu      sync.Mutex
+	pending []func()
+	closed  bool
+	wake    chan struct{}
+	done    chan struct{}
+	dropped atomic.Int64
+}
+
+func newHookQueue(h Hooks, logger func() *slog.Logger) *hookQueue {
+	if h.OnAcquire == nil && h.OnRelease == nil && h.OnContention == nil && h.OnLoss == nil && h.OnLeadership == nil {
+		return nil
+	}
+	q := &hookQueue{h: h, logger: logger, wake: make(chan struct{}, 1), done: make(chan struct{})}
+	go q.run()
+	return q
+}
+
+// push queues f, or drops it when the queue is full or closed.
+func (q *hookQueue) push(f func()) {
+	q.mu.Lock()
+	if q.closed || len(q.pending) >= MaxPendingHookEvents {
+		q.mu.Unlock()
+		if q.dropped.Add(1) == 1 {
+			q.logger().Warn("pgcoord: hook events dropped: the hooks are slower than the events", "pending", MaxPendingHookEvents)
+		}
+		return
+	}
+	q.pending = append(q.pending, f)
+	q.mu.Unlock()
+	select {
+	case q.wake <- struct{}{}:
+	default:
+	}
+}
+
+// run delivers events until the queue is closed and empty.
+func (q *hookQueue) run() {
+	defer close(q.done)
+	for {
+		<-q.wake
+		for {
+			q.mu.Lock()
+			batch, closed := q.pending, q.closed
+			q.pending = nil
+			q.mu.Unlock()
+			if len(batch) == 0 {
+				if closed {
+					return
+				}
+				break
+			}
+			for _, f := range batch {
+				q.call(f)
+			}
+		}
+	}
+}
+
+func (q *hookQueue) call(f func()) {
+	defer func() {
+		if p := recover(); p != nil {
+			q.logger().Error("pgcoord: a hook panicked", "panic", fmt.Sprint(p))
+		}
+	}()
+	f()
+}
+
+// close delivers what is queued and stops the goroutine.
+func (q *hookQueue) close() {
+	if q == nil {
+		return
+	}
+	q.mu.Lock()
+	q.closed = true
+	q.mu.Unlock()
+	select {
+	case q.wake <- struct{}{}:
+	default:
+	}
+	<-q.done
+}
+
+// droppedEvents returns how many events were dropped.
+func (q *hookQueue) droppedEvents() int64 {
+	if q == nil {
+		return 0
+	}
+	return q.dropped.Load()
+}
+
+// leadership reports a change of leadership of an election of the Client
+// to OnLeadership. The election code calls it whenever its elector gains
+// or loses leadership.
+func (q *hookQueue) leadership(ev LeadershipEvent) {
+	if q == nil || q.h.OnLeadership == nil {
+		return
+	}
+	q.push(func() { q.h.OnLeadership(ev) })
+}
+
+func modeOf(shared bool) LockMode {
+	if shared {
+		return ModeShared
+	}
+	return ModeExclusive
+}
+
+// observed reports whether lock events of this Client are observed, by
+// hooks or by a logger at Debug; only then do acquires read the clock
+// for them.
+func (c *Client) observed() bool { return c.hooks != nil || c.cfg.debugging() }
+
+// acquired reports the end of an acquire that began at start.
+func (c *Client) acquired(start time.Time, r request, l *Lock, handoff bool, err error) {
+	wait := time.Since(start)
+	var pid int32
+	if l != nil {
+		pid = l.s.pid
+		l.since = time.Now()
+	}
+	if c.cfg.debugging() {
+		attrs := []any{"keys", keyList(r.keys), "mode", modeOf(r.shared).String(), "try", r.try, "wait", wait, "pid", pid}
+		if n := c.cfg.keyName(r.keys[0]); n != "" {
+			attrs = append(attrs, "name", n)
+		}
+		if handoff {
+			attrs = append(attrs, "handoff", true)
+		}
+		if err != nil {
+			attrs = append(attrs, "err", err)
+		}
+		c.cfg.logger.Debug("pgcoord: acquire", attrs...)
+	}
+	if q := c.hooks; q != nil && q.h.OnAcquire != nil {
+		ev := AcquireEvent{Key: r.keys[0], Keys: append([]Key(nil), r.keys...), Name: c.cfg.keyName(r.keys[0]),
+			Mode: modeOf(r.shared), Try: r.try, Wait: wait, PID: pid, Handoff: handoff, Err: err}
+		q.push(func() { q.h.OnAcquire(ev) })
+	}
+}
+
+// contended reports that an acquire found a key held.
+func (c *Client) contended(r request, local bool) {
+	if c.cfg.debugging() {
+		c.cfg.logger.Debug("pgcoord: contention", "keys", keyList(r.keys), "mode", modeOf(r.shared).String(), "try", r.try, "local", local)
+	}
+	if q := c.hooks; q != nil && q.h.OnContention != nil {
+		ev := ContentionEvent{Key: r.keys[0], Keys: append([]Key(nil), r.keys...), Name: c.cfg.keyName(r.keys[0]),
+			Mode: modeOf(r.shared), Try: r.try, Local: local}
+		q.push(func() { q.h.OnContention(ev) })
+	}
+}
+
+// released reports a lock that Unlock or Close ended.
+func (l *Lock) released(handoff bool, err error) {
+	c := l.s.c
+	if l.unreported.Load() || !c.observed() {
+		return
+	}
+	held := time.Duration(0)
+	if !l.since.IsZero() {
+		held = time.Since(l.since)
+	}
+	if c.cfg.debugging() {
+		attrs := []any{"keys", keyList(l.keys), "mode", modeOf(l.shared).String(), "held", held, "pid", l.s.pid}
+		if handoff {
+			attrs = append(attrs, "handoff", true)
+		}
+		if err != nil {
+			attrs = append(attrs, "err", err)
+		}
+		c.cfg.logger.Debug("pgcoord: release", attrs...)
+	}
+	if q := c.hooks; q != nil && q.h.OnRelease != nil {
+		ev := ReleaseEvent{Key: l.keys[0], Keys: append([]Key(nil), l.keys...), Name: c.cfg.keyName(l.keys[0]),
+			Mode: modeOf(l.shared), Held: held, PID: l.s.pid, Handoff: handoff, Err: err}
+		q.push(func() { q.h.OnRelease(ev) })
+	}
+}
+
+// lost reports a lock that ended with its session's loss. The session's
+// loss is logged once, at Warn, by the session.
+func (l *Lock) lost(err error) {
+	q := l.s.c.hooks
+	if l.unreported.Load() || q == nil || q.h.OnLoss == nil {
+		return
+	}
+	held := time.Duration(0)
+	if !l.since.IsZero() {
+		held = time.Since(l.since)
+	}
+	ev := LossEvent{Key: l.keys[0], Keys: append([]Key(nil), l.keys...), Name: l.s.c.cfg.keyName(l.keys[0]),
+		Mode: modeOf(l.shared), Held: held, PID: l.s.pid, Err: err}
+	q.push(func() { q.h.OnLoss(ev) })
+}
+
+// debugging reports whether the configured logger takes Debug records.
+func (c *config) debugging() bool {
+	return c.logger != nil && c.logger.Enabled(context.Background(), slog.LevelDebug)
+}
+
+// warnLogger returns the logger for warnings: WithLogger's, else
+// slog.Default(), so that a lost lock is never silent.
+func (c *config) warnLogger() *slog.Logger {
+	if c.logger != nil {
+		return c.logger
+	}
+	return slog.Default()
+}
+
+// infoLogger returns WithLogger's logger, or one that discards.
+func (c *config) infoLogger() *slog.Logger {
+	if c.logger != nil {
+		return c.logger
+	}
+	return discard
+}
+
+var discard = slog.New(slog.DiscardHandler)

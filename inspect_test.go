@@ -1,0 +1,211 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// Locks reports holders (one exclusive, two shared on another key) and a
+// waiter with their modes, backends, application names, names and times,
+// exactly the rows pg_locks has.
+func TestLocks(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	start := time.Now()
+	a := newTestClient(t, dsn, WithApplicationName("holder-a"))
+	b := newTestClient(t, dsn, WithApplicationName("holder-b"))
+	w := newTestClient(t, dsn, WithApplicationName("waiter"))
+	job, cache, unnamed := HashKey("job"), PairKey(7, -7), Int64Key(-3)
+	x := newTestClient(t, dsn, WithKeyNames(map[Key]string{job: "job", cache: "cache"}))
+
+	ex, err := a.Lock(ctx, job)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sa, err := a.RLock(ctx, cache)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sb, err := b.RLock(ctx, cache)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := b.TryLock(ctx, unnamed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waiting := goLock(func() (*Lock, error) { return w.Lock(ctx, job) })
+	pgtest.Eventually(t, testTimeout, "the waiter to show in pg_locks", func() bool { return waitingOn(t, dsn, job) == 1 })
+
+	got, err := x.Locks(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The same rows as pg_locks, read separately.
+	type row struct {
+		k       Key
+		pid     int32
+		shared  bool
+		granted bool
+	}
+	var fromLocks, fromPg []row
+	for _, li := range got {
+		fromLocks = append(fromLocks, row{li.Key, li.PID, li.Mode == ModeShared, li.Granted})
+	}
+	for k, hs := range lockState(t, dsn) {
+		for _, h := range hs {
+			fromPg = append(fromPg, row{k, h.pid, h.shared, h.granted})
+		}
+	}
+	cmpRow := func(x, y row) int { return strings.Compare(fmt.Sprint(x), fmt.Sprint(y)) }
+	slices.SortFunc(fromLocks, cmpRow)
+	slices.SortFunc(fromPg, cmpRow)
+	if !slices.Equal(fromLocks, fromPg) {
+		t.Fatalf("Locks:\n%v\npg_locks:\n%v", fromLocks, fromPg)
+	}
+
+	byKey := make(map[Key][]LockInfo)
+	for _, li := range got {
+		byKey[li.Key] = append(byKey[li.Key], li)
+	}
+	now := time.Now()
+	for _, li := range got {
+		if li.Since.Before(start.Add(-time.Second)) || li.Since.After(now.Add(time.Second)) {
+			t.Errorf("%+v: Since %v is not within the test (%v to %v)", li, li.Since, start, now)
+		}
+		if li.ClientAddr == "" {
+			t.Errorf("%+v: no client address", li)
+		}
+	}
+	j := byKey[job]
+	if len(j) != 2 ||
+		!j[0].Granted || j[0].Mode != ModeExclusive || j[0].PID != ex.s.PID() || j[0].ApplicationName != "holder-a" || j[0].Name != "job" ||
+		j[1].Granted || j[1].Mode != ModeExclusive || j[1].ApplicationName != "waiter" || j[1].Name != "job" {
+		t.Errorf("job: %+v; want holder-a's exclusive hold, then waiter's wait", j)
+	}
+	c := byKey[cache]
+	if len(c) != 2 || c[0].Name != "cache" || c[0].Mode != ModeShared || c[1].Mode != ModeShared || !c[0].Granted || !c[1].Granted {
+		t.Errorf("cache: %+v; want two shared holds", c)
+	}
+	if apps := []string{c[0].ApplicationName, c[1].ApplicationName}; !slices.Contains(apps, "holder-a") || !slices.Contains(apps, "holder-b") {
+		t.Errorf("cache held by %v, want holder-a and holder-b", apps)
+	}
+	if pids := []int32{c[0].PID, c[1].PID}; !slices.Contains(pids, sa.s.PID()) || !slices.Contains(pids, sb.s.PID()) {
+		t.Errorf("cache held by %v, want %d and %d", pids, sa.s.PID(), sb.s.PID())
+	}
+	if u := byKey[unnamed]; len(u) != 1 || u[0].Name != "" || u[0].PID != other.s.PID() {
+		t.Errorf("unnamed key: %+v", u)
+	}
+
+	if err := ex.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := receive(t, waiting)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	got, err = x.Locks(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, li := range got {
+		if li.Key == job && (li.ApplicationName != "waiter" || !li.Granted) {
+			t.Errorf("after the handover: %+v", li)
+		}
+	}
+	if _, err := New(pgtest.Pool(t, dsn), WithKeyNames(map[Key]string{{}: "zero"})); !errors.Is(err, ErrInvalidKey) {
+		t.Errorf("WithKeyNames with the zero Key: %v", err)
+	}
+}
+
+// Terminate frees a stuck lock and returns once it is free; it refuses a
+// backend that is not pgcoord's, which TerminateAny ends; unknown pids and
+// missing privileges give clear errors.
+func TestTerminate(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	holder := newTestClient(t, dsn)
+	op := newTestClient(t, dsn)
+	k := HashKey("stuck")
+
+	l, err := holder.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := op.Terminate(ctx, l.s.PID()); err != nil {
+		t.Fatal(err)
+	}
+	notHeld(t, dsn, k)
+	awaitEnd(t, l, "the lock of a terminated backend")
+	if !errors.Is(l.Err(), ErrLockLost) {
+		t.Errorf("the holder's lock ended with %v, want ErrLockLost", l.Err())
+	}
+
+	// A program that does not use pgcoord.
+	raw := pgtest.Conn(t, dsn)
+	if _, err := raw.Exec(ctx, "SELECT pg_advisory_lock(5)"); err != nil {
+		t.Fatal(err)
+	}
+	rawPID := int32(raw.PgConn().PID())
+	err = op.Terminate(ctx, rawPID)
+	if !errors.Is(err, ErrForeignBackend) || !strings.Contains(err.Error(), "TerminateAny") {
+		t.Fatalf("Terminate of a foreign backend: %v, want ErrForeignBackend", err)
+	}
+	heldOnlyBy(t, dsn, Int64Key(5), rawPID)
+	if err := op.TerminateAny(ctx, rawPID); err != nil {
+		t.Fatal(err)
+	}
+	notHeld(t, dsn, Int64Key(5))
+
+	if err := op.Terminate(ctx, 0x7fffff00); err == nil || !strings.Contains(err.Error(), "no backend") {
+		t.Errorf("Terminate of no backend: %v", err)
+	}
+
+	// A role without the privilege to signal the holder's backend.
+	l, err = holder.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	weak := weakRolePool(t, dsn)
+	wc := newTestClientOn(t, weak)
+	err = wc.Terminate(ctx, l.s.PID())
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || pe.Code != "42501" || !strings.Contains(err.Error(), "pg_signal_backend") {
+		t.Fatalf("Terminate without privilege: %v, want SQLSTATE 42501 naming pg_signal_backend", err)
+	}
+	heldOnlyBy(t, dsn, k, l.s.PID())
+	if err := l.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// weakRolePool returns a pool on dsn's database as a new role with no
+// privileges beyond LOGIN; the role is dropped after the test. It skips
+// the test when the test server's role may not create roles.
+func weakRolePool(t *testing.T, dsn string) *pgxpool.Pool {
+	t.Helper()
+	admin := pgtest.Conn(t, dsn)
+	role := fmt.Sprintf("pgcoord_weak_%d_%d", os.Getpid(), time.Now().UnixNano()%1e9)
+	ctx := testCtx(t)
+	if _, err := admin.Exec(ctx, "CREATE ROLE "+role+" LOGIN"); err != nil {
+		t.Skipf("cannot create a role: %v", err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		defer cancel()
+		if _, err := admin.Exec(ctx, "DROP ROLE "+role); err != nil {
+			t.Errorf("drop role: %v", err)
+		}
+	})
+	return pgtest.Pool(t, dsn, func(c *pgxpool.Config) { c.ConnConfig.User = role })
+}
