@@ -271,6 +271,12 @@ func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 	if err != nil {
 		return nil, errorf("election %q: %w", e.name, err)
 	}
+	// Open the guard session now, while following, so that a takeover
+	// does not wait for a connection.
+	if _, err := c.guardSession(ctx); err != nil {
+		sub.close()
+		return nil, errorf("election %q: open guard session: %w", e.name, err)
+	}
 	for {
 		l, err := e.wait(ctx)
 		if err != nil {
@@ -360,6 +366,8 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 		resign: make(chan struct{}),
 		done:   make(chan struct{}),
 	}
+	c.hooks.leadership(LeadershipEvent{Election: e.name, Identity: e.identity, Term: int64(term), Leading: true})
+	c.cfg.infoLogger().Info("pgcoord: leading", "election", e.name, "identity", e.identity, "term", int64(term))
 	c.wg.Add(1)
 	go ld.watch()
 	return ld, nil
@@ -384,7 +392,7 @@ func (e *Election) takeGuard(ctx context.Context) (*Lock, error) {
 			expired := wctx.Err() != nil && ctx.Err() == nil
 			cancel()
 			if err != nil && expired {
-				c.cfg.logger.Warn("pgcoord: the previous leader did not free the election's guard within the loss deadline; leading without it",
+				c.cfg.warnLogger().Warn("pgcoord: the previous leader did not free the election's guard within the loss deadline; leading without it",
 					"election", e.name, "loss_deadline", c.cfg.lossDeadline)
 				return nil, nil
 			}
@@ -474,6 +482,15 @@ func (ld *Leadership) end(why error) {
 	ld.mu.Lock()
 	ld.err = errorf("election %q: term %d ended: %w", ld.e.name, ld.term, why)
 	ld.mu.Unlock()
+	c := ld.e.c
+	ev := LeadershipEvent{Election: ld.e.name, Identity: ld.e.identity, Term: int64(ld.term)}
+	if errors.Is(why, ErrLockLost) {
+		ev.Err = ld.err
+		c.cfg.warnLogger().Warn("pgcoord: leadership lost", "election", ld.e.name, "identity", ld.e.identity, "term", int64(ld.term), "error", why)
+	} else {
+		c.cfg.infoLogger().Info("pgcoord: leadership ended", "election", ld.e.name, "term", int64(ld.term), "why", why)
+	}
+	c.hooks.leadership(ev)
 	close(ld.done)
 }
 

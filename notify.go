@@ -154,7 +154,7 @@ func (c *Client) listen() {
 		if c.closing.Err() != nil {
 			return
 		}
-		c.cfg.logger.Warn("pgcoord: listener connection failed; reopening", "error", err, "retry_in", backoff)
+		c.cfg.warnLogger().Warn("pgcoord: listener connection failed; reopening", "error", err, "retry_in", backoff)
 		t := time.NewTimer(backoff)
 		select {
 		case <-t.C:
