@@ -36,6 +36,11 @@
 //     begin, lock, call and commit. These work behind PgBouncer in
 //     transaction pooling mode.
 //   - Many locks on one connection of its own: [Client.NewSession].
+//   - One leader among identical processes: [Client.Election] and
+//     [Election.Run] (the function runs while leading; its context ends
+//     when the leadership does); [Election.Leader] and [Election.Observe]
+//     tell who leads; [Election.RequestResign] moves the leadership. Terms
+//     are fences for [CheckFence]. Needs [Migrate].
 //   - Writes that must not come from a holder that has lost its lock: take
 //     it [WithFence] and check [Lock.Fence] with [CheckFence] in the
 //     write's transaction; [Migrate] creates the table fences need.

@@ -14,64 +14,6 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// Leader election
-//
-// An Election is an advisory lock plus a row. The lock, on the election's
-// key (Election.Key), says who leads: the server frees it the moment the
-// leader's backend ends, so a waiting candidate takes over in
-// milliseconds when a leader's process dies. The row in the leaders table
-// says who that is (identity, term, since, backend pid). The term is the
-// fence of the election's key (see WithFence): it grows with every new
-// leader, across restarts, and CheckFence accepts it.
-//
-// States. A candidate campaigns (Campaign, or Run): it waits for the lock
-// on the server, on one of the Client's bounded waits (see WithMaxWaits);
-// a campaign gives its wait up every loss deadline and takes it again, so
-// campaigns and locks of one Client beyond WithMaxWaits all get their
-// turn. Once it has the lock, with a fresh fence as its term, it takes the
-// election's guard (below), writes the row, notifies observers, and leads:
-// Run calls fn with the term and a context that is cancelled when the
-// leadership ends. It ends by Resign (Run resigns when fn returns), by a
-// RequestResign from any process, by loss of either connection it rests
-// on, or by Close. Ending cancels the leader's context first and only then
-// frees the guard and the lock.
-//
-// The guard. A leader whose backend is terminated, or whose connection
-// breaks, loses the lock at once on the server, but its process may not
-// notice for up to a heartbeat interval (WithHeartbeat), or, with the
-// network silent, the loss deadline (WithLossDeadline). So that no new
-// leader starts before the old one's context is cancelled, a leader also
-// holds a second lock, the guard, on another connection: the Client's
-// guard session, one per Client, shared by all its elections. A new leader
-// takes the guard before it starts. If the old leader's process died, its
-// guard went with it and the new leader starts at once. If the process
-// lives, it frees the guard right after it has cancelled its leader's
-// context (within a heartbeat interval of the loss, normally); a new
-// leader waits for the guard at most the loss deadline, after which the
-// old leader has declared the loss by its own clock, and then starts
-// without the guard (the next takeover then waits the loss deadline too).
-// A process paused longer than that (a stopped process, a long GC pause)
-// cannot know it was replaced; its term is then older than the new
-// leader's, and CheckFence rejects its writes.
-//
-// Bounds (defaults: heartbeat 1 s, loss deadline L = 5 s):
-//   - leader's process killed: a waiting candidate leads within a few
-//     milliseconds (the server notices closed sockets at once);
-//   - leader's backend terminated, process alive: the old leader's context
-//     is cancelled within a heartbeat interval, and the new leader starts
-//     right after, never before; at most L;
-//   - network to the leader silent: the old leader's context is cancelled
-//     within L, the server frees the lock within 2L, and a candidate leads
-//     then;
-//   - Leader reports ErrNoLeader as soon as the server has freed the lock.
-//
-// Connections. A Client's leaderships live on its shared backends (the
-// lock) and its guard session (the guard); a waiting campaign uses one of
-// its bounded waits; Observe, and leaders (to hear RequestResign), use the
-// Client's listener connection. So a Client that takes part in elections
-// uses at most WithSharedBackends + WithMaxWaits + 2 connections, however
-// many elections it leads or follows.
-
 // Term is a leader's term: the fence issued for the election's key when
 // the leader won. Terms of one election only grow. Check a leader's writes
 // with CheckFence(ctx, tx, e.Key(), int64(term)).
@@ -121,6 +63,70 @@ func WithIdentity(identity string) ElectionOption {
 // independent elections coexist, one per name. An Election's methods are
 // safe for concurrent use; several candidates may campaign through one
 // Election (they then take turns in the process).
+//
+// An Election is an advisory lock plus a row. The lock, on the election's
+// key (Election.Key), says who leads: the server frees it the moment the
+// leader's backend ends, so a waiting candidate takes over in
+// milliseconds when a leader's process dies. The row in the leaders table
+// says who that is (identity, term, since, backend pid). The term is the
+// fence of the election's key (see WithFence): it grows with every new
+// leader, across restarts, and CheckFence accepts it.
+//
+// # States
+//
+// A candidate campaigns (Campaign, or Run): it waits for the lock
+// on the server, on one of the Client's bounded waits (see WithMaxWaits);
+// a campaign gives its wait up every loss deadline and takes it again, so
+// campaigns and locks of one Client beyond WithMaxWaits all get their
+// turn. Once it has the lock, with a fresh fence as its term, it takes the
+// election's guard (below), writes the row, notifies observers, and leads:
+// Run calls fn with the term and a context that is cancelled when the
+// leadership ends. It ends by Resign (Run resigns when fn returns), by a
+// RequestResign from any process, by loss of either connection it rests
+// on, or by Close. Ending cancels the leader's context first and only then
+// frees the guard and the lock.
+//
+// # The guard
+//
+// A leader whose backend is terminated, or whose connection
+// breaks, loses the lock at once on the server, but its process may not
+// notice for up to a heartbeat interval (WithHeartbeat), or, with the
+// network silent, the loss deadline (WithLossDeadline). So that no new
+// leader starts before the old one's context is cancelled, a leader also
+// holds a second lock, the guard, on another connection: the Client's
+// guard session, one per Client, shared by all its elections. A new leader
+// takes the guard before it starts. If the old leader's process died, its
+// guard went with it and the new leader starts at once. If the process
+// lives, it frees the guard right after it has cancelled its leader's
+// context (within a heartbeat interval of the loss, normally); a new
+// leader waits for the guard at most the loss deadline, after which the
+// old leader has declared the loss by its own clock, and then starts
+// without the guard (the next takeover then waits the loss deadline too).
+// A process paused longer than that (a stopped process, a long GC pause)
+// cannot know it was replaced; its term is then older than the new
+// leader's, and CheckFence rejects its writes.
+//
+// # Bounds
+//
+// With the defaults (heartbeat 1 s, loss deadline L = 5 s):
+//   - leader's process killed: a waiting candidate leads within a few
+//     milliseconds (the server notices closed sockets at once);
+//   - leader's backend terminated, process alive: the old leader's context
+//     is cancelled within a heartbeat interval, and the new leader starts
+//     right after, never before; at most L;
+//   - network to the leader silent: the old leader's context is cancelled
+//     within L, the server frees the lock within 2L, and a candidate leads
+//     then;
+//   - Leader reports ErrNoLeader as soon as the server has freed the lock.
+//
+// # Connections
+//
+// A Client's leaderships live on its shared backends (the
+// lock) and its guard session (the guard); a waiting campaign uses one of
+// its bounded waits; Observe, and leaders (to hear RequestResign), use the
+// Client's listener connection. So a Client that takes part in elections
+// uses at most WithSharedBackends + WithMaxWaits + 2 connections, however
+// many elections it leads or follows.
 type Election struct {
 	c        *Client
 	name     string
@@ -439,9 +445,9 @@ func (ld *Leadership) watch() {
 	for why == nil {
 		select {
 		case <-ld.lock.Done():
-			why = errorf("%w: election lock: %w", ErrLockLost, ld.lock.Err())
+			why = errorf("election lock: %w", ld.lock.Err())
 		case <-guardDone:
-			why = errorf("%w: election guard: %w", ErrLockLost, ld.guard.Err())
+			why = errorf("election guard: %w", ld.guard.Err())
 		case <-ld.resign:
 			why = errResigned
 		case <-c.closing.Done():

@@ -2,7 +2,10 @@
 // (two Clients, as if in two processes) contend for one job, the lock shows
 // in pg_locks, the waiter gets it the moment the holder lets go, a fencing
 // token refuses a write from a holder that lost its lock, and killing a
-// holder's backend is noticed by the holder within its heartbeat.
+// holder's backend is noticed by the holder within its heartbeat. Last, the
+// two workers campaign in a leader election, and the follower takes over
+// when the leader's backend is terminated, only after the old leader has
+// stopped.
 //
 // It reads DATABASE_URL; when that is unset it starts a throwaway PostgreSQL
 // from the local binaries and removes it on exit.
@@ -16,6 +19,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"sync"
 	"syscall"
 	"time"
 
@@ -152,7 +156,76 @@ func run() error {
 		return err
 	}
 	fmt.Println("   the key is free again: worker-a's TryLock succeeds")
-	return l.Unlock(ctx)
+	if err := l.Unlock(ctx); err != nil {
+		return err
+	}
+	return electLeader(ctx, pool, a, b)
+}
+
+// electLeader shows a leader election and a takeover: worker-a leads,
+// worker-b campaigns, an operator terminates worker-a's backend, and
+// worker-b takes over only after worker-a has stopped.
+func electLeader(ctx context.Context, pool *pgxpool.Pool, a, b *pgcoord.Client) error {
+	fmt.Println("\n6. leader election: worker-a and worker-b campaign for \"nightly-report\"")
+	type event struct {
+		who  string
+		term pgcoord.Term
+		at   time.Time
+		why  error
+	}
+	leads, ends := make(chan event, 4), make(chan event, 4)
+	runCtx, stop := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	defer func() { stop(); wg.Wait() }()
+	campaign := func(c *pgcoord.Client, who string) {
+		e := c.Election("nightly-report", pgcoord.WithIdentity(who))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = e.Run(runCtx, func(ctx context.Context, term pgcoord.Term) error {
+				leads <- event{who: who, term: term, at: time.Now()}
+				<-ctx.Done()
+				ends <- event{who: who, term: term, at: time.Now(), why: context.Cause(ctx)}
+				return nil
+			})
+		}()
+	}
+	next := func(ch chan event) (event, error) {
+		select {
+		case ev := <-ch:
+			return ev, nil
+		case <-ctx.Done():
+			return event{}, ctx.Err()
+		}
+	}
+	campaign(a, "worker-a")
+	first, err := next(leads)
+	if err != nil {
+		return err
+	}
+	campaign(b, "worker-b")
+	info, err := a.Election("nightly-report").Leader(ctx)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("   %s leads, term %d, on backend %d; worker-b waits\n", first.who, first.term, info.Pid)
+	fmt.Println("   an operator terminates the leader's backend")
+	killed := time.Now()
+	if _, err := pool.Exec(ctx, "SELECT pg_terminate_backend($1)", info.Pid); err != nil {
+		return err
+	}
+	end, err := next(ends)
+	if err != nil {
+		return err
+	}
+	second, err := next(leads)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("   %s's leader context cancelled after %v (%v)\n", end.who, end.at.Sub(killed).Round(time.Millisecond), end.why)
+	fmt.Printf("   %s leads, term %d > %d, %v after %s stopped: never two leaders at once\n",
+		second.who, second.term, first.term, second.at.Sub(end.at).Round(10*time.Microsecond), end.who)
+	return nil
 }
 
 // writeReport writes the report in a transaction that first checks the
