@@ -249,3 +249,55 @@ func migrateCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		return nil
 	}
 }
+
+func leaderCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+	schema := fs.String("schema", pgcoord.DefaultSchema, "the schema of pgcoord's tables (WithSchema)")
+	asJSON := fs.Bool("json", false, "print the leader as JSON")
+	resign := fs.Bool("resign", false, "ask the leader to step down (RequestResign); another candidate takes over")
+	return func(ctx context.Context, e *env, args []string) error {
+		if len(args) != 1 {
+			return usagef("leader takes one election name, got %d arguments", len(args))
+		}
+		pool, err := openPool(ctx, e)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		c, err := pgcoord.New(pool, pgcoord.WithSchema(*schema), pgcoord.WithApplicationName("pgcoord-cli"))
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		el := c.Election(args[0])
+		info, err := el.Leader(ctx)
+		if err != nil {
+			return err
+		}
+		if *resign {
+			if err := el.RequestResign(ctx); err != nil {
+				return err
+			}
+		}
+		if *asJSON {
+			return json.NewEncoder(e.stdout).Encode(struct {
+				Election string    `json:"election"`
+				Identity string    `json:"identity"`
+				Term     int64     `json:"term"`
+				Since    time.Time `json:"since"`
+				Pid      int32     `json:"pid"`
+				Resign   bool      `json:"resign_requested"`
+			}{args[0], info.Identity, int64(info.Term), info.Since, info.Pid, *resign})
+		}
+		tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "ELECTION\tIDENTITY\tTERM\tSINCE\tLEADING FOR\tPID")
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%d\n", args[0], info.Identity, info.Term,
+			info.Since.Format(time.RFC3339), time.Since(info.Since).Round(time.Millisecond), info.Pid)
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+		if *resign {
+			fmt.Fprintf(e.stdout, "asked term %d to step down\n", info.Term)
+		}
+		return nil
+	}
+}

@@ -30,6 +30,7 @@ const (
 	exitOK      = 0
 	exitFailure = 1
 	exitUsage   = 2
+	exitNone    = 3
 )
 
 func main() {
@@ -65,6 +66,8 @@ var commands = []command{
 		summary: "print HashKey(NAME) and the classid/objid/objsubid it has in pg_locks"},
 	{name: "release", args: "--pid N [--force] [--app NAME]", needsDB: true, flags: releaseCmd,
 		summary: "force-release the locks of a backend by terminating it"},
+	{name: "leader", args: "[--schema NAME] [--json] [--resign] ELECTION", needsDB: true, flags: leaderCmd,
+		summary: "show who leads an election (identity, term, since, backend pid); --resign asks it to step down"},
 	{name: "migrate", args: "[--schema NAME]", needsDB: true, flags: migrateCmd,
 		summary: "create or update pgcoord's tables (fences) in a schema"},
 	{name: "demo", args: "", needsDB: true, flags: demoCmd,
@@ -139,6 +142,9 @@ func fail(stderr io.Writer, err error) int {
 	case errors.As(err, &ue):
 		fmt.Fprintln(stderr, "pgcoord:", ue.msg)
 		return exitUsage
+	case errors.Is(err, pgcoord.ErrNoLeader):
+		fmt.Fprintln(stderr, "pgcoord:", strings.TrimPrefix(err.Error(), "pgcoord: "))
+		return exitNone
 	}
 	fmt.Fprintln(stderr, "pgcoord:", strings.TrimPrefix(err.Error(), "pgcoord: "))
 	return exitFailure
@@ -164,6 +170,7 @@ Exit codes:
   1  failure: the database refused or failed, or a refusal by pgcoord
      (release of a backend that is not pgcoord's without --force)
   2  usage: unknown command or flag, missing argument, no database given
+  3  nothing to show: the election has no leader ("pgcoord leader")
 Messages go to stderr, prefixed "pgcoord:"; results go to stdout.
 `
 

@@ -331,3 +331,59 @@ func TestMigrate(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+func TestLeaderCommand(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	if code, _, stderr := cli(t, db, "migrate"); code != exitOK {
+		t.Fatalf("migrate: exit %d: %s", code, stderr)
+	}
+	if code, _, stderr := cli(t, db, "leader", "cron"); code != exitNone || !strings.Contains(stderr, "no leader") {
+		t.Fatalf("leader with nobody leading: exit %d, stderr %q; want %d and \"no leader\"", code, stderr, exitNone)
+	}
+	if code, _, _ := cli(t, db, "leader"); code != exitUsage {
+		t.Fatalf("leader without a name: exit %d, want %d", code, exitUsage)
+	}
+
+	c, err := pgcoord.New(pgtest.Pool(t, db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ld, err := c.Election("cron", pgcoord.WithIdentity("pod-7")).Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := c.Election("cron").Leader(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	code, stdout, stderr := cli(t, db, "leader", "--json", "cron")
+	if code != exitOK {
+		t.Fatalf("leader --json: exit %d: %s", code, stderr)
+	}
+	var got struct {
+		Identity string `json:"identity"`
+		Term     int64  `json:"term"`
+		Pid      int32  `json:"pid"`
+	}
+	if err := json.Unmarshal([]byte(stdout), &got); err != nil {
+		t.Fatalf("leader --json output %q: %v", stdout, err)
+	}
+	if got.Identity != "pod-7" || got.Term != int64(ld.Term()) || got.Pid != info.Pid {
+		t.Fatalf("leader --json = %+v, want pod-7, term %d, pid %d", got, ld.Term(), info.Pid)
+	}
+	code, stdout, stderr = cli(t, db, "leader", "--resign", "cron")
+	if code != exitOK || !strings.Contains(stdout, "pod-7") || !strings.Contains(stdout, "asked term") {
+		t.Fatalf("leader --resign: exit %d, stdout %q, stderr %q", code, stdout, stderr)
+	}
+	select {
+	case <-ld.Done():
+	case <-ctx.Done():
+		t.Fatal("the leader did not step down after leader --resign")
+	}
+	if holders := holdersOf(t, db, c.Election("cron").Key()); len(holders) != 0 {
+		t.Fatalf("election lock still held by %v after the resign", holders)
+	}
+}
