@@ -328,3 +328,40 @@ func ExampleClient_Locks() {
 	// report exclusive true pgcoord true
 	// cache shared true pgcoord true
 }
+
+func ExampleElection_Run() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, databaseURL("ExampleElection_Run"))
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	if err := pgcoord.Migrate(ctx, pool); err != nil { // elections need the leaders table
+		panic(err)
+	}
+	c, err := pgcoord.New(pool)
+	if err != nil {
+		panic(err)
+	}
+	defer c.Close()
+
+	e := c.Election("scheduler", pgcoord.WithIdentity("pod-a"))
+	runCtx, stop := context.WithCancel(ctx)
+	err = e.Run(runCtx, func(ctx context.Context, term pgcoord.Term) error {
+		info, err := e.Leader(ctx)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("%s leads with term %d\n", info.Identity, term)
+		stop() // a real scheduler runs until ctx is done
+		<-ctx.Done()
+		return nil
+	})
+	fmt.Println("Run returned:", errors.Is(err, context.Canceled))
+	_, err = e.Leader(ctx)
+	fmt.Println("leader after Run:", err)
+	// Output:
+	// pod-a leads with term 1
+	// Run returned: true
+	// leader after Run: pgcoord: election "scheduler": no leader
+}
