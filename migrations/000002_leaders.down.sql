@@ -1,0 +1,2 @@
+-- Placeholder: see 000002_leaders.up.sql.
+SELECT 1;
