@@ -18,6 +18,8 @@ type Lock struct {
 	shared bool
 	fence  int64
 
+	ungated bool // a semaphore's permit: its key has no in-process gate
+
 	mu        sync.Mutex
 	err       error // nil while held
 	releasing bool  // Unlock has begun
@@ -79,6 +81,9 @@ func (l *Lock) finishThen(why error, then func()) bool {
 // Done closed can take the keys again in this process at once.
 func (l *Lock) end(why error) {
 	l.finishThen(why, func() {
+		if l.ungated {
+			return
+		}
 		for _, k := range l.keys {
 			l.s.c.gates.leave(k, l.shared)
 		}
