@@ -421,7 +421,9 @@ func (s *Semaphore) admitOn(ctx context.Context, b *Session, head bool) (*Permit
 		return b.wrongBackend(err)
 	})
 	if err != nil {
-		if b.Err() == nil {
+		if b.Err() == nil && !errors.Is(s.c.notMigratedSemaphore(err), ErrNotMigrated) {
+			// A function that does not exist took nothing; any other
+			// failure may have come after the slot was taken.
 			s.cleanup(ctx, b)
 		}
 		if e := b.Err(); e != nil {
