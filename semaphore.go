@@ -331,25 +331,37 @@ func (s *Semaphore) acquire(ctx context.Context, try bool) (*Permit, error) {
 			return nil, s.fail(ctx, "wait in queue", err)
 		}
 		p, err := s.lead(ctx, q)
-		uctx, ucancel := withoutCancel(ctx, c.cfg.lossDeadline)
-		uerr := q.Unlock(uctx)
-		ucancel()
-		if uerr != nil && q.Err() != nil && !errors.Is(q.Err(), ErrNotHeld) {
-			uerr = nil // lost: the server freed it
-		}
-		switch {
-		case err != nil:
-			return nil, s.fail(ctx, "acquire", err)
-		case p != nil:
-			if uerr != nil {
-				c.cfg.logger.Warn("pgcoord: semaphore: leave the queue", "semaphore", s.name, "err", uerr)
-			}
+		if p != nil {
+			// The next waiter heads the queue once q is released; the
+			// permit need not wait for that.
+			c.wg.Add(1) // c.wg counts this call, so it is not zero here
+			go func() {
+				defer c.wg.Done()
+				_ = s.leave(ctx, q)
+			}()
 			return p, nil
-		case uerr != nil:
-			return nil, s.fail(ctx, "leave queue", uerr)
+		}
+		if uerr := s.leave(ctx, q); err == nil && uerr != nil {
+			err = fmt.Errorf("leave queue: %w", uerr)
+		}
+		if err != nil {
+			return nil, s.fail(ctx, "acquire", err)
 		}
 		// The queue key was lost with its backend: line up again.
 	}
+}
+
+// leave releases the queue key q. It reports no error for a key that was
+// lost (the server freed it with its backend) or ended with the Client.
+func (s *Semaphore) leave(ctx context.Context, q *Lock) error {
+	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+	defer cancel()
+	err := q.Unlock(uctx)
+	if err == nil || errorIsLoss(q.Err()) {
+		return nil
+	}
+	s.c.cfg.logger.Warn("pgcoord: semaphore: leave the queue", "semaphore", s.name, "err", err)
+	return err
 }
 
 // lead waits, as the head of the queue (holding q), until a permit is
