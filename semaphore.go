@@ -50,7 +50,7 @@ import (
 // queue in the process behind a single server wait. Only the holder of
 // the queue key, the head, may take a permit while anyone is queued: other
 // acquires, TryAcquire included, see the queue in pg_locks and step behind
-// it. So a steady stream of acquirers cannot starve a waiter. (As for
+// it. The grant to the head releases the queue key in the same statement. So a steady stream of acquirers cannot starve a waiter. (As for
 // every blocking lock, a server wait is cut into slices of the lease, and
 // a waiter rejoins PostgreSQL's queue at the end of each slice; see the
 // package documentation.)
@@ -68,12 +68,15 @@ import (
 //     once the shared backends are open. The permit stays there: a
 //     hundred permits of ten semaphores cost a hundred lock-table entries
 //     and no connection beyond [WithSharedBackends].
-//   - Acquire that waits: one try of the queue key (a round trip), then a
-//     wait on one of the Client's bounded waits ([WithMaxWaits]) until it
-//     heads the queue; the head then uses no backend while it waits, only
-//     the Client's one listener connection, opened the first time a
-//     semaphore or election needs it. Each wake-up costs one statement, and
-//     leaving the queue one more (the unlock of the queue key).
+//   - Acquire that waits: the statement above, then one try of the queue
+//     key (a round trip) and, while another heads the queue, a wait on one
+//     of the Client's bounded waits ([WithMaxWaits]); goroutines of one
+//     Client behind it wait in the process, with no connection. The head
+//     uses no backend while it waits, only the Client's one listener
+//     connection, opened the first time a semaphore or election needs it.
+//     Each wake-up costs one statement, on the backend that holds the
+//     queue key; the statement that grants the permit also releases the
+//     queue key there, so the next waiter heads the queue at once.
 //   - Release: one statement (unlock, delete the row, notify).
 //   - Holders, Limit, SetLimit: one statement on the Client's pool.
 //
@@ -189,17 +192,19 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 	s.payload = strconv.FormatInt(s.key.v, 10) + ":"
 	cfg := s.c.cfg
 	s.acquireSQL = "SELECT slot, sem_limit, holders, queued FROM " + cfg.table("semaphore_acquire") + "($1, $2, $3, $4, $5, $6, $7)"
-	s.cleanupSQL = `WITH stray AS (
+	s.cleanupSQL = `WITH mine AS (
 			SELECT l.k FROM (SELECT (classid::bigint << 32) | objid::bigint AS k
 				FROM pg_catalog.pg_locks
 				WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND pid = pg_catalog.pg_backend_pid()
 				  AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())) l
-			WHERE l.k >> 16 = $1 AND l.k & 65535 <> 65535 AND l.k <> ALL ($2::int8[])
+			WHERE l.k >> 16 = $1
 		), gone AS (
 			DELETE FROM ` + cfg.table("semaphore_holders") + ` h
 			WHERE h.name = $3 AND h.pid = pg_catalog.pg_backend_pid() AND h.lock_key <> ALL ($2::int8[])
 		)
-		SELECT count(pg_catalog.pg_advisory_unlock(k)) FROM stray WHERE pg_catalog.pg_backend_pid() = $4`
+		SELECT count(pg_catalog.pg_advisory_unlock(m.k)) FILTER (WHERE m.k & 65535 <> 65535 AND m.k <> ALL ($2::int8[])),
+			coalesce(bool_or(m.k & 65535 = 65535), false)
+		FROM mine m WHERE pg_catalog.pg_backend_pid() = $4`
 	s.releaseSQL = `WITH gone AS (DELETE FROM ` + cfg.table("semaphore_holders") + ` WHERE name = $4 AND slot = $5 AND pid = $6)
 		SELECT pg_catalog.pg_advisory_unlock($1), pg_catalog.pg_notify($2, $3),
 			pg_catalog.set_config('synchronous_commit', 'off', true)
@@ -314,7 +319,7 @@ func (s *Semaphore) acquire(ctx context.Context, try bool) (*Permit, error) {
 	ctx, cancel := c.acquireCtx(ctx)
 	defer cancel()
 
-	p, adm, err := s.admit(ctx, false)
+	p, adm, err := s.admit(ctx)
 	switch {
 	case err != nil && (try || !lockTimedOut(err)):
 		return nil, s.fail(ctx, "acquire", err)
@@ -332,14 +337,7 @@ func (s *Semaphore) acquire(ctx context.Context, try bool) (*Permit, error) {
 		}
 		p, err := s.lead(ctx, q)
 		if p != nil {
-			// The next waiter heads the queue once q is released; the
-			// permit need not wait for that.
-			c.wg.Add(1) // c.wg counts this call, so it is not zero here
-			go func() {
-				defer c.wg.Done()
-				_ = s.leave(ctx, q)
-			}()
-			return p, nil
+			return p, nil // the grant released q
 		}
 		if uerr := s.leave(ctx, q); err == nil && uerr != nil {
 			err = fmt.Errorf("leave queue: %w", uerr)
@@ -365,7 +363,9 @@ func (s *Semaphore) leave(ctx context.Context, q *Lock) error {
 }
 
 // lead waits, as the head of the queue (holding q), until a permit is
-// granted. It returns a nil permit and no error if q is lost meanwhile.
+// granted; the grant releases q. It returns a nil permit and no error if q
+// is lost meanwhile. Grants are asked for on q's backend, which holds the
+// queue key that the grant releases.
 func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 	sub, err := s.c.subscribe(semaphoreChannel, s.payload)
 	if err != nil {
@@ -378,7 +378,10 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 		if q.Err() != nil {
 			return nil, nil
 		}
-		p, _, err := s.admit(ctx, true)
+		p, _, err := s.admitOn(ctx, q.s, q)
+		if errorIsLoss(err) && q.Err() != nil {
+			return nil, nil
+		}
 		if err != nil && !lockTimedOut(err) {
 			return nil, err
 		}
@@ -392,9 +395,10 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 	}
 }
 
-// admit runs semaphore_acquire on a shared backend. A backend found dead
-// takes nothing with it that this call holds: it goes on on another.
-func (s *Semaphore) admit(ctx context.Context, head bool) (*Permit, admission, error) {
+// admit runs semaphore_acquire on a shared backend, for an acquire that
+// does not head the queue. A backend found dead takes nothing with it that
+// this call holds: it goes on on another.
+func (s *Semaphore) admit(ctx context.Context) (*Permit, admission, error) {
 	c := s.c
 	var err error
 	for range c.cfg.sharedBackends + c.cfg.maxWaits + 1 {
@@ -404,7 +408,7 @@ func (s *Semaphore) admit(ctx context.Context, head bool) (*Permit, admission, e
 		}
 		var p *Permit
 		var adm admission
-		if p, adm, err = s.admitOn(ctx, b, head); err == nil || !errorIsLoss(err) || ctx.Err() != nil {
+		if p, adm, err = s.admitOn(ctx, b, nil); err == nil || !errorIsLoss(err) || ctx.Err() != nil {
 			return p, adm, err
 		}
 	}
@@ -412,10 +416,13 @@ func (s *Semaphore) admit(ctx context.Context, head bool) (*Permit, admission, e
 }
 
 // admitOn runs semaphore_acquire on b and records the slot it took as a
-// lock of b, before anything else can run on b. If the statement fails, a
-// slot it may have taken before failing is released on b, so that nothing
-// stays behind; if that fails too, b is lost, which frees everything.
-func (s *Semaphore) admitOn(ctx context.Context, b *Session, head bool) (*Permit, admission, error) {
+// lock of b, before anything else can run on b. q is the queue key that b
+// holds for the head of the queue, or nil: a grant to the head releases
+// it. If the statement fails, a slot it may have taken before failing is
+// released on b, so that nothing stays behind, and q ends if the server no
+// longer holds it; if that fails too, b is lost, which frees everything.
+func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock) (*Permit, admission, error) {
+	head := q != nil
 	if err := b.grab(ctx); err != nil {
 		return nil, admission{}, err
 	}
@@ -436,7 +443,7 @@ func (s *Semaphore) admitOn(ctx context.Context, b *Session, head bool) (*Permit
 		if b.Err() == nil && !errors.Is(s.c.notMigratedSemaphore(err), ErrNotMigrated) {
 			// A function that does not exist took nothing; any other
 			// failure may have come after the slot was taken.
-			s.cleanup(ctx, b)
+			s.cleanup(ctx, b, q)
 		}
 		if e := b.Err(); e != nil {
 			return nil, adm, e
@@ -446,6 +453,9 @@ func (s *Semaphore) admitOn(ctx context.Context, b *Session, head bool) (*Permit
 	adm = admission{limit: int(limit), holders: int(holder), queued: queued}
 	if slot == nil {
 		return nil, adm, nil
+	}
+	if head {
+		b.forgetReleased(q, ErrNotHeld)
 	}
 	k := s.slotKey(int(*slot))
 	l, err := b.adopt(k)
@@ -457,8 +467,9 @@ func (s *Semaphore) admitOn(ctx context.Context, b *Session, head bool) (*Permit
 
 // cleanup releases, on b (whose connection the caller holds), every slot
 // of the semaphore that b holds on the server but not in its records, and
-// their rows: what a failed semaphore_acquire may have left.
-func (s *Semaphore) cleanup(ctx context.Context, b *Session) {
+// their rows: what a failed semaphore_acquire may have left. If the server
+// no longer holds q, the head's queue key, q ends as lost.
+func (s *Semaphore) cleanup(ctx context.Context, b *Session, q *Lock) {
 	known := []int64{} // an empty array, not NULL
 	b.state.Lock()
 	for k := range b.keys {
@@ -469,12 +480,33 @@ func (s *Semaphore) cleanup(ctx context.Context, b *Session) {
 	b.state.Unlock()
 	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
 	defer cancel()
+	var queueHeld bool
 	err := b.exec(uctx, func(ctx context.Context, conn *pgx.Conn) error {
 		var n int64
-		return conn.QueryRow(ctx, s.cleanupSQL, s.prefix, known, s.name, b.pid).Scan(&n)
+		return conn.QueryRow(ctx, s.cleanupSQL, s.prefix, known, s.name, b.pid).Scan(&n, &queueHeld)
 	})
-	if err != nil {
+	switch {
+	case err != nil:
 		b.lose(fmt.Errorf("release after failed semaphore acquire: %w", err))
+	case q != nil && !queueHeld:
+		b.forgetReleased(q, fmt.Errorf("%w: a failed grant released the queue key %s", ErrLockLost, q.Key()))
+	}
+}
+
+// forgetReleased ends l, which the server no longer holds on b, with why,
+// and forgets its keys. The caller holds b's connection.
+func (b *Session) forgetReleased(l *Lock, why error) {
+	b.state.Lock()
+	_, mine := b.locks[l]
+	delete(b.locks, l)
+	if mine {
+		for _, k := range l.keys {
+			delete(b.keys, k)
+		}
+	}
+	b.state.Unlock()
+	if mine {
+		l.end(why) // leaves the keys' gates: the next goroutine may line up
 	}
 }
 

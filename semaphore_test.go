@@ -893,7 +893,7 @@ func TestSemaphoreCleanupAfterFailedGrant(t *testing.T) {
 	if err := b.grab(ctx); err != nil {
 		t.Fatal(err)
 	}
-	sem.cleanup(ctx, b)
+	sem.cleanup(ctx, b, nil)
 	b.release()
 	if err := b.Err(); err != nil {
 		t.Fatalf("clean-up lost the backend: %v", err)

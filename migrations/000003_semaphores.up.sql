@@ -47,9 +47,11 @@ COMMENT ON COLUMN semaphore_holders.pid IS
 -- returns its slot (NULL if none was granted), the
 -- limit, the number of permits held including the new one, and whether the
 -- permit was refused because others wait in the queue (only the head of the
--- queue, p_head, may take a permit while anyone waits). The row lock on the
--- semaphore serialises grants and limit changes, so counting the permits in
--- pg_locks and taking a free slot is one step. The slot's lock is taken last:
+-- queue, p_head, may take a permit while anyone waits; the head holds the queue
+-- key on the calling backend, and a grant to it releases that key, so the next
+-- waiter heads the queue). The row lock on the semaphore serialises grants and
+-- limit changes, so counting the permits in pg_locks and taking a free slot is
+-- one step. The slot's lock is taken last (then the queue key released):
 -- nothing in the function can fail after it.
 CREATE FUNCTION semaphore_acquire(p_name text, p_limit integer, p_key bigint, p_head boolean,
         p_identity text, p_lock_timeout text, p_pid integer)
@@ -103,6 +105,9 @@ BEGIN
             ON CONFLICT ON CONSTRAINT semaphore_holders_pkey DO UPDATE
             SET lock_key = excluded.lock_key, pid = excluded.pid, identity = excluded.identity, since = excluded.since;
         IF pg_catalog.pg_try_advisory_lock((v_prefix << 16) | v_slot) THEN
+            IF p_head THEN
+                PERFORM pg_catalog.pg_advisory_unlock((v_prefix << 16) | 65535);
+            END IF;
             slot := v_slot;
             holders := holders + 1;
             RETURN NEXT;
