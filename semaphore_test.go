@@ -906,4 +906,42 @@ func TestSemaphoreCleanupAfterFailedGrant(t *testing.T) {
 		t.Fatalf("%d rows after clean-up, want the permit's only", n)
 	}
 	mustRelease(t, p)
+
+	// A head whose queue key the server no longer holds loses it; a head
+	// whose key is still held keeps it.
+	q, err := sem.c.Lock(ctx, sem.queueKey())
+	if err != nil {
+		t.Fatal(err)
+	}
+	hb := q.s
+	if err := hb.grab(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sem.cleanup(ctx, hb, q)
+	hb.release()
+	if err := q.Err(); err != nil {
+		t.Fatalf("clean-up ended a queue key the server holds: %v", err)
+	}
+	if err := hb.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		_, err := conn.Exec(ctx, "SELECT pg_advisory_unlock($1)", mustInt64(sem.queueKey()))
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := hb.grab(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sem.cleanup(ctx, hb, q)
+	hb.release()
+	if err := q.Err(); !errors.Is(err, ErrLockLost) {
+		t.Fatalf("queue key released on the server: Err = %v, want ErrLockLost", err)
+	}
+	if hb.Err() != nil {
+		t.Fatalf("clean-up lost the backend: %v", hb.Err())
+	}
+	l, err := sem.c.TryLock(ctx, sem.queueKey())
+	if err != nil {
+		t.Fatalf("the queue key is still taken in the process or on the server: %v", err)
+	}
+	mustUnlock(t, l)
 }
