@@ -50,10 +50,11 @@ import (
 // queue in the process behind a single server wait. Only the holder of
 // the queue key, the head, may take a permit while anyone is queued: other
 // acquires, TryAcquire included, see the queue in pg_locks and step behind
-// it. The grant to the head releases the queue key in the same statement. So a steady stream of acquirers cannot starve a waiter. (As for
-// every blocking lock, a server wait is cut into slices of the lease, and
-// a waiter rejoins PostgreSQL's queue at the end of each slice; see the
-// package documentation.)
+// it. The grant to the head releases the queue key in the same statement,
+// so the next in line heads the queue at once. A steady stream of
+// acquirers cannot starve a waiter. (As for every blocking lock, a server
+// wait is cut into slices of the lease, and a waiter rejoins PostgreSQL's
+// queue at the end of each slice; see the package documentation.)
 //
 // Wake-up. The head listens on the Client's listener connection: a release
 // and a change of the limit send a NOTIFY, upon which the head tries again
@@ -83,6 +84,15 @@ import (
 // On the server each grant locks one row, reads pg_locks (whose cost grows
 // with the number of locks the server holds) and commits one row, without
 // waiting for the disk (a lost row loses nothing: the lock is the truth).
+// A transaction that keeps the semaphore's row locked (an UPDATE of the
+// limit left uncommitted) holds grants up: a grant waits for it at most a
+// wait slice of the lease ((L-H)/2, 2 s by default) on a shared backend,
+// then TryAcquire returns the server's lock timeout error and a waiting
+// Acquire tries again.
+//
+// Keys. Two names whose keys agree in their upper 48 bits would share
+// permits, as two names with one HashKey would share a lock: with n
+// semaphores the chance is about n²/2⁴⁹, 2·10⁻⁷ for ten thousand.
 
 // Bounds of semaphores.
 const (
