@@ -60,6 +60,11 @@ var (
 	// happen.
 	ErrStaleFence = errors.New("pgcoord: stale fence: a newer holder exists")
 
+	// ErrNoPermit is returned by Semaphore.TryAcquire when every permit of
+	// the semaphore is held, or when other acquires are already waiting for
+	// one (they come first).
+	ErrNoPermit = errors.New("pgcoord: no semaphore permit free")
+
 	// ErrNotMigrated is returned by features that need pgcoord's tables
 	// (fences) when they do not exist in the configured schema; run Migrate
 	// with the same schema first.

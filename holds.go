@@ -227,8 +227,12 @@ func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
 			s.release()
 			return err
 		}
-		// The slice ended without the keys: go on waiting.
-		if len(keys) > 1 {
+		// The slice ended without the keys: go on waiting. A lock
+		// timeout ends a wait that was not granted, but a cancel (a
+		// yield) can land just after the grant, which the statement
+		// then does not report: release what the slice may have taken,
+		// or the next slice would take a key a second time.
+		if len(keys) > 1 || yielded {
 			uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
 			err = s.exec(uctx, func(ctx context.Context, conn *pgx.Conn) error {
 				return s.unlockStatement(ctx, conn, keys, shared, false)

@@ -1,0 +1,747 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Semaphores
+//
+// A semaphore lets at most limit holders, in any processes, hold a permit
+// at once. Its limit lives in the table semaphores and its holders in
+// semaphore_holders (see [Migrate]), where SQL can read and change them.
+//
+// Model. A permit is a session-level advisory lock on a slot key, held on
+// one of the Client's shared backends like any lock of the Client. All the
+// advisory locks of a semaphore share the upper 48 bits of its key
+// K = HashKey("pgcoord.semaphore", name): slot s, for s in [0, limit), is
+// the bigint key (K >> 16 << 16) | s, and the key with the low 16 bits all
+// set is its queue. The locks are the truth: a permit is held exactly while
+// its slot key is granted in pg_locks, so the permit of a holder whose
+// backend ended (terminated, crashed process, lost network) is free as soon
+// as the server has ended that backend, whatever its row says. Rows are a
+// description for people and [Semaphore.Holders]: written in the same
+// transaction that takes the slot, deleted by the release, and ignored (and
+// later removed) once their lock is gone.
+//
+// Granting a permit is one statement, the function semaphore_acquire: it
+// locks the semaphore's row (which serialises grants and limit changes),
+// counts the slots granted in pg_locks, and, if fewer than the limit are
+// held, writes the holder's row and takes a free slot below the limit, as
+// its last step. Hence never more than limit permits are granted, also
+// while holders die (a dead holder's slot is no longer granted) and while
+// the limit changes. Lowering the limit takes no permit away: holders keep
+// their permits, and no new permit is granted until fewer than the new
+// limit are held. Raising it wakes the waiters at once (a trigger
+// notifies them). The limit in the table wins: the limit given to
+// [Client.Semaphore] only creates the row when the semaphore is first
+// used; a process that passes another limit gets the table's.
+//
+// Fairness. An Acquire that finds no permit lines up on the semaphore's
+// queue key with an ordinary blocking [Client.Lock]: PostgreSQL's lock
+// queue orders the waiters of all processes, and goroutines of one Client
+// queue in the process behind a single server wait. Only the holder of
+// the queue key, the head, may take a permit while anyone is queued: other
+// acquires, TryAcquire included, see the queue in pg_locks and step behind
+// it. The grant to the head releases the queue key in the same statement,
+// so the next in line heads the queue at once. A steady stream of
+// acquirers cannot starve a waiter. (As for every blocking lock, a server
+// wait is cut into slices of the lease, and a waiter rejoins PostgreSQL's
+// queue at the end of each slice; see the package documentation.)
+//
+// Wake-up. The head listens on the Client's listener connection: a release
+// and a change of the limit send a NOTIFY, upon which the head tries again
+// (one statement). A permit freed by a backend's death sends nothing, so
+// the head also tries again every 250 ms: a waiter gets such a permit
+// within 250 ms plus a round trip of the server ending the backend. There
+// is no other polling.
+//
+// Connections and round trips, per Client:
+//   - TryAcquire, and Acquire when a permit is free and nobody waits: one
+//     statement (one round trip) on a shared backend; no new connection
+//     once the shared backends are open. The permit stays there: a
+//     hundred permits of ten semaphores cost a hundred lock-table entries
+//     and no connection beyond [WithSharedBackends].
+//   - Acquire that waits: the statement above, then one try of the queue
+//     key (a round trip) and, while another heads the queue, a wait on one
+//     of the Client's bounded waits ([WithMaxWaits]); goroutines of one
+//     Client behind it wait in the process, with no connection. The head
+//     uses no backend while it waits, only the Client's one listener
+//     connection, opened the first time a semaphore or election needs it.
+//     Each wake-up costs one statement, on the backend that holds the
+//     queue key; the statement that grants the permit also releases the
+//     queue key there, so the next waiter heads the queue at once.
+//   - Release: one statement (unlock, delete the row, notify).
+//   - Holders, Limit, SetLimit: one statement on the Client's pool.
+//
+// On the server each grant locks one row, reads pg_locks (whose cost grows
+// with the number of locks the server holds) and commits one row, without
+// waiting for the disk (a lost row loses nothing: the lock is the truth).
+// A transaction that keeps the semaphore's row locked (an UPDATE of the
+// limit left uncommitted) holds grants up: a grant waits for it at most a
+// wait slice of the lease ((L-H)/2, 2 s by default) on a shared backend,
+// then TryAcquire returns the server's lock timeout error and a waiting
+// Acquire tries again.
+//
+// Keys. Two names whose keys agree in their upper 48 bits would share
+// permits, as two names with one HashKey would share a lock: with n
+// semaphores the chance is about n²/2⁴⁹, 2·10⁻⁷ for ten thousand.
+
+// Bounds of semaphores.
+const (
+	// MaxSemaphoreLimit is the highest limit of a semaphore: a permit is
+	// a slot key whose low 16 bits are its number, and the last one is
+	// the queue. Each held permit costs an entry in the server's lock
+	// table (max_locks_per_transaction × max_connections entries in all).
+	MaxSemaphoreLimit = 1<<16 - 1
+	// MaxSemaphoreName bounds the length in bytes of a semaphore's name
+	// and of a holder's identity.
+	MaxSemaphoreName = 1024
+)
+
+// semaphoreRecheck is how often the head of a semaphore's queue looks
+// again for a permit when no notification came: it bounds how long a
+// permit freed by the death of its holder's backend stays unused.
+const semaphoreRecheck = 250 * time.Millisecond
+
+// queueSlot is the low 16 bits of a semaphore's queue key.
+const queueSlot = 1<<16 - 1
+
+// SemaphoreOption configures a [Semaphore].
+type SemaphoreOption interface {
+	applySemaphore(*Semaphore) error
+}
+
+type semaphoreOptionFunc func(*Semaphore) error
+
+func (f semaphoreOptionFunc) applySemaphore(s *Semaphore) error { return f(s) }
+
+// WithHolderIdentity sets how the Semaphore's permits name their holder in
+// semaphore_holders and [Semaphore.Holders] (default: the Client's
+// application name, the host name and the process id, as
+// "pgcoord@host pid 1234"). It must be 1 to [MaxSemaphoreName] bytes of
+// valid UTF-8 without NUL.
+func WithHolderIdentity(identity string) SemaphoreOption {
+	return semaphoreOptionFunc(func(s *Semaphore) error {
+		if err := checkSemaphoreText("holder identity", identity); err != nil {
+			return err
+		}
+		s.identity = identity
+		return nil
+	})
+}
+
+// A Semaphore hands out at most a limit of permits at once, across every
+// process that uses the same name on the same database and schema. See
+// the section on semaphores in semaphore.go's documentation, summed up in
+// [Client.Semaphore]. Its methods are safe for concurrent use.
+type Semaphore struct {
+	c        *Client
+	name     string
+	limit    int
+	key      Key   // HashKey("pgcoord.semaphore", name)
+	prefix   int64 // key >> 16: the upper 48 bits of every key of the semaphore
+	identity string
+	err      error // invalid name, limit or option: every method returns it
+
+	acquireSQL, cleanupSQL, releaseSQL string
+	payload                            string // notification payloads about this semaphore start with it
+}
+
+// Semaphore returns the semaphore called name, whose permits at most limit
+// holders hold at once. It needs the tables that [Migrate] creates. It does
+// not touch the network: the first acquire creates the semaphore's row with
+// limit, and from then on the limit in the table wins (see
+// [Semaphore.SetLimit]); a process that passes another limit uses the
+// table's. Names are compared byte for byte, and sent only as bound
+// parameters.
+//
+// Semaphore cannot fail: an invalid name (empty, longer than
+// [MaxSemaphoreName] bytes, not UTF-8 or containing NUL), a limit outside 1
+// to [MaxSemaphoreLimit], or an invalid option makes every method of the
+// returned Semaphore return an error that says so.
+//
+// A permit lives on the Client's shared backends, as a lock does: it ends
+// when released, when the Client closes, or when its backend is lost, and
+// then frees its slot at once on the server.
+func (c *Client) Semaphore(name string, limit int, opts ...SemaphoreOption) *Semaphore {
+	s := &Semaphore{c: c, name: name, limit: limit}
+	s.err = s.init(opts)
+	return s
+}
+
+func (s *Semaphore) init(opts []SemaphoreOption) error {
+	if err := checkSemaphoreText("name", s.name); err != nil {
+		return fmt.Errorf("pgcoord: Semaphore: %w", err)
+	}
+	if s.limit < 1 || s.limit > MaxSemaphoreLimit {
+		return fmt.Errorf("pgcoord: semaphore %s: limit %d is out of range: it must be 1 to %d (how many holders may hold a permit at once)", quoteName(s.name), s.limit, MaxSemaphoreLimit)
+	}
+	host, _ := os.Hostname()
+	s.identity = fmt.Sprintf("%s@%s pid %d", s.c.cfg.appName, host, os.Getpid())
+	if len(s.identity) > MaxSemaphoreName || !utf8.ValidString(s.identity) {
+		s.identity = fmt.Sprintf("%s pid %d", s.c.cfg.appName, os.Getpid())
+	}
+	for _, o := range opts {
+		if o == nil {
+			return fmt.Errorf("pgcoord: semaphore %s: nil SemaphoreOption", quoteName(s.name))
+		}
+		if err := o.applySemaphore(s); err != nil {
+			return fmt.Errorf("pgcoord: semaphore %s: %w", quoteName(s.name), err)
+		}
+	}
+	s.key = HashKey("pgcoord.semaphore", s.name)
+	s.prefix = s.key.v >> 16
+	s.payload = strconv.FormatInt(s.key.v, 10) + ":"
+	cfg := s.c.cfg
+	s.acquireSQL = "SELECT slot, sem_limit, holders, queued FROM " + cfg.table("semaphore_acquire") + "($1, $2, $3, $4, $5, $6, $7)"
+	s.cleanupSQL = `WITH mine AS (
+			SELECT l.k FROM (SELECT (classid::bigint << 32) | objid::bigint AS k
+				FROM pg_catalog.pg_locks
+				WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND pid = pg_catalog.pg_backend_pid()
+				  AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())) l
+			WHERE l.k >> 16 = $1
+		), gone AS (
+			DELETE FROM ` + cfg.table("semaphore_holders") + ` h
+			WHERE h.name = $3 AND h.pid = pg_catalog.pg_backend_pid() AND h.lock_key <> ALL ($2::int8[])
+		)
+		SELECT count(pg_catalog.pg_advisory_unlock(m.k)) FILTER (WHERE m.k & 65535 <> 65535 AND m.k <> ALL ($2::int8[])),
+			coalesce(bool_or(m.k & 65535 = 65535), false)
+		FROM mine m WHERE pg_catalog.pg_backend_pid() = $4`
+	s.releaseSQL = `WITH gone AS (DELETE FROM ` + cfg.table("semaphore_holders") + ` WHERE name = $4 AND slot = $5 AND pid = $6)
+		SELECT pg_catalog.pg_advisory_unlock($1), pg_catalog.pg_notify($2, $3),
+			pg_catalog.set_config('synchronous_commit', 'off', true)
+		WHERE pg_catalog.pg_backend_pid() = $6`
+	return nil
+}
+
+// checkSemaphoreText checks a name or identity: it is stored as text.
+func checkSemaphoreText(what, v string) error {
+	switch {
+	case v == "":
+		return fmt.Errorf("%s is empty; give it 1 to %d bytes", what, MaxSemaphoreName)
+	case len(v) > MaxSemaphoreName:
+		return fmt.Errorf("%s is %d bytes long; at most %d are allowed (use a shorter name, or a hash of a long one)", what, len(v), MaxSemaphoreName)
+	case !utf8.ValidString(v):
+		return fmt.Errorf("%s %s is not valid UTF-8, which PostgreSQL text requires", what, quoteName(v))
+	}
+	for i := 0; i < len(v); i++ {
+		if v[i] == 0 {
+			return fmt.Errorf("%s %s contains a NUL byte at %d, which PostgreSQL text cannot store", what, quoteName(v), i)
+		}
+	}
+	return nil
+}
+
+// quoteName quotes a name for an error message, cut to 64 bytes.
+func quoteName(name string) string {
+	if len(name) > 64 {
+		return strconv.Quote(name[:64]) + fmt.Sprintf("... (%d bytes)", len(name))
+	}
+	return strconv.Quote(name)
+}
+
+// Name returns the semaphore's name.
+func (s *Semaphore) Name() string { return s.name }
+
+// Key returns the semaphore's advisory lock key,
+// HashKey("pgcoord.semaphore", name). In pg_locks, its permits are the
+// bigint keys that share the key's upper 48 bits, with the slot number in
+// the low 16 bits; the key with those bits all set is the queue of
+// waiters.
+func (s *Semaphore) Key() Key { return s.key }
+
+func (s *Semaphore) slotKey(slot int) Key { return Int64Key(s.prefix<<16 | int64(slot)) }
+
+func (s *Semaphore) queueKey() Key { return s.slotKey(queueSlot) }
+
+// A Permit is one held permit of a [Semaphore]. It is released once, by
+// Release; it ends early if its backend is lost or its Client closes,
+// which Done and Err report. Its methods are safe for concurrent use.
+type Permit struct {
+	sem  *Semaphore
+	l    *Lock
+	slot int
+}
+
+// Slot returns the permit's slot: a number below the limit at the time it
+// was granted, unique among the semaphore's permits held at once.
+func (p *Permit) Slot() int { return p.slot }
+
+// Done returns a channel that is closed when the permit ends: by Release,
+// by the Client's Close, or by the loss of the backend that holds it.
+func (p *Permit) Done() <-chan struct{} { return p.l.Done() }
+
+// Err returns nil while the permit is held. After Done is closed it
+// returns an error wrapping [ErrLockLost] (and the cause) if the permit
+// was lost, [ErrClosed] if the Client was closed, or [ErrNotHeld] if it
+// was released.
+func (p *Permit) Err() error { return p.l.Err() }
+
+// Acquire blocks until it holds a permit of the semaphore, and returns it.
+// ctx bounds only the wait: once Acquire returns, the permit is held until
+// Release or loss, whatever happens to ctx. Acquirers are served in the
+// order they line up (see [Client.Semaphore]); an Acquire that must wait
+// uses one of the Client's bounded waits ([WithMaxWaits]) until it heads
+// the queue, and no connection after that.
+//
+// If Acquire returns an error it holds nothing: no permit, row or queue
+// place stays behind. Errors: ctx's error (or cause) if it ended first,
+// [ErrClosed], an error wrapping [ErrNotMigrated] if the tables are
+// missing, the error of an invalid name, limit or option (see
+// [Client.Semaphore]), or the server's or connection's error.
+func (s *Semaphore) Acquire(ctx context.Context) (*Permit, error) {
+	return s.acquire(ctx, false)
+}
+
+// TryAcquire takes a permit if one is free and nobody waits for one,
+// without waiting. It returns an error wrapping [ErrNoPermit], saying how
+// many permits are held, when every permit is held or other acquires are
+// queued (they come first, even if a permit was just released). ctx bounds
+// the one statement it runs. Other errors are as for Acquire; after an
+// error nothing is held.
+func (s *Semaphore) TryAcquire(ctx context.Context) (*Permit, error) {
+	return s.acquire(ctx, true)
+}
+
+// admission is what semaphore_acquire answered.
+type admission struct {
+	limit, holders int
+	queued         bool
+}
+
+func (s *Semaphore) acquire(ctx context.Context, try bool) (*Permit, error) {
+	if s.err != nil {
+		return nil, s.err
+	}
+	c := s.c
+	if err := c.enter(); err != nil {
+		return nil, s.fail(ctx, "acquire", err)
+	}
+	defer c.wg.Done()
+	ctx, cancel := c.acquireCtx(ctx)
+	defer cancel()
+
+	p, adm, err := s.admit(ctx)
+	switch {
+	case err != nil && (try || !lockTimedOut(err)):
+		return nil, s.fail(ctx, "acquire", err)
+	case p != nil:
+		return p, nil
+	case try && adm.queued:
+		return nil, s.fail(ctx, "try acquire", fmt.Errorf("%w: %d of %d permits held, and other acquires are waiting", ErrNoPermit, adm.holders, adm.limit))
+	case try:
+		return nil, s.fail(ctx, "try acquire", fmt.Errorf("%w: %d of %d permits held", ErrNoPermit, adm.holders, adm.limit))
+	}
+	for {
+		q, err := c.Lock(ctx, s.queueKey())
+		if err != nil {
+			return nil, s.fail(ctx, "wait in queue", err)
+		}
+		p, err := s.lead(ctx, q)
+		if p != nil {
+			return p, nil // the grant released q
+		}
+		if uerr := s.leave(ctx, q); err == nil && uerr != nil {
+			err = fmt.Errorf("leave queue: %w", uerr)
+		}
+		if err != nil {
+			return nil, s.fail(ctx, "acquire", err)
+		}
+		// The queue key was lost with its backend: line up again.
+	}
+}
+
+// leave releases the queue key q. It reports no error for a key that was
+// lost (the server freed it with its backend) or ended with the Client.
+func (s *Semaphore) leave(ctx context.Context, q *Lock) error {
+	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+	defer cancel()
+	err := q.Unlock(uctx)
+	if err == nil || errorIsLoss(q.Err()) {
+		return nil
+	}
+	s.c.cfg.logger.Warn("pgcoord: semaphore: leave the queue", "semaphore", s.name, "err", err)
+	return err
+}
+
+// lead waits, as the head of the queue (holding q), until a permit is
+// granted; the grant releases q. It returns a nil permit and no error if q
+// is lost meanwhile. Grants are asked for on q's backend, which holds the
+// queue key that the grant releases.
+func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
+	sub, err := s.c.subscribe(semaphoreChannel, s.payload)
+	if err != nil {
+		return nil, err
+	}
+	defer sub.close()
+	t := time.NewTimer(semaphoreRecheck)
+	defer t.Stop()
+	for {
+		if q.Err() != nil {
+			return nil, nil
+		}
+		p, _, err := s.admitOn(ctx, q.s, q)
+		if errorIsLoss(err) && q.Err() != nil {
+			return nil, nil
+		}
+		if err != nil && !lockTimedOut(err) {
+			return nil, err
+		}
+		if p != nil {
+			return p, nil
+		}
+		t.Reset(semaphoreRecheck)
+		if _, err := sub.next(ctx, t.C); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// admit runs semaphore_acquire on a shared backend, for an acquire that
+// does not head the queue. A backend found dead takes nothing with it that
+// this call holds: it goes on on another.
+func (s *Semaphore) admit(ctx context.Context) (*Permit, admission, error) {
+	c := s.c
+	var err error
+	for range c.cfg.sharedBackends + c.cfg.maxWaits + 1 {
+		var b *Session
+		if b, err = c.fastBackend(ctx, request{}); err != nil {
+			return nil, admission{}, err
+		}
+		var p *Permit
+		var adm admission
+		if p, adm, err = s.admitOn(ctx, b, nil); err == nil || !errorIsLoss(err) || ctx.Err() != nil {
+			return p, adm, err
+		}
+	}
+	return nil, admission{}, err
+}
+
+// admitOn runs semaphore_acquire on b and records the slot it took as a
+// lock of b, before anything else can run on b. q is the queue key that b
+// holds for the head of the queue, or nil: a grant to the head releases
+// it. If the statement fails, a slot it may have taken before failing is
+// released on b, so that nothing stays behind, and q ends if the server no
+// longer holds it; if that fails too, b is lost, which frees everything.
+func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock) (*Permit, admission, error) {
+	head := q != nil
+	if err := b.grab(ctx); err != nil {
+		return nil, admission{}, err
+	}
+	defer b.release()
+	var (
+		slot          *int32
+		limit, holder int32
+		queued        bool
+		adm           admission
+	)
+	timeout := strconv.FormatInt(s.c.cfg.waitSlice().Milliseconds(), 10)
+	err := b.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		err := conn.QueryRow(ctx, s.acquireSQL, s.name, int32(s.limit), s.key.v, head, s.identity, timeout, b.pid).
+			Scan(&slot, &limit, &holder, &queued)
+		return b.wrongBackend(err)
+	})
+	if err != nil {
+		if b.Err() == nil && !errors.Is(s.c.notMigratedSemaphore(err), ErrNotMigrated) {
+			// A function that does not exist took nothing; any other
+			// failure may have come after the slot was taken.
+			s.cleanup(ctx, b, q)
+		}
+		if e := b.Err(); e != nil {
+			return nil, adm, e
+		}
+		return nil, adm, s.c.notMigratedSemaphore(err)
+	}
+	adm = admission{limit: int(limit), holders: int(holder), queued: queued}
+	if slot == nil {
+		return nil, adm, nil
+	}
+	if head {
+		b.forgetReleased(q, ErrNotHeld)
+	}
+	k := s.slotKey(int(*slot))
+	l, err := b.adopt(k)
+	if err != nil {
+		return nil, adm, err
+	}
+	return &Permit{sem: s, l: l, slot: int(*slot)}, adm, nil
+}
+
+// cleanup releases, on b (whose connection the caller holds), every slot
+// of the semaphore that b holds on the server but not in its records, and
+// their rows: what a failed semaphore_acquire may have left. If the server
+// no longer holds q, the head's queue key, q ends as lost.
+func (s *Semaphore) cleanup(ctx context.Context, b *Session, q *Lock) {
+	known := []int64{} // an empty array, not NULL
+	b.state.Lock()
+	for k := range b.keys {
+		if k.kind == kindInt64 && k.v>>16 == s.prefix {
+			known = append(known, k.v)
+		}
+	}
+	b.state.Unlock()
+	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+	defer cancel()
+	var queueHeld bool
+	err := b.exec(uctx, func(ctx context.Context, conn *pgx.Conn) error {
+		var n int64
+		return conn.QueryRow(ctx, s.cleanupSQL, s.prefix, known, s.name, b.pid).Scan(&n, &queueHeld)
+	})
+	switch {
+	case err != nil:
+		b.lose(fmt.Errorf("release after failed semaphore acquire: %w", err))
+	case q != nil && !queueHeld:
+		b.forgetReleased(q, fmt.Errorf("%w: a failed grant released the queue key %s", ErrLockLost, q.Key()))
+	}
+}
+
+// forgetReleased ends l, which the server no longer holds on b, with why,
+// and forgets its keys. The caller holds b's connection.
+func (b *Session) forgetReleased(l *Lock, why error) {
+	b.state.Lock()
+	_, mine := b.locks[l]
+	delete(b.locks, l)
+	if mine {
+		for _, k := range l.keys {
+			delete(b.keys, k)
+		}
+	}
+	b.state.Unlock()
+	if mine {
+		l.end(why) // leaves the keys' gates: the next goroutine may line up
+	}
+}
+
+// adopt records that b holds k, just taken on the server by a statement
+// of the caller's, and returns the lock. If b's records still show a
+// release of k (its statement is done, its bookkeeping not yet), adopt
+// waits for it.
+func (b *Session) adopt(k Key) (*Lock, error) {
+	for {
+		b.state.Lock()
+		if b.err != nil {
+			b.state.Unlock()
+			return nil, b.err
+		}
+		h := b.keys[k]
+		if h == nil {
+			b.keys[k] = &keyHold{n: 1}
+			// No gate: the row lock of semaphore_acquire, not this
+			// process, decides who takes a slot.
+			l := &Lock{s: b, keys: []Key{k}, done: make(chan struct{})}
+			b.locks[l] = struct{}{}
+			b.state.Unlock()
+			return l, nil
+		}
+		busy := h.busy
+		b.state.Unlock()
+		if busy == nil {
+			err := fmt.Errorf("%w: the server granted %s to backend %d, which records it as held already", ErrLockLost, k, b.pid)
+			b.lose(err)
+			return nil, err
+		}
+		select {
+		case <-busy:
+		case <-b.done:
+		}
+	}
+}
+
+// Release gives the permit back: its slot is free on the server and the
+// next waiter is notified when Release returns nil. It works even if ctx
+// is already cancelled: the release is sent with a context that keeps
+// ctx's values, bounded by the backend's lease.
+//
+// It returns an error wrapping [ErrNotHeld] if the permit was already
+// released or is being released by another call, an error wrapping
+// [ErrLockLost] or [ErrClosed] if it had ended otherwise, and an error
+// wrapping [ErrLockLost] if the release itself failed; the backend's
+// connection has then been closed, so the server frees the slot as soon
+// as it notices.
+func (p *Permit) Release(ctx context.Context) error {
+	l, s := p.l, p.sem
+	l.mu.Lock()
+	if l.err != nil || l.releasing {
+		err := l.err
+		l.mu.Unlock()
+		if err == nil {
+			err = fmt.Errorf("%w: another Release is releasing it", ErrNotHeld)
+		}
+		return s.fail(ctx, "release", err)
+	}
+	l.releasing = true
+	l.mu.Unlock()
+
+	b, k := l.s, l.keys[0]
+	b.state.Lock()
+	_, mine := b.locks[l]
+	delete(b.locks, l)
+	if mine {
+		h := b.keys[k]
+		h.n = 0
+		h.busy = make(chan struct{})
+	}
+	b.state.Unlock()
+	if !mine {
+		// The backend ended meanwhile and is ending the permit.
+		<-l.done
+		return s.fail(ctx, "release", l.Err())
+	}
+	err := b.run(context.WithoutCancel(ctx), func(ctx context.Context, conn *pgx.Conn) error {
+		var ok bool
+		err := conn.QueryRow(ctx, s.releaseSQL, k.v, semaphoreChannel, s.payload+"release", s.name, int32(p.slot), b.pid).
+			Scan(&ok, nil, nil)
+		if err = b.wrongBackend(err); err == nil && !ok {
+			err = fmt.Errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, b.pid)
+		}
+		return err
+	})
+	b.forgetKeys([]Key{k})
+	if err != nil {
+		b.lose(err)
+		if e := b.Err(); e != nil {
+			err = e
+		}
+	}
+	l.end(ErrNotHeld)
+	if err != nil {
+		return s.fail(ctx, "release", err)
+	}
+	return nil
+}
+
+// A Holder is one live holder of a semaphore's permit.
+type Holder struct {
+	Slot     int       // the permit's slot
+	Identity string    // who holds it (see WithHolderIdentity); "" if its row is missing
+	Since    time.Time // when it was granted; zero if its row is missing
+	Pid      int32     // server backend that holds it; pg_terminate_backend(Pid) frees it, with every other lock of that backend
+}
+
+// Holders returns the live holders of the semaphore's permits, oldest
+// first: those whose slot is granted in pg_locks. A holder whose backend
+// has ended is not listed, even if its row is still in the table. ctx
+// bounds the query, which runs on the Client's pool. Errors: [ErrClosed],
+// an error wrapping [ErrNotMigrated] if the tables are missing, the error
+// of an invalid name, limit or option, or the server's error.
+func (s *Semaphore) Holders(ctx context.Context) ([]Holder, error) {
+	if s.err != nil {
+		return nil, s.err
+	}
+	if err := s.c.enter(); err != nil {
+		return nil, s.fail(ctx, "holders", err)
+	}
+	defer s.c.wg.Done()
+	rows, err := s.c.pool.Query(ctx, `SELECT (l.k & 65535)::int4, l.pid, coalesce(h.identity, ''), h.since
+		FROM (SELECT pid, (classid::bigint << 32) | objid::bigint AS k
+			FROM pg_catalog.pg_locks
+			WHERE locktype = 'advisory' AND objsubid = 1 AND granted
+			  AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())) l
+		LEFT JOIN `+s.c.cfg.table("semaphore_holders")+` h ON h.name = $1 AND h.slot = (l.k & 65535)::int4 AND h.pid = l.pid
+		WHERE l.k >> 16 = $2 AND l.k & 65535 <> 65535
+		ORDER BY h.since NULLS LAST, 1`, s.name, s.prefix)
+	if err != nil {
+		return nil, s.fail(ctx, "holders", s.c.notMigratedSemaphore(err))
+	}
+	hs, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Holder, error) {
+		var h Holder
+		var slot int32
+		var since *time.Time
+		err := row.Scan(&slot, &h.Pid, &h.Identity, &since)
+		h.Slot = int(slot)
+		if since != nil {
+			h.Since = *since
+		}
+		return h, err
+	})
+	if err != nil {
+		return nil, s.fail(ctx, "holders", s.c.notMigratedSemaphore(err))
+	}
+	return hs, nil
+}
+
+// Limit returns the semaphore's limit as the table has it, or, before the
+// semaphore was first used, the limit given to [Client.Semaphore], with
+// which the first acquire will create it. ctx bounds the query, which runs
+// on the Client's pool. Errors are as for Holders.
+func (s *Semaphore) Limit(ctx context.Context) (int, error) {
+	if s.err != nil {
+		return 0, s.err
+	}
+	if err := s.c.enter(); err != nil {
+		return 0, s.fail(ctx, "limit", err)
+	}
+	defer s.c.wg.Done()
+	var limit int32
+	err := s.c.pool.QueryRow(ctx, `SELECT "limit" FROM `+s.c.cfg.table("semaphores")+` WHERE name = $1`, s.name).Scan(&limit)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return s.limit, nil
+	case err != nil:
+		return 0, s.fail(ctx, "limit", s.c.notMigratedSemaphore(err))
+	}
+	return int(limit), nil
+}
+
+// SetLimit changes the semaphore's limit to n, for every process, creating
+// the semaphore if it does not exist yet. Raising it wakes the waiters,
+// which take the new permits at once. Lowering it takes no permit away:
+// holders beyond the new limit keep their permits until they release
+// them, and no new permit is granted until fewer than n are held. The
+// same works with SQL: UPDATE semaphores SET "limit" = n WHERE name = ...
+// ctx bounds the statement, which runs on the Client's pool and waits for
+// a grant in progress to commit. Errors: n outside 1 to
+// [MaxSemaphoreLimit], and as for Holders.
+func (s *Semaphore) SetLimit(ctx context.Context, n int) error {
+	if s.err != nil {
+		return s.err
+	}
+	if n < 1 || n > MaxSemaphoreLimit {
+		return fmt.Errorf("pgcoord: semaphore %s: SetLimit: limit %d is out of range: it must be 1 to %d", quoteName(s.name), n, MaxSemaphoreLimit)
+	}
+	if err := s.c.enter(); err != nil {
+		return s.fail(ctx, "set limit", err)
+	}
+	defer s.c.wg.Done()
+	t := s.c.cfg.table("semaphores")
+	_, err := s.c.pool.Exec(ctx, `INSERT INTO `+t+` AS s (name, "limit", lock_key) VALUES ($1, $2, $3)
+		ON CONFLICT (name) DO UPDATE SET "limit" = excluded."limit", updated_at = now()
+		WHERE s."limit" <> excluded."limit"`, s.name, int32(n), s.key.v)
+	if err != nil {
+		return s.fail(ctx, "set limit", s.c.notMigratedSemaphore(err))
+	}
+	return nil
+}
+
+// fail describes an error of the semaphore, with the cause of ctx's end
+// (ErrClosed when the Client closed) in front.
+func (s *Semaphore) fail(ctx context.Context, op string, err error) error {
+	if cause := context.Cause(ctx); cause != nil && !errors.Is(err, cause) {
+		err = fmt.Errorf("%w: %w", cause, err)
+	}
+	return fmt.Errorf("pgcoord: semaphore %s: %s: %w", quoteName(s.name), op, err)
+}
+
+// notMigratedSemaphore wraps ErrNotMigrated around the server's error when
+// the semaphores' tables, function or schema are missing (SQLSTATE 42P01,
+// 42883 or 3F000).
+func (c *Client) notMigratedSemaphore(err error) error {
+	switch pgCode(err) {
+	case "42P01", "42883", "3F000":
+		return fmt.Errorf("%w (schema %s has no semaphores): %w", ErrNotMigrated, c.cfg.quotedSchema(), err)
+	}
+	return err
+}
+
+// lockTimedOut reports whether a statement gave up waiting for a lock
+// (SQLSTATE 55P03): the semaphore's row was locked for longer than a wait
+// slice, by a transaction that changes it.
+func lockTimedOut(err error) bool { return pgCode(err) == "55P03" }

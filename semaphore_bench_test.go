@@ -1,0 +1,127 @@
+package pgcoord
+
+import (
+	"context"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+)
+
+// BenchmarkSemaphoreHandoff measures handing a permit to a waiter in
+// another process: two Clients pass the one permit of a semaphore with
+// limit 1 back and forth, as BenchmarkHandoffRemote does with a lock:
+//
+//  1. Client A holds the permit.
+//  2. Untimed: B calls Acquire in a goroutine, and the benchmark waits
+//     until B heads the queue (pg_locks shows the queue key granted) and
+//     waits for a notification with nothing left to read.
+//  3. Timed: A calls Release, and the benchmark waits for B's Acquire to
+//     return: the release's NOTIFY wakes B, which takes the permit and
+//     leaves the queue.
+//  4. B is now the holder and A the waiter; go to 2.
+//
+// ns/op is the time of step 3. waiter-p50-us and waiter-p90-us are the
+// median and 90th percentile of the time from the start of Release to the
+// waiter's Acquire returning. Run it in the same process as the lock's
+// handoff and its raw floor, so the figures compare:
+//
+//	go test -run '^$' -bench 'SemaphoreHandoff|Handoff' -benchtime 200x .
+func BenchmarkSemaphoreHandoff(b *testing.B) {
+	dsn, _ := semaphoreDB(b)
+	clients := [2]*Client{newTestClient(b, dsn), newTestClient(b, dsn)}
+	sems := [2]*Semaphore{clients[0].Semaphore("handoff", 1), clients[1].Semaphore("handoff", 1)}
+	ctx, cancel := context.WithCancel(context.Background())
+	var waiter sync.WaitGroup
+	defer func() {
+		cancel() // only a failure leaves a waiter blocked
+		waiter.Wait()
+	}()
+	// Warm both sides: backends, the listener, the queue path.
+	var held [2]*Permit
+	for side := range 2 {
+		p, err := sems[side].Acquire(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		ch := goAcquire(ctx, sems[1-side])
+		awaitHead(b, dsn, sems[1-side])
+		if err := p.Release(ctx); err != nil {
+			b.Fatal(err)
+		}
+		r := receivePermit(b, ch)
+		if r.err != nil {
+			b.Fatal(r.err)
+		}
+		if err := r.p.Release(ctx); err != nil {
+			b.Fatal(err)
+		}
+	}
+	p, err := sems[0].Acquire(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	held[0] = p
+
+	holder := 0
+	var waited []time.Duration
+	for b.Loop() {
+		b.StopTimer()
+		next := 1 - holder
+		got := make(chan error, 1)
+		var returned time.Time
+		waiter.Go(func() {
+			p, err := sems[next].Acquire(ctx)
+			returned = time.Now()
+			held[next] = p
+			got <- err
+		})
+		awaitBlockedHead(b, dsn, sems[next])
+		b.StartTimer()
+
+		start := time.Now()
+		if err := held[holder].Release(ctx); err != nil {
+			b.Fatal(err)
+		}
+		if err := <-got; err != nil {
+			b.Fatal(err)
+		}
+		waited = append(waited, returned.Sub(start))
+		holder = next
+	}
+	slices.Sort(waited)
+	b.ReportMetric(float64(waited[len(waited)/2].Nanoseconds())/1e3, "waiter-p50-us")
+	b.ReportMetric(float64(waited[len(waited)*9/10].Nanoseconds())/1e3, "waiter-p90-us")
+	if err := held[holder].Release(ctx); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// awaitBlockedHead returns once an Acquire of sem heads the queue and
+// waits for a notification, with nothing queued for it to read. It polls every
+// 50 µs, bounded by testTimeout.
+func awaitBlockedHead(b *testing.B, dsn string, sem *Semaphore) {
+	b.Helper()
+	awaitHead(b, dsn, sem)
+	c := sem.c
+	deadline := time.Now().Add(testTimeout)
+	for {
+		idle := false
+		if c.listening.Load() {
+			c.notifier.mu.Lock()
+			for sub := range c.notifier.subs {
+				sub.mu.Lock()
+				idle = sub.prefix == sem.payload && len(sub.queue) == 0 && len(sub.kick) == 0
+				sub.mu.Unlock()
+			}
+			c.notifier.mu.Unlock()
+		}
+		if idle {
+			return
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("no Acquire of %q blocked at the head of the queue within %v", sem.name, testTimeout)
+		}
+		time.Sleep(50 * time.Microsecond) // untimed; leaves the CPU to the waiter
+	}
+}
