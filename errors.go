@@ -66,7 +66,7 @@ var (
 	ErrNoPermit = errors.New("pgcoord: no semaphore permit free")
 
 	// ErrNotMigrated is returned by features that need pgcoord's tables
-	// (fences) when they do not exist in the configured schema; run Migrate
+	// (fences, elections, semaphores) when they do not exist in the configured schema; run Migrate
 	// with the same schema first.
 	ErrNotMigrated = errors.New("pgcoord: tables missing; run pgcoord.Migrate first")
 

@@ -301,3 +301,76 @@ func leaderCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		return nil
 	}
 }
+
+// semaphoreRow is one semaphore as "pgcoord semaphores" shows it.
+type semaphoreRow struct {
+	Name    string           `json:"name"`
+	Limit   int              `json:"limit"`
+	Held    int              `json:"held"`
+	Queued  int              `json:"queued"`
+	Holders []pgcoord.Holder `json:"holders,omitempty"`
+}
+
+func semaphoresCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+	schema := fs.String("schema", pgcoord.DefaultSchema, "the schema of pgcoord's tables (WithSchema)")
+	asJSON := fs.Bool("json", false, "print the semaphores as JSON")
+	holders := fs.Bool("holders", false, "list each live holder: slot, identity, since, backend pid")
+	return func(ctx context.Context, e *env, args []string) error {
+		if len(args) > 0 {
+			return usagef("semaphores takes no arguments")
+		}
+		pool, err := openPool(ctx, e)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		// A semaphore's locks share the upper 48 bits of its key: the low
+		// 16 bits are the slot of a permit, or 65535 for the queue.
+		rows, err := pool.Query(ctx, `WITH k AS (
+				SELECT ((classid::bigint << 32) | objid::bigint) AS key, granted FROM pg_locks
+				WHERE locktype = 'advisory' AND objsubid = 1
+				AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+			SELECT s.name, s."limit",
+				(SELECT count(*) FROM k WHERE k.granted AND k.key >> 16 = s.lock_key >> 16 AND k.key & 65535 <> 65535),
+				(SELECT count(*) FROM k WHERE k.key >> 16 = s.lock_key >> 16 AND k.key & 65535 = 65535)
+			FROM `+pgx.Identifier{*schema, "semaphores"}.Sanitize()+` AS s ORDER BY s.name`)
+		if err != nil {
+			return fmt.Errorf("read semaphores (run \"pgcoord migrate\" first?): %w", err)
+		}
+		sems, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (semaphoreRow, error) {
+			var s semaphoreRow
+			err := r.Scan(&s.Name, &s.Limit, &s.Held, &s.Queued)
+			return s, err
+		})
+		if err != nil {
+			return fmt.Errorf("read semaphores: %w", err)
+		}
+		if *holders && len(sems) > 0 {
+			c, err := pgcoord.New(pool, pgcoord.WithSchema(*schema))
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			for i := range sems {
+				if sems[i].Holders, err = c.Semaphore(sems[i].Name, 1).Holders(ctx); err != nil {
+					return err
+				}
+			}
+		}
+		if *asJSON {
+			if sems == nil {
+				sems = []semaphoreRow{}
+			}
+			return json.NewEncoder(e.stdout).Encode(sems)
+		}
+		tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "SEMAPHORE\tLIMIT\tHELD\tQUEUED")
+		for _, s := range sems {
+			fmt.Fprintf(tw, "%s\t%d\t%d\t%d\n", s.Name, s.Limit, s.Held, s.Queued)
+			for _, h := range s.Holders {
+				fmt.Fprintf(tw, "  slot %d\t%s\tpid %d\tsince %s\n", h.Slot, h.Identity, h.Pid, h.Since.Format(time.RFC3339))
+			}
+		}
+		return tw.Flush()
+	}
+}

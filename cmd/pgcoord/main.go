@@ -68,6 +68,8 @@ var commands = []command{
 		summary: "force-release the locks of a backend by terminating it"},
 	{name: "leader", args: "[--schema NAME] [--json] [--resign] ELECTION", needsDB: true, flags: leaderCmd,
 		summary: "show who leads an election (identity, term, since, backend pid); --resign asks it to step down"},
+	{name: "semaphores", args: "[--schema NAME] [--json] [--holders]", needsDB: true, flags: semaphoresCmd,
+		summary: "list the semaphores: limit, permits held, processes queued; --holders lists each holder"},
 	{name: "migrate", args: "[--schema NAME]", needsDB: true, flags: migrateCmd,
 		summary: "create or update pgcoord's tables (fences) in a schema"},
 	{name: "demo", args: "", needsDB: true, flags: demoCmd,

@@ -387,3 +387,51 @@ func TestLeaderCommand(t *testing.T) {
 		t.Fatalf("election lock still held by %v after the resign", holders)
 	}
 }
+
+func TestSemaphoresCommand(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	if code, _, stderr := cli(t, db, "migrate"); code != exitOK {
+		t.Fatalf("migrate: exit %d: %s", code, stderr)
+	}
+	c, err := pgcoord.New(pgtest.Pool(t, db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	sem := c.Semaphore("exports", 2, pgcoord.WithHolderIdentity("worker-1"))
+	p1, err := sem.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p1.Release(ctx)
+	p2, err := c.Semaphore("idle", 5).TryAcquire(ctx) // creates its row
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p2.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	code, stdout, stderr := cli(t, db, "semaphores", "--json", "--holders")
+	if code != exitOK {
+		t.Fatalf("semaphores --json: exit %d: %s", code, stderr)
+	}
+	var got []semaphoreRow
+	if err := json.Unmarshal([]byte(stdout), &got); err != nil {
+		t.Fatalf("semaphores --json output %q: %v", stdout, err)
+	}
+	hs, err := sem.Holders(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 2 || got[0].Name != "exports" || got[0].Limit != 2 || got[0].Held != 1 || got[0].Queued != 0 ||
+		len(got[0].Holders) != 1 || got[0].Holders[0].Identity != "worker-1" || got[0].Holders[0].Pid != hs[0].Pid ||
+		got[1].Name != "idle" || got[1].Limit != 5 || got[1].Held != 0 {
+		t.Fatalf("semaphores --json = %+v", got)
+	}
+	code, stdout, _ = cli(t, db, "semaphores")
+	if code != exitOK || !strings.Contains(stdout, "exports") || !strings.Contains(stdout, "SEMAPHORE") {
+		t.Fatalf("semaphores: exit %d, output %q", code, stdout)
+	}
+}
