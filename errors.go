@@ -66,8 +66,8 @@ var (
 	ErrNoPermit = errors.New("pgcoord: no semaphore permit free")
 
 	// ErrNotMigrated is returned by features that need pgcoord's tables
-	// (fences, elections, semaphores) when they do not exist in the configured schema; run Migrate
-	// with the same schema first.
+	// (fences, elections, semaphores) when they do not exist in the
+	// configured schema; run Migrate with the same schema first.
 	ErrNotMigrated = errors.New("pgcoord: tables missing; run pgcoord.Migrate first")
 
 	// ErrNoLeader is returned by Election.Leader and RequestResign when
