@@ -41,6 +41,9 @@
 //     when the leadership does); [Election.Leader] and [Election.Observe]
 //     tell who leads; [Election.RequestResign] moves the leadership. Terms
 //     are fences for [CheckFence]. Needs [Migrate].
+//   - At most n holders across the fleet: [Client.Semaphore],
+//     [Semaphore.Acquire] and [Permit.Release]; [Semaphore.Holders] lists
+//     them, [Semaphore.SetLimit] changes n. Needs [Migrate].
 //   - Writes that must not come from a holder that has lost its lock: take
 //     it [WithFence] and check [Lock.Fence] with [CheckFence] in the
 //     write's transaction; [Migrate] creates the table fences need.

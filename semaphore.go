@@ -12,88 +12,6 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// Semaphores
-//
-// A semaphore lets at most limit holders, in any processes, hold a permit
-// at once. Its limit lives in the table semaphores and its holders in
-// semaphore_holders (see [Migrate]), where SQL can read and change them.
-//
-// Model. A permit is a session-level advisory lock on a slot key, held on
-// one of the Client's shared backends like any lock of the Client. All the
-// advisory locks of a semaphore share the upper 48 bits of its key
-// K = HashKey("pgcoord.semaphore", name): slot s, for s in [0, limit), is
-// the bigint key (K >> 16 << 16) | s, and the key with the low 16 bits all
-// set is its queue. The locks are the truth: a permit is held exactly while
-// its slot key is granted in pg_locks, so the permit of a holder whose
-// backend ended (terminated, crashed process, lost network) is free as soon
-// as the server has ended that backend, whatever its row says. Rows are a
-// description for people and [Semaphore.Holders]: written in the same
-// transaction that takes the slot, deleted by the release, and ignored (and
-// later removed) once their lock is gone.
-//
-// Granting a permit is one statement, the function semaphore_acquire: it
-// locks the semaphore's row (which serialises grants and limit changes),
-// counts the slots granted in pg_locks, and, if fewer than the limit are
-// held, writes the holder's row and takes a free slot below the limit, as
-// its last step. Hence never more than limit permits are granted, also
-// while holders die (a dead holder's slot is no longer granted) and while
-// the limit changes. Lowering the limit takes no permit away: holders keep
-// their permits, and no new permit is granted until fewer than the new
-// limit are held. Raising it wakes the waiters at once (a trigger
-// notifies them). The limit in the table wins: the limit given to
-// [Client.Semaphore] only creates the row when the semaphore is first
-// used; a process that passes another limit gets the table's.
-//
-// Fairness. An Acquire that finds no permit lines up on the semaphore's
-// queue key with an ordinary blocking [Client.Lock]: PostgreSQL's lock
-// queue orders the waiters of all processes, and goroutines of one Client
-// queue in the process behind a single server wait. Only the holder of
-// the queue key, the head, may take a permit while anyone is queued: other
-// acquires, TryAcquire included, see the queue in pg_locks and step behind
-// it. The grant to the head releases the queue key in the same statement,
-// so the next in line heads the queue at once. A steady stream of
-// acquirers cannot starve a waiter. (As for every blocking lock, a server
-// wait is cut into slices of the lease, and a waiter rejoins PostgreSQL's
-// queue at the end of each slice; see the package documentation.)
-//
-// Wake-up. The head listens on the Client's listener connection: a release
-// and a change of the limit send a NOTIFY, upon which the head tries again
-// (one statement). A permit freed by a backend's death sends nothing, so
-// the head also tries again every 250 ms: a waiter gets such a permit
-// within 250 ms plus a round trip of the server ending the backend. There
-// is no other polling.
-//
-// Connections and round trips, per Client:
-//   - TryAcquire, and Acquire when a permit is free and nobody waits: one
-//     statement (one round trip) on a shared backend; no new connection
-//     once the shared backends are open. The permit stays there: a
-//     hundred permits of ten semaphores cost a hundred lock-table entries
-//     and no connection beyond [WithSharedBackends].
-//   - Acquire that waits: the statement above, then one try of the queue
-//     key (a round trip) and, while another heads the queue, a wait on one
-//     of the Client's bounded waits ([WithMaxWaits]); goroutines of one
-//     Client behind it wait in the process, with no connection. The head
-//     uses no backend while it waits, only the Client's one listener
-//     connection, opened the first time a semaphore or election needs it.
-//     Each wake-up costs one statement, on the backend that holds the
-//     queue key; the statement that grants the permit also releases the
-//     queue key there, so the next waiter heads the queue at once.
-//   - Release: one statement (unlock, delete the row, notify).
-//   - Holders, Limit, SetLimit: one statement on the Client's pool.
-//
-// On the server each grant locks one row, reads pg_locks (whose cost grows
-// with the number of locks the server holds) and commits one row, without
-// waiting for the disk (a lost row loses nothing: the lock is the truth).
-// A transaction that keeps the semaphore's row locked (an UPDATE of the
-// limit left uncommitted) holds grants up: a grant waits for it at most a
-// wait slice of the lease ((L-H)/2, 2 s by default) on a shared backend,
-// then TryAcquire returns the server's lock timeout error and a waiting
-// Acquire tries again.
-//
-// Keys. Two names whose keys agree in their upper 48 bits would share
-// permits, as two names with one HashKey would share a lock: with n
-// semaphores the chance is about n²/2⁴⁹, 2·10⁻⁷ for ten thousand.
-
 // Bounds of semaphores.
 const (
 	// MaxSemaphoreLimit is the highest limit of a semaphore: a permit is
@@ -139,9 +57,98 @@ func WithHolderIdentity(identity string) SemaphoreOption {
 }
 
 // A Semaphore hands out at most a limit of permits at once, across every
-// process that uses the same name on the same database and schema. See
-// the section on semaphores in semaphore.go's documentation, summed up in
-// [Client.Semaphore]. Its methods are safe for concurrent use.
+// process that uses the same name on the same database and schema. Its
+// methods are safe for concurrent use.
+//
+// A semaphore lets at most limit holders, in any processes, hold a permit
+// at once. Its limit lives in the table semaphores and its holders in
+// semaphore_holders (see [Migrate]), where SQL can read and change them.
+//
+// # Model
+//
+// A permit is a session-level advisory lock on a slot key, held on
+// one of the Client's shared backends like any lock of the Client. All the
+// advisory locks of a semaphore share the upper 48 bits of its key
+// K = HashKey("pgcoord.semaphore", name): slot s, for s in [0, limit), is
+// the bigint key (K >> 16 << 16) | s, and the key with the low 16 bits all
+// set is its queue. The locks are the truth: a permit is held exactly while
+// its slot key is granted in pg_locks, so the permit of a holder whose
+// backend ended (terminated, crashed process, lost network) is free as soon
+// as the server has ended that backend, whatever its row says. Rows are a
+// description for people and [Semaphore.Holders]: written in the same
+// transaction that takes the slot, deleted by the release, and ignored (and
+// later removed) once their lock is gone.
+//
+// Granting a permit is one statement, the function semaphore_acquire: it
+// locks the semaphore's row (which serialises grants and limit changes),
+// counts the slots granted in pg_locks, and, if fewer than the limit are
+// held, writes the holder's row and takes a free slot below the limit, as
+// its last step. Hence never more than limit permits are granted, also
+// while holders die (a dead holder's slot is no longer granted) and while
+// the limit changes. Lowering the limit takes no permit away: holders keep
+// their permits, and no new permit is granted until fewer than the new
+// limit are held. Raising it wakes the waiters at once (a trigger
+// notifies them). The limit in the table wins: the limit given to
+// [Client.Semaphore] only creates the row when the semaphore is first
+// used; a process that passes another limit gets the table's.
+//
+// # Fairness
+//
+// An Acquire that finds no permit lines up on the semaphore's
+// queue key with an ordinary blocking [Client.Lock]: PostgreSQL's lock
+// queue orders the waiters of all processes, and goroutines of one Client
+// queue in the process behind a single server wait. Only the holder of
+// the queue key, the head, may take a permit while anyone is queued: other
+// acquires, TryAcquire included, see the queue in pg_locks and step behind
+// it. The grant to the head releases the queue key in the same statement,
+// so the next in line heads the queue at once. A steady stream of
+// acquirers cannot starve a waiter. (As for every blocking lock, a server
+// wait is cut into slices of the lease, and a waiter rejoins PostgreSQL's
+// queue at the end of each slice; see the package documentation.)
+//
+// # Wake-up
+//
+// The head listens on the Client's listener connection: a release
+// and a change of the limit send a NOTIFY, upon which the head tries again
+// (one statement). A permit freed by a backend's death sends nothing, so
+// the head also tries again every 250 ms: a waiter gets such a permit
+// within 250 ms plus a round trip of the server ending the backend. There
+// is no other polling.
+//
+// # Connections and round trips
+//
+// Per Client:
+//   - TryAcquire, and Acquire when a permit is free and nobody waits: one
+//     statement (one round trip) on a shared backend; no new connection
+//     once the shared backends are open. The permit stays there: a
+//     hundred permits of ten semaphores cost a hundred lock-table entries
+//     and no connection beyond [WithSharedBackends].
+//   - Acquire that waits: the statement above, then one try of the queue
+//     key (a round trip) and, while another heads the queue, a wait on one
+//     of the Client's bounded waits ([WithMaxWaits]); goroutines of one
+//     Client behind it wait in the process, with no connection. The head
+//     uses no backend while it waits, only the Client's one listener
+//     connection, opened the first time a semaphore or election needs it.
+//     Each wake-up costs one statement, on the backend that holds the
+//     queue key; the statement that grants the permit also releases the
+//     queue key there, so the next waiter heads the queue at once.
+//   - Release: one statement (unlock, delete the row, notify).
+//   - Holders, Limit, SetLimit: one statement on the Client's pool.
+//
+// On the server each grant locks one row, reads pg_locks (whose cost grows
+// with the number of locks the server holds) and commits one row, without
+// waiting for the disk (a lost row loses nothing: the lock is the truth).
+// A transaction that keeps the semaphore's row locked (an UPDATE of the
+// limit left uncommitted) holds grants up: a grant waits for it at most a
+// wait slice of the lease ((L-H)/2, 2 s by default) on a shared backend,
+// then TryAcquire returns the server's lock timeout error and a waiting
+// Acquire tries again.
+//
+// # Keys
+//
+// Two names whose keys agree in their upper 48 bits would share
+// permits, as two names with one HashKey would share a lock: with n
+// semaphores the chance is about n²/2⁴⁹, 2·10⁻⁷ for ten thousand.
 type Semaphore struct {
 	c        *Client
 	name     string
