@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io/fs"
 	"regexp"
 	"slices"
 	"strconv"
@@ -315,9 +316,13 @@ func holdersOf(t *testing.T, db string, k pgcoord.Key) []int32 {
 
 func TestMigrate(t *testing.T) {
 	db := pgtest.DB(t)
+	ups, err := fs.Glob(pgcoord.Migrations(), "*.up.sql")
+	if err != nil || len(ups) == 0 {
+		t.Fatalf("embedded migrations: %v, %d up files", err, len(ups))
+	}
 	for range 2 { // idempotent
 		code, out, errOut := cli(t, db, "migrate")
-		if code != exitOK || out != "schema \"pgcoord\" is at version 1\n" {
+		if code != exitOK || out != fmt.Sprintf("schema \"pgcoord\" is at version %d\n", len(ups)) {
 			t.Fatalf("migrate: exit %d, %q, %q", code, out, errOut)
 		}
 	}
