@@ -1,0 +1,706 @@
+package pgcoord
+
+// Leader election under faults: candidates in child processes, whose
+// leaders are killed, have their backends terminated, or are asked to
+// resign by another process; checked through PostgreSQL (pg_locks, the
+// leaders row, fenced writes) and through the candidates' own record of
+// when each leader's fn started and when its context was cancelled.
+// RELIABILITY.md lists the promises and the tests that prove them.
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// electionTarget is an election; holding it is leading it, and the term is
+// the fence.
+type electionTarget struct{ name string }
+
+func (e electionTarget) key() Key       { return HashKey("pgcoord.election", e.name) }
+func (e electionTarget) String() string { return "election:" + e.name }
+
+func (e electionTarget) acquire(ctx context.Context, c *Client) (faultHold, error) {
+	ld, err := c.Election(e.name).Campaign(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return leaderHold{ld}, nil
+}
+
+func (e electionTarget) check(ctx context.Context, tx pgx.Tx, fence int64) error {
+	return CheckFence(ctx, tx, e.key(), fence)
+}
+
+func (e electionTarget) holders(t testing.TB, dsn string) ([]int32, int) {
+	t.Helper()
+	return grantedTo(t, dsn, e.key()), waitingOn(t, dsn, e.key())
+}
+
+type leaderHold struct{ *Leadership }
+
+func (h leaderHold) Fence() int64                      { return int64(h.Term()) }
+func (h leaderHold) pid() int32                        { return h.lock.s.PID() }
+func (h leaderHold) release(ctx context.Context) error { return h.Resign(ctx) }
+
+// childIdentity is the default identity of a candidate in the child
+// process p: host name and process id.
+func childIdentity(t testing.TB, p *faultProc) string {
+	t.Helper()
+	host, err := os.Hostname()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return host + ":" + strconv.Itoa(p.Pid())
+}
+
+// runCandidateChild runs its target's election with Run until its
+// standard input ends or says "stop". While leading, fn writes its term to
+// fault_writes through CheckFence every few milliseconds. It reports:
+//   - "lead TERM UNIXNANO" when fn starts;
+//   - "unlead TERM UNIXNANO CAUSE" when fn's context has been cancelled:
+//     the time is taken by a goroutine that waits for nothing else, so it
+//     runs as soon as the context is cancelled;
+//   - "stale TERM" for a write CheckFence refused.
+func runCandidateChild(out *childOut) error {
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
+	pool, c, target, err := childClient(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	defer c.Close()
+	et, ok := target.(electionTarget)
+	if !ok {
+		return fmt.Errorf("candidate: %v is not an election", target)
+	}
+	go func() {
+		in := bufio.NewScanner(os.Stdin)
+		for in.Scan() && in.Text() != "stop" {
+		}
+		stop()
+	}()
+	me := fmt.Sprintf("child-%d", os.Getpid())
+	err = c.Election(et.name).Run(ctx, func(lctx context.Context, term Term) error {
+		start := time.Now()
+		ended := make(chan time.Time, 1)
+		go func() {
+			<-lctx.Done()
+			ended <- time.Now()
+		}()
+		out.printf("lead %d %d", term, start.UnixNano())
+		pace := time.NewTimer(0)
+		defer pace.Stop()
+		for lctx.Err() == nil {
+			wctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			err := fencedWrite(wctx, pool, et, int64(term), me, "")
+			cancel()
+			switch {
+			case errors.Is(err, ErrStaleFence):
+				out.printf("stale %d", term)
+			case err != nil:
+				return fmt.Errorf("term %d: write: %w", term, err)
+			}
+			pace.Reset(5 * time.Millisecond) // the leader's work
+			select {
+			case <-lctx.Done():
+			case <-pace.C:
+			}
+		}
+		at := <-ended
+		out.printf("unlead %d %d %v", term, at.UnixNano(), context.Cause(lctx))
+		return nil
+	})
+	if ctx.Err() == nil {
+		return err // Run ended by itself
+	}
+	return nil
+}
+
+// A leaderTerm is one term of a candidate child, as its lines tell it.
+type leaderTerm struct {
+	term       Term
+	proc       *faultProc
+	start, end time.Time // end: zero while leading
+	cause      string
+	killed     bool // end is when the test sent SIGKILL
+}
+
+// candidateLog collects the lines of candidate children.
+type candidateLog struct {
+	mu     sync.Mutex
+	terms  map[Term]*leaderTerm
+	stale  int
+	errors []string
+	kick   chan struct{}
+	reads  sync.WaitGroup
+}
+
+func newCandidateLog() *candidateLog {
+	return &candidateLog{terms: map[Term]*leaderTerm{}, kick: make(chan struct{}, 1)}
+}
+
+// start starts a candidate child for target with Client options opts and
+// reads its lines.
+func (l *candidateLog) start(t testing.TB, dsn string, target electionTarget, opts string) *faultProc {
+	t.Helper()
+	p := startFaultChild(t, "candidate", dsn, target, opts)
+	l.reads.Go(func() { l.read(p) })
+	return p
+}
+
+func (l *candidateLog) read(p *faultProc) {
+	for line := range p.Lines() {
+		f := strings.Fields(line)
+		l.mu.Lock()
+		err := l.apply(p, f)
+		if err != nil {
+			l.errors = append(l.errors, fmt.Sprintf("child %d: %q: %v", p.Pid(), line, err))
+		}
+		l.mu.Unlock()
+		select {
+		case l.kick <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// apply records one line; the caller holds l.mu.
+func (l *candidateLog) apply(p *faultProc, f []string) error {
+	if len(f) < 2 || f[0] != "lead" && f[0] != "unlead" && f[0] != "stale" {
+		return errors.New("unexpected line")
+	}
+	n, err := strconv.ParseInt(f[1], 10, 64)
+	if err != nil {
+		return err
+	}
+	term := Term(n)
+	if f[0] == "stale" {
+		l.stale++
+		return nil
+	}
+	if len(f) < 3 {
+		return errors.New("no time")
+	}
+	ns, err := strconv.ParseInt(f[2], 10, 64)
+	if err != nil {
+		return err
+	}
+	at := time.Unix(0, ns)
+	lt := l.terms[term]
+	switch {
+	case f[0] == "lead" && lt != nil:
+		return fmt.Errorf("term %d led twice", term)
+	case f[0] == "lead":
+		l.terms[term] = &leaderTerm{term: term, proc: p, start: at}
+	case lt == nil || lt.proc != p || !lt.end.IsZero():
+		return fmt.Errorf("term %d ended, but this child did not lead it or it had ended", term)
+	default:
+		lt.end, lt.cause = at, strings.Join(f[3:], " ")
+	}
+	return nil
+}
+
+// killed records that the test killed the child that leads term at at.
+func (l *candidateLog) killed(term Term, at time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if lt := l.terms[term]; lt != nil && lt.end.IsZero() {
+		lt.end, lt.killed, lt.cause = at, true, "killed"
+	}
+}
+
+// await waits until cond, called with l.mu held, returns a term.
+func (l *candidateLog) await(t testing.TB, what string, cond func() *leaderTerm) leaderTerm {
+	t.Helper()
+	timer := time.NewTimer(testTimeout)
+	defer timer.Stop()
+	for {
+		l.mu.Lock()
+		lt := cond()
+		var cp leaderTerm
+		if lt != nil {
+			cp = *lt
+		}
+		errs := slices.Clone(l.errors)
+		l.mu.Unlock()
+		if len(errs) > 0 {
+			t.Fatalf("candidates: %s", strings.Join(errs, "; "))
+		}
+		if lt != nil {
+			return cp
+		}
+		select {
+		case <-l.kick:
+		case <-timer.C:
+			t.Fatalf("candidates: not within %v: %s", testTimeout, what)
+		}
+	}
+}
+
+// awaitLead waits for a term after term to lead, and returns the newest.
+func (l *candidateLog) awaitLead(t testing.TB, after Term) leaderTerm {
+	t.Helper()
+	return l.await(t, fmt.Sprintf("a leader with a term after %d", after), func() *leaderTerm {
+		var newest *leaderTerm
+		for _, lt := range l.terms {
+			if lt.term > after && (newest == nil || lt.term > newest.term) {
+				newest = lt
+			}
+		}
+		return newest
+	})
+}
+
+// awaitEnd waits until term's fn context has been cancelled.
+func (l *candidateLog) awaitEnd(t testing.TB, term Term) leaderTerm {
+	t.Helper()
+	return l.await(t, fmt.Sprintf("the end of term %d", term), func() *leaderTerm {
+		if lt := l.terms[term]; lt != nil && !lt.end.IsZero() {
+			return lt
+		}
+		return nil
+	})
+}
+
+// checkIntervals checks that every term ended and that no two terms'
+// intervals, from the start of fn to the cancellation of its context by
+// the leader's own clock, overlap; terms grow in the order they started.
+func (l *candidateLog) checkIntervals(t testing.TB) (n int) {
+	t.Helper()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, e := range l.errors {
+		t.Errorf("candidates: %s", e)
+	}
+	var all []*leaderTerm
+	for _, lt := range l.terms {
+		all = append(all, lt)
+	}
+	slices.SortFunc(all, func(a, b *leaderTerm) int { return a.start.Compare(b.start) })
+	var prev *leaderTerm
+	var lastEnd time.Time
+	for _, lt := range all {
+		if lt.end.IsZero() {
+			t.Errorf("term %d (child %d) never reported the end of its leadership", lt.term, lt.proc.Pid())
+			continue
+		}
+		if prev != nil && lt.term <= prev.term {
+			t.Errorf("term %d started after term %d", lt.term, prev.term)
+		}
+		if lt.start.Before(lastEnd) {
+			t.Errorf("two leaders: term %d (child %d) started %v before term %d (child %d) had its context cancelled (%s)",
+				lt.term, lt.proc.Pid(), lastEnd.Sub(lt.start), prev.term, prev.proc.Pid(), prev.cause)
+		}
+		if lt.end.After(lastEnd) {
+			lastEnd, prev = lt.end, lt
+		}
+	}
+	return len(all)
+}
+
+// stopCandidates tells the candidate children to stop, waits until they
+// have exited cleanly (a child that stopped by itself also passed the
+// race detector) and their lines are read.
+func stopCandidates(t testing.TB, l *candidateLog, procs []*faultProc) {
+	t.Helper()
+	for _, p := range procs {
+		p.Send(t, "stop")
+	}
+	for _, p := range procs {
+		select {
+		case <-p.Exited():
+			if err := p.ExitErr(); err != nil {
+				t.Errorf("candidate child %d: %v\n%s", p.Pid(), err, p.Stderr())
+			}
+		case <-time.After(testTimeout):
+			t.Fatalf("candidate child %d did not stop within %v", p.Pid(), testTimeout)
+		}
+	}
+	l.reads.Wait()
+}
+
+// fencesInOrder reads the fences of target's accepted writes in the order
+// they were written, and reports an error for every fence lower than one
+// before it. It returns how many distinct fences wrote.
+func fencesInOrder(t testing.TB, dsn string, target faultTarget) (writes, distinct int) {
+	t.Helper()
+	rows, err := pgtest.Pool(t, dsn).Query(testCtx(t), "SELECT fence FROM fault_writes WHERE target = $1 ORDER BY id", target.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	fences, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		t.Fatal(err)
+	}
+	var last int64
+	for _, f := range fences {
+		switch {
+		case f < last:
+			t.Errorf("fault_writes: a write with term %d was accepted after one with term %d", f, last)
+		case f > last:
+			distinct++
+			last = f
+		}
+	}
+	return len(fences), distinct
+}
+
+// electionWatch reads an election's state from PostgreSQL again and again,
+// on a connection of its own, and notes every breach of the election's
+// promises that it sees: two backends granted the election's lock; the
+// leaders row's term going back, or one term recorded for two backends;
+// Leader reporting a backend that pg_locks showed holding the lock neither
+// just before nor just after, or a term older than one it reported before.
+type electionWatch struct {
+	mu         sync.Mutex
+	violations []string
+	reads      int
+	reported   int     // leaders Leader reported
+	terms      []int64 // distinct terms of the leaders row, as seen
+	held       int64   // the newest term seen recorded by the backend that held the lock
+}
+
+// heldTerm returns the newest term the watch saw held by the backend its
+// row names.
+func (w *electionWatch) heldTerm() Term {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return Term(w.held)
+}
+
+func (w *electionWatch) violate(format string, args ...any) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.violations = append(w.violations, fmt.Sprintf(format, args...))
+}
+
+// watchElection starts watching e, in the database of dsn, with e's
+// Client's Leader. stop ends the watch; read w only after it.
+func watchElection(t testing.TB, dsn string, e *Election) (w *electionWatch, stop func()) {
+	t.Helper()
+	conn := pgtest.Conn(t, dsn)
+	ctx, cancel := context.WithCancel(context.Background())
+	w = &electionWatch{}
+	done := make(chan struct{})
+	classid, objid, _ := e.Key().lockColumns()
+	type state struct {
+		pids      []int32
+		term      int64
+		recordPid int32
+	}
+	read := func() (state, error) {
+		var s state
+		err := conn.QueryRow(ctx, `SELECT array(SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted
+				AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+				AND classid::bigint = $1 AND objid::bigint = $2 AND objsubid = 1 ORDER BY pid),
+			coalesce((SELECT term FROM pgcoord.leaders WHERE name = $3), 0),
+			coalesce((SELECT pid FROM pgcoord.leaders WHERE name = $3), 0)`,
+			int64(classid), int64(objid), e.Name()).Scan(&s.pids, &s.term, &s.recordPid)
+		return s, err
+	}
+	go func() {
+		defer close(done)
+		const maxReads, maxTime = 200000, 3 * time.Minute
+		var rowTerm, reported int64
+		var rowPid int32
+		see := func(s state) {
+			if len(s.pids) > 1 {
+				w.violate("pg_locks: backends %v all hold the election's lock", s.pids)
+			}
+			switch {
+			case s.term < rowTerm:
+				w.violate("leaders row: term %d after term %d", s.term, rowTerm)
+			case s.term == rowTerm && s.recordPid != rowPid && rowTerm != 0:
+				w.violate("leaders row: term %d recorded for backend %d, then for %d", s.term, rowPid, s.recordPid)
+			case s.term > rowTerm:
+				rowTerm, rowPid = s.term, s.recordPid
+				w.mu.Lock()
+				w.terms = append(w.terms, s.term)
+				w.mu.Unlock()
+			}
+			w.mu.Lock()
+			w.reads++
+			if len(s.pids) == 1 && s.pids[0] == s.recordPid && s.term > w.held {
+				w.held = s.term
+			}
+			w.mu.Unlock()
+		}
+		pause := time.NewTimer(0)
+		defer pause.Stop()
+		deadline := time.Now().Add(maxTime)
+		for range maxReads {
+			if time.Now().After(deadline) {
+				break
+			}
+			before, err1 := read()
+			info, err2 := e.Leader(ctx)
+			after, err3 := read()
+			if ctx.Err() != nil {
+				return
+			}
+			if err := errors.Join(err1, err3); err != nil {
+				w.violate("watch: %v", err)
+				return
+			}
+			see(before)
+			see(after)
+			switch {
+			case errors.Is(err2, ErrNoLeader):
+			case err2 != nil:
+				w.violate("Leader: %v", err2)
+			case !slices.Contains(before.pids, info.Pid) && !slices.Contains(after.pids, info.Pid):
+				w.violate("Leader reported %+v, but pg_locks showed the lock held by %v just before and by %v just after", info, before.pids, after.pids)
+			case int64(info.Term) < reported:
+				w.violate("Leader reported term %d after term %d", info.Term, reported)
+			default:
+				reported = int64(info.Term)
+				w.mu.Lock()
+				w.reported++
+				w.mu.Unlock()
+			}
+			pause.Reset(2 * time.Millisecond) // leave the machine to the candidates
+			select {
+			case <-ctx.Done():
+				return
+			case <-pause.C:
+			}
+		}
+		w.violate("the watch reached its bound (%d reads or %v) before the test ended", maxReads, maxTime)
+	}()
+	return w, func() {
+		cancel()
+		<-done
+	}
+}
+
+// terminateBackend terminates backend pid through pool, whose connection
+// must be allowed to, and returns the moment just before it asked, once
+// the backend has left pg_stat_activity.
+func terminateBackend(t testing.TB, pool *pgxpool.Pool, pid int32) time.Time {
+	t.Helper()
+	ctx := testCtx(t)
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	var ok bool
+	at := time.Now()
+	if err := conn.QueryRow(ctx, "SELECT pg_terminate_backend($1)", pid).Scan(&ok); err != nil || !ok {
+		t.Fatalf("terminate backend %d: %v, %v", pid, ok, err)
+	}
+	backendGone(t, pool, pid)
+	return at
+}
+
+// percentile returns the p-th percentile (0 < p < 1) of ds, which it sorts.
+func percentile(ds []time.Duration, p float64) time.Duration {
+	slices.Sort(ds)
+	return ds[int(float64(len(ds)-1)*p+0.5)]
+}
+
+// Exactly one leader at any time. Five candidates, each a child process
+// running Run with a heartbeat of 100 ms and a loss deadline of 1 s, go
+// through 51 forced changes of leader, in turn: a RequestResign from a
+// process that is no candidate, the leader's backend terminated
+// (pg_terminate_backend of the pid Leader reports), and the leader's
+// process killed with SIGKILL (and another candidate started in its
+// place). Each change waits for the new leader, and for the watch to see
+// it, before the next. Checked three ways:
+//   - the watch (electionWatch), through PostgreSQL: never two backends
+//     granted the lock, the leaders row's term only grows, and Leader
+//     reports a backend that pg_locks shows holding the lock;
+//   - the candidates' own record: from the start of fn to the moment its
+//     context was cancelled (by the leader's clock; a killed leader's at
+//     the moment of SIGKILL), no two leaders' intervals overlap, and terms
+//     grow in the order leaders started;
+//   - fencing: every leader writes its term through CheckFence while it
+//     leads, and the accepted writes, in the order they were made, never
+//     show a term lower than one before it.
+func TestElectionOneLeaderUnderFaults(t *testing.T) {
+	t.Parallel()
+	const candidates, changes = 5, 51
+	const loss, beat = time.Second, 100 * time.Millisecond
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	dsn, pool := faultDB(t)
+	target := electionTarget{"one-leader"}
+	outsider := newTestClient(t, dsn)
+	e := outsider.Election(target.name)
+	log := newCandidateLog()
+	opts := childOptions(loss, beat)
+	procs := make([]*faultProc, candidates)
+	for i := range procs {
+		procs[i] = log.start(t, dsn, target, opts)
+	}
+	w, stopWatch := watchElection(t, dsn, e)
+	defer stopWatch()
+
+	kinds := []string{"resign", "terminate", "kill"}
+	takeovers := map[string][]time.Duration{}
+	var last Term
+	unforced := 0
+	for forced, round := 0, 0; forced < changes; round++ {
+		if round > 2*changes {
+			t.Fatalf("%d rounds for %d forced changes: too many leaders lost without a fault (%d)", round, forced, unforced)
+		}
+		cur := log.awaitLead(t, last)
+		last = cur.term
+		pgtest.Eventually(t, testTimeout, fmt.Sprintf("the watch sees term %d held", cur.term), func() bool {
+			return w.heldTerm() >= cur.term
+		})
+		info, err := e.Leader(ctx)
+		if err != nil || info.Term != cur.term {
+			// The leader lost its leadership by itself (a loaded machine can
+			// miss a heartbeat's deadline): not a forced change.
+			unforced++
+			t.Logf("term %d ended without a fault (Leader: %+v, %v)", cur.term, info, err)
+			continue
+		}
+		kind := kinds[forced%len(kinds)]
+		at := time.Now()
+		switch kind {
+		case "resign":
+			if err := e.RequestResign(ctx); err != nil {
+				t.Fatal(err)
+			}
+		case "terminate":
+			at = terminateBackend(t, pool, info.Pid)
+		case "kill":
+			cur.proc.Kill(t)
+			log.killed(cur.term, at)
+		}
+		next := log.awaitLead(t, cur.term)
+		takeovers[kind] = append(takeovers[kind], next.start.Sub(at))
+		forced++
+		if kind == "kill" {
+			// Another candidate takes the killed one's place, once the
+			// takeover is measured (starting a process loads the machine).
+			i := slices.Index(procs, cur.proc)
+			if i < 0 {
+				t.Fatalf("term %d: leader child %d is not a running candidate", cur.term, cur.proc.Pid())
+			}
+			procs[i] = log.start(t, dsn, target, opts)
+		}
+	}
+	stopCandidates(t, log, procs)
+	stopWatch()
+
+	n := log.checkIntervals(t)
+	writes, distinct := fencesInOrder(t, dsn, target)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, v := range w.violations {
+		t.Error(v)
+	}
+	if len(w.terms) < changes {
+		t.Errorf("the watch saw %d terms, want at least %d: it proved little", len(w.terms), changes)
+	}
+	if distinct < changes/2 {
+		t.Errorf("%d writes by %d terms: too few terms wrote for the fence check to prove anything", writes, distinct)
+	}
+	t.Logf("%d terms (%d forced changes, %d without a fault); the watch read the state %d times and saw %d terms, Leader reported a leader %d times; %d fenced writes by %d terms, %d refused as stale",
+		n, changes, unforced, w.reads, len(w.terms), w.reported, writes, distinct, log.stale)
+	for _, kind := range kinds {
+		ds := takeovers[kind]
+		t.Logf("%s: %d changes, new leader's fn started after p50 %v, p90 %v, max %v", kind, len(ds),
+			percentile(ds, 0.5).Round(time.Millisecond), percentile(ds, 0.9).Round(time.Millisecond), percentile(ds, 1).Round(time.Millisecond))
+	}
+}
+
+// Takeover. Three candidates, each a child process running Run (heartbeat
+// H = 200 ms, loss deadline L = 1 s); before each fault another candidate
+// waits for the election's lock on the server.
+//   - kill: the leader's process is killed with SIGKILL (and another
+//     candidate started in its place). A waiting candidate's fn starts
+//     within milliseconds; the test asserts a p50 under 1 s over 12 kills,
+//     generous for a loaded machine, and logs the figures.
+//   - terminate: the leader's backend is terminated while its process
+//     lives. The old leader's context is cancelled within 2H (its next
+//     heartbeat fails), the new leader's fn starts after that by the old
+//     leader's own clock, never before, and within L of the termination,
+//     with a greater term; over 10 terminations.
+func TestElectionTakeover(t *testing.T) {
+	t.Parallel()
+	for _, fault := range []string{"kill", "terminate"} {
+		t.Run(fault, func(t *testing.T) {
+			t.Parallel()
+			const loss, beat = time.Second, 200 * time.Millisecond
+			rounds := map[string]int{"kill": 12, "terminate": 10}[fault]
+			ctx := testCtx(t)
+			dsn, pool := faultDB(t)
+			target := electionTarget{"takeover-" + fault}
+			e := newTestClient(t, dsn).Election(target.name)
+			log := newCandidateLog()
+			opts := childOptions(loss, beat)
+			procs := []*faultProc{log.start(t, dsn, target, opts), log.start(t, dsn, target, opts), log.start(t, dsn, target, opts)}
+			var took, noticed []time.Duration
+			var last Term
+			for range rounds {
+				cur := log.awaitLead(t, last)
+				last = cur.term
+				pgtest.Eventually(t, testTimeout, "another candidate waits for the lock", func() bool {
+					return waitingOn(t, dsn, target.key()) >= 1
+				})
+				info, err := e.Leader(ctx)
+				if err != nil || info.Term != cur.term {
+					t.Fatalf("Leader: %+v, %v; want term %d", info, err, cur.term)
+				}
+				var at time.Time
+				if fault == "kill" {
+					at = time.Now()
+					cur.proc.Kill(t)
+					log.killed(cur.term, at)
+				} else {
+					at = terminateBackend(t, pool, info.Pid)
+				}
+				next := log.awaitLead(t, cur.term)
+				took = append(took, next.start.Sub(at))
+				if fault == "kill" {
+					// Another candidate takes the killed one's place, once
+					// the takeover is measured.
+					procs[slices.Index(procs, cur.proc)] = log.start(t, dsn, target, opts)
+				}
+				if fault == "terminate" {
+					old := log.awaitEnd(t, cur.term)
+					noticed = append(noticed, old.end.Sub(at))
+					if next.start.Before(old.end) {
+						t.Errorf("term %d started %v before term %d's context was cancelled", next.term, old.end.Sub(next.start), cur.term)
+					}
+					if d := old.end.Sub(at); d > lossNoticeBound(&config{heartbeat: beat}) {
+						t.Errorf("term %d: context cancelled %v after its backend was terminated, want within 2H = %v", cur.term, d, 2*beat)
+					}
+					if d := next.start.Sub(at); d > loss {
+						t.Errorf("term %d started %v after term %d's backend was terminated, want within L = %v", next.term, d, cur.term, loss)
+					}
+				}
+			}
+			stopCandidates(t, log, procs)
+			log.checkIntervals(t)
+			fencesInOrder(t, dsn, target)
+			p50, p90 := percentile(took, 0.5), percentile(took, 0.9)
+			t.Logf("%s: new leader's fn started after p50 %v, p90 %v, max %v (%d faults)", fault,
+				p50.Round(100*time.Microsecond), p90.Round(100*time.Microsecond), percentile(took, 1).Round(100*time.Microsecond), len(took))
+			if fault == "terminate" {
+				t.Logf("terminate: old leader's context cancelled after p50 %v, p90 %v", percentile(noticed, 0.5).Round(time.Millisecond), percentile(noticed, 0.9).Round(time.Millisecond))
+			}
+			if fault == "kill" && p50 > time.Second {
+				t.Errorf("takeover after a kill: p50 %v, want under 1s", p50)
+			}
+		})
+	}
+}
