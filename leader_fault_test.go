@@ -704,3 +704,306 @@ func TestElectionTakeover(t *testing.T) {
 		})
 	}
 }
+
+// A leader dies and nobody else campaigns: its process is killed, or its
+// backend terminated (its process lives on). Leader reports ErrNoLeader as
+// soon as the server has freed the election's lock: at the first call
+// after the terminated backend has left pg_stat_activity, and for the
+// killed process once pg_locks shows the lock free (within 1 s of the
+// kill). Observe, on another Client (heartbeat H = 250 ms), delivers the
+// leader, then no leader within 2H of the lock's release. A terminated
+// leader reports ErrLockLost within its own 2H.
+func TestElectionNoLeaderAfterDeath(t *testing.T) {
+	t.Parallel()
+	for _, fault := range []string{"kill", "terminate"} {
+		t.Run(fault, func(t *testing.T) {
+			t.Parallel()
+			const beat = 250 * time.Millisecond
+			ctx := testCtx(t)
+			dsn, pool := faultDB(t)
+			target := electionTarget{"alone-" + fault}
+			e := newTestClient(t, dsn, WithHeartbeat(beat)).Election(target.name)
+			obs := e.Observe(ctx)
+			if info := nextInfo(t, obs); info != (LeaderInfo{}) {
+				t.Fatalf("first observation %+v, want no leader", info)
+			}
+			p := startFaultChild(t, "holder", dsn, target, childOptions(time.Second, 100*time.Millisecond))
+			term, pid := p.held(t)
+			info, err := e.Leader(ctx)
+			if err != nil || info.Term != Term(term) || info.Pid != pid || info.Identity != childIdentity(t, p) {
+				t.Fatalf("Leader: %+v, %v; want term %d, backend %d", info, err, term, pid)
+			}
+			if got := nextInfo(t, obs); got.Term != info.Term || got.Pid != pid || got.Identity != info.Identity || !got.Since.Equal(info.Since) {
+				t.Fatalf("observed %+v, want %+v", got, info)
+			}
+
+			var freed time.Time
+			if fault == "kill" {
+				killed := time.Now()
+				p.Kill(t)
+				pgtest.Eventually(t, testTimeout, "the server frees the election's lock", func() bool {
+					return len(grantedTo(t, dsn, target.key())) == 0
+				})
+				freed = time.Now()
+				if d := freed.Sub(killed); d > time.Second {
+					t.Errorf("the server freed the killed leader's lock %v after the kill, want within 1s", d)
+				}
+			} else {
+				terminateBackend(t, pool, pid)
+				freed = time.Now()
+			}
+			if _, err := e.Leader(ctx); !errors.Is(err, ErrNoLeader) {
+				t.Fatalf("Leader once the lock is free: %v, want ErrNoLeader", err)
+			}
+			if got := nextInfo(t, obs); got != (LeaderInfo{}) {
+				t.Fatalf("observed %+v after the leader died, want no leader", got)
+			}
+			took := time.Since(freed)
+			t.Logf("Observe reported no leader %v after the lock was freed", took.Round(time.Millisecond))
+			if took > 2*beat {
+				t.Errorf("Observe reported no leader %v after the lock was freed, want within 2H = %v", took, 2*beat)
+			}
+			if fault == "terminate" {
+				_, lost, why := p.ended(t)
+				if !lost {
+					t.Fatalf("the terminated leader ended with %q, want ErrLockLost", why)
+				}
+			}
+		})
+	}
+}
+
+// observed records what an Observe channel delivers.
+type observed struct {
+	mu   sync.Mutex
+	got  []LeaderInfo
+	kick chan struct{}
+	done chan struct{}
+}
+
+func record(ch <-chan LeaderInfo) *observed {
+	o := &observed{kick: make(chan struct{}, 1), done: make(chan struct{})}
+	go func() {
+		defer close(o.done)
+		for info := range ch {
+			o.mu.Lock()
+			o.got = append(o.got, info)
+			o.mu.Unlock()
+			select {
+			case o.kick <- struct{}{}:
+			default:
+			}
+		}
+	}()
+	return o
+}
+
+// awaitLast waits until the last delivered change is want, within bound.
+func (o *observed) awaitLast(t testing.TB, want LeaderInfo, bound time.Duration) {
+	t.Helper()
+	timer := time.NewTimer(bound)
+	defer timer.Stop()
+	for {
+		o.mu.Lock()
+		ok := len(o.got) > 0 && sameLeader(o.got[len(o.got)-1], want)
+		got := slices.Clone(o.got)
+		o.mu.Unlock()
+		if ok {
+			return
+		}
+		select {
+		case <-o.kick:
+		case <-timer.C:
+			t.Fatalf("Observe did not deliver %+v within %v; it delivered %+v", want, bound, got)
+		}
+	}
+}
+
+func sameLeader(a, b LeaderInfo) bool {
+	return a.Identity == b.Identity && a.Term == b.Term && a.Pid == b.Pid && a.Since.Equal(b.Since)
+}
+
+// leaderOf describes an in-process leadership as Leader would.
+func leaderOf(ld *Leadership, identity string) LeaderInfo {
+	return LeaderInfo{Identity: identity, Term: ld.Term(), Since: ld.Since(), Pid: ld.lock.s.PID()}
+}
+
+// Observe delivers every change, in order, through a sequence of known
+// transitions: a campaign won, a resignation (just after the observing
+// Client's listener connection was terminated, so that only its resync can
+// deliver it), a handover to a waiting candidate, a leader whose backend
+// is terminated and one whose process is killed with nobody waiting (no
+// leader is then delivered within 2H of the lock's release, H = 250 ms),
+// a RequestResign that hands over to another candidate, and the last
+// resignation. Transitions that PostgreSQL notifies follow each other
+// without waiting for Observe. Everything delivered is compared with the
+// expected list (a handover may show no leader in between, or not); terms
+// never go backwards.
+func TestElectionObserveSequence(t *testing.T) {
+	t.Parallel()
+	const beat = 250 * time.Millisecond
+	ctx := testCtx(t)
+	dsn, pool := faultDB(t)
+	const name = "sequence"
+	oc := newTestClient(t, dsn, WithHeartbeat(beat), WithApplicationName("observer"))
+	a := newTestClient(t, dsn)
+	b := newTestClient(t, dsn)
+	ea, eb := a.Election(name, WithIdentity("a")), b.Election(name, WithIdentity("b"))
+	octx, stopObserving := context.WithCancel(ctx)
+	rec := record(oc.Election(name).Observe(octx))
+	type want struct {
+		info     LeaderInfo
+		optional bool // a handover may or may not show no leader first
+	}
+	wants := []want{{}}
+	expect := func(info LeaderInfo) { wants = append(wants, want{info: info}) }
+	handover := func(info LeaderInfo) { wants = append(wants, want{optional: true}, want{info: info}) }
+	rec.awaitLast(t, LeaderInfo{}, testTimeout)
+
+	la, err := ea.Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	expect(leaderOf(la, "a"))
+	rec.awaitLast(t, leaderOf(la, "a"), testTimeout)
+	// The observer's listener connection dies; the resignation right
+	// after is delivered by the resync once it listens again, if not by a
+	// notification.
+	var listener int32
+	if err := pool.QueryRow(ctx, "SELECT pid FROM pg_stat_activity WHERE application_name = 'observer' AND query LIKE 'LISTEN%'").Scan(&listener); err != nil {
+		t.Fatalf("the observer's listener: %v", err)
+	}
+	terminateBackend(t, pool, listener)
+	if err := la.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	expect(LeaderInfo{})
+	rec.awaitLast(t, LeaderInfo{}, testTimeout)
+
+	lb, err := eb.Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	expect(leaderOf(lb, "b"))
+	won := goLeader(func() (*Leadership, error) { return ea.Campaign(ctx) })
+	pgtest.Eventually(t, testTimeout, "a waits for the election's lock", func() bool { return waitingOn(t, dsn, ea.Key()) == 1 })
+	if err := lb.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	la2 := receiveLeader(t, won)
+	handover(leaderOf(la2, "a"))
+
+	terminateBackend(t, pool, la2.lock.s.PID())
+	freed := time.Now()
+	expect(LeaderInfo{})
+	rec.awaitLast(t, LeaderInfo{}, 2*beat)
+	t.Logf("no leader delivered %v after the terminated leader's lock was freed", time.Since(freed).Round(time.Millisecond))
+	<-la2.Done()
+
+	target := electionTarget{name}
+	p := startFaultChild(t, "holder", dsn, target, "")
+	p.held(t)
+	info, err := ea.Leader(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	expect(info)
+	p.Kill(t)
+	pgtest.Eventually(t, testTimeout, "the server frees the killed leader's lock", func() bool {
+		return len(grantedTo(t, dsn, ea.Key())) == 0
+	})
+	freed = time.Now()
+	expect(LeaderInfo{})
+	rec.awaitLast(t, LeaderInfo{}, 2*beat)
+	t.Logf("no leader delivered %v after the killed leader's lock was freed", time.Since(freed).Round(time.Millisecond))
+
+	lb2, err := eb.Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	expect(leaderOf(lb2, "b"))
+	runCtx, stopRun := context.WithCancel(ctx)
+	started := make(chan Term, 1)
+	ran := make(chan error, 1)
+	go func() {
+		ran <- ea.Run(runCtx, func(lctx context.Context, term Term) error {
+			started <- term
+			<-lctx.Done()
+			return nil
+		})
+	}()
+	pgtest.Eventually(t, testTimeout, "a waits for the election's lock", func() bool { return waitingOn(t, dsn, ea.Key()) == 1 })
+	if err := newTestClient(t, dsn).Election(name).RequestResign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var term Term
+	select {
+	case term = <-started:
+	case <-time.After(testTimeout):
+		t.Fatal("a did not lead after b was asked to resign")
+	}
+	info, err = ea.Leader(ctx)
+	if err != nil || info.Term != term || info.Identity != "a" {
+		t.Fatalf("Leader: %+v, %v; want a with term %d", info, err, term)
+	}
+	handover(info)
+	<-lb2.Done()
+	stopRun()
+	if err := <-ran; !errors.Is(err, context.Canceled) {
+		t.Fatalf("Run: %v", err)
+	}
+	expect(LeaderInfo{})
+	rec.awaitLast(t, LeaderInfo{}, testTimeout)
+	stopObserving()
+	<-rec.done
+
+	got := rec.got
+	i := 0
+	for _, w := range wants {
+		switch {
+		case i < len(got) && sameLeader(got[i], w.info):
+			i++
+		case w.optional:
+		default:
+			t.Fatalf("Observe delivered %+v; want %+v (at %d)", got, wants, i)
+		}
+	}
+	if i != len(got) {
+		t.Fatalf("Observe delivered %+v; want %+v (%d extra)", got, wants, len(got)-i)
+	}
+	var last Term
+	for _, info := range got {
+		if info.Term != 0 && info.Term <= last {
+			t.Fatalf("Observe delivered term %d after term %d", info.Term, last)
+		}
+		last = max(last, info.Term)
+	}
+	t.Logf("Observe delivered %d changes as expected", len(got))
+}
+
+// goLeader runs campaign in a goroutine.
+func goLeader(campaign func() (*Leadership, error)) <-chan *Leadership {
+	ch := make(chan *Leadership, 1)
+	go func() {
+		ld, err := campaign()
+		if err != nil {
+			ld = nil
+		}
+		ch <- ld
+	}()
+	return ch
+}
+
+func receiveLeader(t testing.TB, ch <-chan *Leadership) *Leadership {
+	t.Helper()
+	select {
+	case ld := <-ch:
+		if ld == nil {
+			t.Fatal("campaign failed")
+		}
+		return ld
+	case <-time.After(testTimeout):
+		t.Fatal("campaign did not win in time")
+	}
+	return nil
+}
