@@ -1007,3 +1007,185 @@ func receiveLeader(t testing.TB, ch <-chan *Leadership) *Leadership {
 	}
 	return nil
 }
+
+// Connection use. One Client (WithSharedBackends(2), WithMaxWaits(3))
+// leads 50 elections: every election's lock is held by one of its shared
+// backends (pg_locks), and it uses at most shared + waits + 2 connections
+// (the guard session and the listener), by pg_stat_activity and by Stat.
+// Another Client with the same limits campaigns in all 50: at most 3 of
+// its campaigns wait on the server at once, the others wait in the
+// process, and it too stays within shared + waits + 2 connections. When
+// one election's leader resigns, the following Client takes it over
+// within two campaign rounds (a round is the loss deadline, 1 s):
+// campaigns take turns in the waits. When one of the leading Client's
+// shared backends is terminated, every election it held goes over to the
+// following Client.
+func TestElectionConnectionUse(t *testing.T) {
+	t.Parallel()
+	const elections, shared, waits = 50, 2, 3
+	const loss, beat = time.Second, 100 * time.Millisecond
+	const connBound = shared + waits + 2
+	ctx := testCtx(t)
+	dsn, pool := faultDB(t)
+	opts := func(app string) []Option {
+		return []Option{WithSharedBackends(shared), WithMaxWaits(waits), WithLossDeadline(loss), WithHeartbeat(beat), WithApplicationName(app)}
+	}
+	lc := newTestClient(t, dsn, opts("leads")...)
+	fc := newTestClient(t, dsn, opts("follows")...)
+	name := func(i int) string { return fmt.Sprintf("e-%02d", i) }
+	connsOf := func(app string) int {
+		var n int
+		if err := pool.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", app).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	backendsOf := func(c *Client) []int32 {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		var pids []int32
+		for _, b := range c.backends {
+			pids = append(pids, b.PID())
+		}
+		return pids
+	}
+	// within checks a Client's connections against the bound.
+	within := func(c *Client, app string) {
+		t.Helper()
+		if n := connsOf(app); n > connBound {
+			t.Fatalf("%s: %d connections in pg_stat_activity, want at most %d", app, n, connBound)
+		}
+		if st := c.Stat(); st.Backends > shared+waits || st.Sessions > 1 || st.Waits > waits {
+			t.Fatalf("%s: Stat %+v, want at most %d backends, 1 session (the guard's) and %d waits", app, st, shared+waits, waits)
+		}
+	}
+	// holders returns the backend holding each election's lock, and the
+	// backends waiting for them.
+	holders := func() (held map[int]int32, waiting []int32) {
+		held = map[int]int32{}
+		state := lockState(t, dsn)
+		for i := range elections {
+			for _, h := range state[HashKey("pgcoord.election", name(i))] {
+				if h.granted {
+					held[i] = h.pid
+				} else {
+					waiting = append(waiting, h.pid)
+				}
+			}
+		}
+		return held, waiting
+	}
+
+	leads := make([]*Leadership, elections)
+	for i := range elections {
+		ld, err := lc.Election(name(i), WithIdentity("leads")).Campaign(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		leads[i] = ld
+	}
+	held, _ := holders()
+	for i := range elections {
+		if !slices.Contains(backendsOf(lc), held[i]) {
+			t.Fatalf("%s: lock held by backend %d, not one of the leading Client's backends %v", name(i), held[i], backendsOf(lc))
+		}
+	}
+	if st := lc.Stat(); st.Backends > shared {
+		t.Fatalf("leading Client: Stat %+v, want its leaderships on at most %d shared backends", st, shared)
+	}
+	within(lc, "leads")
+
+	fctx, stopFollowing := context.WithCancel(ctx)
+	defer stopFollowing()
+	won := make([]chan *Leadership, elections)
+	for i := range elections {
+		won[i] = make(chan *Leadership, 1)
+		go func() {
+			ld, _ := fc.Election(name(i), WithIdentity("follows")).Campaign(fctx)
+			won[i] <- ld
+		}()
+	}
+	pgtest.Eventually(t, testTimeout, "the following Client's campaigns fill its waits and queue the rest", func() bool {
+		within(fc, "follows")
+		_, waiting := holders()
+		if len(waiting) > waits {
+			t.Fatalf("%d backends wait for the elections, want at most %d", len(waiting), waits)
+		}
+		st := fc.Stat()
+		return len(waiting) == waits && st.QueuedWaits > 0
+	})
+	_, waiting := holders()
+	for _, pid := range waiting {
+		if !slices.Contains(backendsOf(fc), pid) {
+			t.Fatalf("backend %d waits for an election, not one of the following Client's %v", pid, backendsOf(fc))
+		}
+	}
+	within(lc, "leads")
+
+	// takeOver waits until the following Client leads election i, on one
+	// of its backends, and returns how long that took from since.
+	takeOver := func(i int, since time.Time) time.Duration {
+		t.Helper()
+		var ld *Leadership
+		select {
+		case ld = <-won[i]:
+		case <-time.After(testTimeout):
+			t.Fatalf("%s: the following Client did not take over", name(i))
+		}
+		took := time.Since(since)
+		if ld == nil {
+			t.Fatalf("%s: the following Client's campaign failed", name(i))
+		}
+		won[i] <- ld // for the cleanup
+		info, err := fc.Election(name(i)).Leader(ctx)
+		if err != nil || info.Identity != "follows" || info.Term <= leads[i].Term() {
+			t.Fatalf("%s: Leader %+v, %v; want the following Client with a term after %d", name(i), info, err, leads[i].Term())
+		}
+		if !slices.Contains(backendsOf(fc), info.Pid) {
+			t.Fatalf("%s: lock held by backend %d, not one of the following Client's %v", name(i), info.Pid, backendsOf(fc))
+		}
+		return took
+	}
+
+	resigned := time.Now()
+	if err := leads[7].Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	took := takeOver(7, resigned)
+	t.Logf("%s taken over %v after its leader resigned", name(7), took.Round(time.Millisecond))
+	if took > 2*loss {
+		t.Errorf("%s taken over %v after its leader resigned, want within two campaign rounds (%v)", name(7), took, 2*loss)
+	}
+
+	held, _ = holders()
+	victim := held[0]
+	var lost []int
+	for i, pid := range held {
+		if pid == victim {
+			lost = append(lost, i)
+		}
+	}
+	at := terminateBackend(t, pool, victim)
+	var slowest time.Duration
+	for _, i := range lost {
+		slowest = max(slowest, takeOver(i, at))
+		if !errors.Is(leads[i].Err(), ErrLockLost) {
+			t.Fatalf("%s: the old leadership ended with %v, want ErrLockLost", name(i), leads[i].Err())
+		}
+	}
+	t.Logf("%d elections whose leader's backend was terminated all taken over within %v", len(lost), slowest.Round(time.Millisecond))
+	within(fc, "follows")
+	within(lc, "leads")
+
+	stopFollowing()
+	for i := range elections {
+		if ld := <-won[i]; ld != nil {
+			if err := ld.Resign(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := leads[i].Resign(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
