@@ -1,6 +1,7 @@
 package pgcoord
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"testing"
@@ -123,8 +124,10 @@ func TestFaultRoleIdleSessionTimeout(t *testing.T) {
 // A caller's pool that recycles its connections aggressively (lifetime and
 // idle time 1 s, health checks every 100 ms) while the caller uses it does
 // not touch the locks of a Client built on it: they live on dedicated
-// connections that the pool never sees. Locks held for 10 s stay held on
-// their backends (pg_locks), and the pool did recycle meanwhile.
+// connections that the pool never sees. Locks, and a leadership (its lock
+// and its guard), held for 10 s stay held on their backends (pg_locks), and
+// the pool did recycle meanwhile; Leader, which queries through the pool,
+// still reports the leader.
 func TestFaultPoolRecycling(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
@@ -154,7 +157,15 @@ func TestFaultPoolRecycling(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	locks := []*Lock{fenced, multi, sl}
+	e := c.Election("recycled")
+	ld, err := e.Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ld.guard == nil {
+		t.Fatal("the leadership holds no guard")
+	}
+	locks := []*Lock{fenced, multi, sl, ld.lock, ld.guard}
 	owners := map[Key]int32{}
 	for _, l := range locks {
 		for _, k := range l.Keys() {
@@ -187,7 +198,13 @@ func TestFaultPoolRecycling(t *testing.T) {
 			if recycled == 0 {
 				t.Fatal("the pool recycled no connection: the test proved nothing")
 			}
-			for _, l := range locks {
+			if info, err := e.Leader(ctx); err != nil || info.Term != ld.Term() || info.Pid != ld.lock.s.PID() {
+				t.Fatalf("Leader: %+v, %v; want term %d on backend %d", info, err, ld.Term(), ld.lock.s.PID())
+			}
+			if err := ld.Resign(ctx); err != nil {
+				t.Fatal(err)
+			}
+			for _, l := range locks[:3] {
 				mustUnlock(t, l)
 			}
 			if n := len(lockState(t, dsn)); n != 0 {
@@ -208,6 +225,11 @@ func TestFaultPoolRecycling(t *testing.T) {
 				t.Fatalf("lock %v ended while the pool recycled: %v", l.Keys(), l.Err())
 			default:
 			}
+		}
+		select {
+		case <-ld.Context().Done():
+			t.Fatalf("leadership ended while the pool recycled: %v", context.Cause(ld.Context()))
+		default:
 		}
 	}
 }

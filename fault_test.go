@@ -34,15 +34,15 @@ import (
 
 // Environment of a child process of the fault tests.
 const (
-	faultChildEnv  = "PGCOORD_FAULT_CHILD"  // the child's role: "holder" or "soak"
+	faultChildEnv  = "PGCOORD_FAULT_CHILD"  // the child's role: "holder", "candidate" or "soak"
 	faultDSNEnv    = "PGCOORD_FAULT_DSN"    // the database
 	faultTargetEnv = "PGCOORD_FAULT_TARGET" // what to hold, as faultTarget.String gives it
 	faultOptsEnv   = "PGCOORD_FAULT_OPTS"   // Client options, as "loss=5s,beat=1s"
 )
 
 // A faultTarget is what the fault scenarios contend for: something that at
-// most one holder has at a time, taken with a fencing token. Locks are the
-// only kind so far; an election (the term is the fence) or a semaphore
+// most one holder has at a time, taken with a fencing token: a lock, or an
+// election (leader_fault_test.go), whose term is the fence. A semaphore
 // with one permit fits the same shape.
 type faultTarget interface {
 	// String names the target so that a child process can rebuild it
@@ -100,6 +100,8 @@ func parseFaultTarget(s string) (faultTarget, error) {
 	switch kind {
 	case "lock":
 		return lockTarget{name}, nil
+	case "election":
+		return electionTarget{name}, nil
 	}
 	return nil, fmt.Errorf("unknown fault target %q", s)
 }
@@ -324,6 +326,8 @@ func faultChildMain(role string) int {
 	switch role {
 	case "holder":
 		err = runHolderChild(out)
+	case "candidate":
+		err = runCandidateChild(out)
 	case "soak":
 		err = runSoakChild(out)
 	default:

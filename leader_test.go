@@ -196,6 +196,12 @@ func TestElectionTerminatedLeaderBackend(t *testing.T) {
 	<-la.Done()
 }
 
+// RequestResign from a process that is no candidate moves the leadership
+// to the other candidate, three times over: each time the old leader's
+// context is cancelled (with ErrNotHeld as its cause) before the new
+// leader's fn starts, the new term is greater, and Leader and pg_locks
+// show the new leader. With nobody leading, RequestResign returns
+// ErrNoLeader.
 func TestElectionRequestResign(t *testing.T) {
 	t.Parallel()
 	dsn := migratedDB(t)
@@ -205,9 +211,10 @@ func TestElectionRequestResign(t *testing.T) {
 	outsider := newTestClient(t, dsn)
 
 	type start struct {
-		who  string
-		term Term
-		at   time.Time
+		who   string
+		term  Term
+		at    time.Time
+		cause error
 	}
 	starts := make(chan start, 10)
 	ends := make(chan start, 10)
@@ -223,27 +230,42 @@ func TestElectionRequestResign(t *testing.T) {
 		go func() {
 			defer running.Done()
 			_ = e.Run(runCtx, func(lctx context.Context, term Term) error {
-				starts <- start{p.who, term, time.Now()}
+				starts <- start{p.who, term, time.Now(), nil}
 				<-lctx.Done()
-				ends <- start{p.who, term, time.Now()}
+				ends <- start{p.who, term, time.Now(), context.Cause(lctx)}
 				return nil
 			})
 		}()
 	}
-	first := <-starts
 	e := outsider.Election("cron")
-	if err := e.RequestResign(ctx); err != nil {
-		t.Fatal(err)
-	}
-	second := <-starts
-	end := <-ends
-	if second.who == first.who || second.term <= first.term {
-		t.Fatalf("after RequestResign: %+v then %+v", first, second)
-	}
-	if end.who != first.who || end.at.After(second.at) {
-		t.Fatalf("old leader's context ended at %v, new leader started at %v", end.at, second.at)
+	first := <-starts
+	for range 3 {
+		if err := e.RequestResign(ctx); err != nil {
+			t.Fatal(err)
+		}
+		second := <-starts
+		end := <-ends
+		if second.who == first.who || second.term <= first.term {
+			t.Fatalf("after RequestResign: %+v then %+v", first, second)
+		}
+		if end.who != first.who || end.term != first.term || end.at.After(second.at) {
+			t.Fatalf("old leader's context ended at %v, new leader started at %v", end.at, second.at)
+		}
+		if !errors.Is(end.cause, ErrNotHeld) {
+			t.Fatalf("old leader's cause: %v, want ErrNotHeld", end.cause)
+		}
+		info, err := e.Leader(ctx)
+		if err != nil || info.Identity != second.who || info.Term != second.term {
+			t.Fatalf("Leader: %+v, %v; want %s with term %d", info, err, second.who, second.term)
+		}
+		heldOnlyBy(t, dsn, e.Key(), info.Pid)
+		first = second
 	}
 	stop()
+	running.Wait()
+	if err := e.RequestResign(ctx); !errors.Is(err, ErrNoLeader) {
+		t.Fatalf("RequestResign with nobody leading: %v, want ErrNoLeader", err)
+	}
 }
 
 func TestElectionBadInput(t *testing.T) {

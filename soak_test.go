@@ -18,9 +18,10 @@ package pgcoord
 // each target's fences never decreasing.
 //
 // Kinds of targets are listed in soakKinds with the model they are checked
-// against: locks now; an election (never two leaders; its term is the
-// fence) fits soakFenceModel as it is, and a semaphore (never more than
-// limit holders) needs a model that counts permits.
+// against: locks (soakFenceModel) and elections, whose term is the fence
+// (soakTermModel: never two leaders whose accepted writes interleave, terms
+// only grow). A semaphore (never more than limit holders) needs a model
+// that counts permits.
 
 import (
 	"bufio"
@@ -63,6 +64,10 @@ func soakKinds() []soakKind {
 		name:    "lock",
 		targets: []faultTarget{lockTarget{"soak-a"}, lockTarget{"soak-b"}, lockTarget{"soak-c"}},
 		model:   soakFenceModel(),
+	}, {
+		name:    "election",
+		targets: []faultTarget{electionTarget{"soak-x"}, electionTarget{"soak-y"}},
+		model:   soakTermModel(),
 	}}
 }
 
@@ -96,7 +101,16 @@ type soakOutput struct {
 // fence; one whose outcome is unknown may or may not have issued one. A
 // write accepted with fence f took effect while f was the newest fence; a
 // write refused as stale, after a newer fence was issued.
-func soakFenceModel() porcupine.Model {
+func soakFenceModel() porcupine.Model { return fenceModel(false) }
+
+// soakTermModel is soakFenceModel for an election, whose terms are fences:
+// a campaign may issue fences it never returns (its lock lost while it
+// was winning, the campaign went on), so the term a campaign returns is
+// greater than the newest fence, not necessarily the next one.
+func soakTermModel() porcupine.Model { return fenceModel(true) }
+
+// fenceModel is soakFenceModel, or with skips soakTermModel.
+func fenceModel(skips bool) porcupine.Model {
 	m := &porcupine.NondeterministicModel{
 		Partition: func(history []porcupine.Operation) [][]porcupine.Operation {
 			byTarget := map[string][]porcupine.Operation{}
@@ -120,7 +134,7 @@ func soakFenceModel() porcupine.Model {
 			switch {
 			case in.Op == "acquire" && out.Fence == 0:
 				return []any{s, s + 1}
-			case in.Op == "acquire" && out.Fence == s+1:
+			case in.Op == "acquire" && (out.Fence == s+1 || skips && out.Fence > s):
 				return []any{out.Fence}
 			case in.Op == "write" && out.Result == "ok" && in.Fence == s:
 				return []any{s}
@@ -309,41 +323,54 @@ func checkSoakHistory(model porcupine.Model, ops []porcupine.Operation, timeout 
 // The checker itself: it accepts a legal history, and catches a write
 // accepted with a fence that is no longer the newest (two holders'
 // accepted writes interleaving), a fence issued twice, and a fence that
-// goes backwards.
+// goes backwards. The election's model accepts a term that skips fences,
+// and catches the same faults.
 func TestFaultSoakChecker(t *testing.T) {
 	t.Parallel()
-	model := soakFenceModel()
 	acq := func(call, ret, fence int64) porcupine.Operation {
 		return porcupine.Operation{Input: soakInput{Op: "acquire", Target: "x"}, Call: call, Output: soakOutput{Fence: fence}, Return: ret}
 	}
 	write := func(call, ret, fence int64, result string) porcupine.Operation {
 		return porcupine.Operation{Input: soakInput{Op: "write", Target: "x", Fence: fence}, Call: call, Output: soakOutput{Result: result}, Return: ret}
 	}
+	fences, terms := soakFenceModel(), soakTermModel()
 	for _, tc := range []struct {
-		name  string
-		ops   []porcupine.Operation
-		legal bool
+		name       string
+		ops        []porcupine.Operation
+		legal      bool
+		termsLegal bool
 	}{
-		{"legal", []porcupine.Operation{acq(0, 1, 1), write(2, 3, 1, "ok"), acq(4, 5, 0), acq(6, 7, 3), write(8, 9, 1, "stale"), write(8, 9, 3, "ok")}, true},
-		{"cut short", []porcupine.Operation{acq(0, 1, 1), write(2, math.MaxInt64, 1, "ok"), acq(4, 5, 2), write(6, 7, 2, "ok")}, true},
-		{"interleaved writes", []porcupine.Operation{acq(0, 1, 1), acq(2, 3, 2), write(4, 5, 1, "ok")}, false},
-		{"fence issued twice", []porcupine.Operation{acq(0, 1, 1), acq(2, 3, 1)}, false},
-		{"fence backwards", []porcupine.Operation{acq(0, 1, 1), acq(2, 3, 2), acq(4, 5, 0), acq(6, 7, 2)}, false},
-		{"stale without a newer fence", []porcupine.Operation{acq(0, 1, 1), write(2, 3, 1, "stale")}, false},
+		{"legal", []porcupine.Operation{acq(0, 1, 1), write(2, 3, 1, "ok"), acq(4, 5, 0), acq(6, 7, 3), write(8, 9, 1, "stale"), write(8, 9, 3, "ok")}, true, true},
+		{"cut short", []porcupine.Operation{acq(0, 1, 1), write(2, math.MaxInt64, 1, "ok"), acq(4, 5, 2), write(6, 7, 2, "ok")}, true, true},
+		{"skipped fence", []porcupine.Operation{acq(0, 1, 1), write(2, 3, 1, "ok"), acq(4, 5, 3), write(6, 7, 1, "stale"), write(6, 7, 3, "ok")}, false, true},
+		{"interleaved writes", []porcupine.Operation{acq(0, 1, 1), acq(2, 3, 2), write(4, 5, 1, "ok")}, false, false},
+		{"interleaved writes after a skip", []porcupine.Operation{acq(0, 1, 1), acq(2, 3, 4), write(4, 5, 1, "ok")}, false, false},
+		{"fence issued twice", []porcupine.Operation{acq(0, 1, 1), acq(2, 3, 1)}, false, false},
+		{"fence backwards", []porcupine.Operation{acq(0, 1, 1), acq(2, 3, 2), acq(4, 5, 0), acq(6, 7, 2)}, false, false},
+		{"term backwards", []porcupine.Operation{acq(0, 1, 3), acq(2, 3, 2)}, false, false},
+		{"stale without a newer fence", []porcupine.Operation{acq(0, 1, 1), write(2, 3, 1, "stale")}, false, false},
 	} {
-		err := checkSoakHistory(model, tc.ops, time.Minute)
-		if (err == nil) != tc.legal {
-			t.Errorf("%s: %v, want legal=%v", tc.name, err, tc.legal)
-		}
-		if err != nil {
-			_ = os.Remove(strings.TrimPrefix(err.Error(), "history is not linearizable: see "))
+		for _, m := range []struct {
+			name  string
+			model porcupine.Model
+			legal bool
+		}{{"fences", fences, tc.legal}, {"terms", terms, tc.termsLegal}} {
+			err := checkSoakHistory(m.model, tc.ops, time.Minute)
+			if (err == nil) != m.legal {
+				t.Errorf("%s, %s: %v, want legal=%v", tc.name, m.name, err, m.legal)
+			}
+			if err != nil {
+				_ = os.Remove(strings.TrimPrefix(err.Error(), "history is not linearizable: see "))
+			}
 		}
 	}
 }
 
-// A soak: four child processes contend for three locks for -soak long
-// while faults come every 1.5 s, in turn: a lock holder's backend
-// terminated, a child killed with SIGKILL (and replaced), a child paused
+// A soak: four child processes contend for three locks and two elections
+// (a child campaigns, writes twice with its term as the fence, and
+// resigns) for -soak long while faults come every 1.5 s, in turn: the
+// backend of a lock holder, leader or leader's guard terminated, a child
+// killed with SIGKILL (and replaced), a child paused
 // while its backends are terminated (SIGCONT after 1 s), a child paused for
 // twice its loss deadline, a fast server restart, and a server crash.
 // The history must be linearizable (see the top of this file), and the
@@ -509,6 +536,7 @@ func TestFaultSoak(t *testing.T) {
 				mine = append(mine, op)
 			}
 		}
+		t.Logf("%s: %d operations", k.name, len(mine))
 		if err := checkSoakHistory(k.model, mine, 10*time.Minute); err != nil {
 			illegal++
 			t.Errorf("%s: %v", k.name, err)
