@@ -283,12 +283,6 @@ func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 		sub.close()
 		return nil, errorf("election %q: open guard session: %w", e.name, err)
 	}
-	// Open the guard session before waiting, so that a win does not wait
-	// for a connection.
-	if _, err := c.guardSession(ctx); err != nil {
-		sub.close()
-		return nil, fmt.Errorf("pgcoord: election %q: %w", e.name, err)
-	}
 	for {
 		l, err := e.wait(ctx)
 		if err != nil {
