@@ -186,10 +186,10 @@ func (c *Client) Semaphore(name string, limit int, opts ...SemaphoreOption) *Sem
 
 func (s *Semaphore) init(opts []SemaphoreOption) error {
 	if err := checkSemaphoreText("name", s.name); err != nil {
-		return fmt.Errorf("pgcoord: Semaphore: %w", err)
+		return errorf("Semaphore: %w", err)
 	}
 	if s.limit < 1 || s.limit > MaxSemaphoreLimit {
-		return fmt.Errorf("pgcoord: semaphore %s: limit %d is out of range: it must be 1 to %d (how many holders may hold a permit at once)", quoteName(s.name), s.limit, MaxSemaphoreLimit)
+		return errorf("semaphore %s: limit %d is out of range: it must be 1 to %d (how many holders may hold a permit at once)", quoteName(s.name), s.limit, MaxSemaphoreLimit)
 	}
 	host, _ := os.Hostname()
 	s.identity = fmt.Sprintf("%s@%s pid %d", s.c.cfg.appName, host, os.Getpid())
@@ -198,10 +198,10 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 	}
 	for _, o := range opts {
 		if o == nil {
-			return fmt.Errorf("pgcoord: semaphore %s: nil SemaphoreOption", quoteName(s.name))
+			return errorf("semaphore %s: nil SemaphoreOption", quoteName(s.name))
 		}
 		if err := o.applySemaphore(s); err != nil {
-			return fmt.Errorf("pgcoord: semaphore %s: %w", quoteName(s.name), err)
+			return errorf("semaphore %s: %w", quoteName(s.name), err)
 		}
 	}
 	s.key = HashKey("pgcoord.semaphore", s.name)
@@ -712,7 +712,7 @@ func (s *Semaphore) SetLimit(ctx context.Context, n int) error {
 		return s.err
 	}
 	if n < 1 || n > MaxSemaphoreLimit {
-		return fmt.Errorf("pgcoord: semaphore %s: SetLimit: limit %d is out of range: it must be 1 to %d", quoteName(s.name), n, MaxSemaphoreLimit)
+		return errorf("semaphore %s: SetLimit: limit %d is out of range: it must be 1 to %d", quoteName(s.name), n, MaxSemaphoreLimit)
 	}
 	if err := s.c.enter(); err != nil {
 		return s.fail(ctx, "set limit", err)
@@ -734,7 +734,7 @@ func (s *Semaphore) fail(ctx context.Context, op string, err error) error {
 	if cause := context.Cause(ctx); cause != nil && !errors.Is(err, cause) {
 		err = fmt.Errorf("%w: %w", cause, err)
 	}
-	return fmt.Errorf("pgcoord: semaphore %s: %s: %w", quoteName(s.name), op, err)
+	return errorf("semaphore %s: %s: %w", quoteName(s.name), op, err)
 }
 
 // notMigratedSemaphore wraps ErrNotMigrated around the server's error when
