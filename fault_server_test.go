@@ -128,18 +128,7 @@ func TestFaultRoleIdleSessionTimeout(t *testing.T) {
 func TestFaultPoolRecycling(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
-	dsn := pgtest.DB(t)
-	pool := pgtest.Pool(t, dsn, func(cfg *pgxpool.Config) {
-		cfg.MaxConnLifetime = time.Second
-		cfg.MaxConnLifetimeJitter = 0
-		cfg.MaxConnIdleTime = time.Second
-		cfg.HealthCheckPeriod = 100 * time.Millisecond
-		cfg.MinConns = 2
-	})
-	migrateCtx := testCtx(t)
-	if err := Migrate(migrateCtx, pool); err != nil {
-		t.Fatal(err)
-	}
+	dsn, pool := recyclingPool(t)
 	c := newTestClientOn(t, pool)
 	fenced, err := c.Lock(ctx, HashKey("recycled", "fenced"), WithFence())
 	if err != nil {
@@ -170,9 +159,52 @@ func TestFaultPoolRecycling(t *testing.T) {
 			}
 		}
 	}
+	alive := func() {
+		t.Helper()
+		for _, l := range locks {
+			select {
+			case <-l.Done():
+				t.Fatalf("lock %v ended while the pool recycled: %v", l.Keys(), l.Err())
+			default:
+			}
+		}
+	}
 	check()
+	useRecyclingPool(t, pool, check, alive)
+	for _, l := range locks {
+		mustUnlock(t, l)
+	}
+	if n := len(lockState(t, dsn)); n != 0 {
+		t.Fatalf("%d advisory locks after Unlock", n)
+	}
+}
 
-	// The caller uses its pool meanwhile; every second pg_locks is read.
+// recyclingPool returns a fresh migrated database and a pool on it that
+// recycles its connections aggressively: lifetime and idle time 1 s,
+// health checks every 100 ms.
+func recyclingPool(t *testing.T) (string, *pgxpool.Pool) {
+	t.Helper()
+	dsn := pgtest.DB(t)
+	pool := pgtest.Pool(t, dsn, func(cfg *pgxpool.Config) {
+		cfg.MaxConnLifetime = time.Second
+		cfg.MaxConnLifetimeJitter = 0
+		cfg.MaxConnIdleTime = time.Second
+		cfg.HealthCheckPeriod = 100 * time.Millisecond
+		cfg.MinConns = 2
+	})
+	if err := Migrate(testCtx(t), pool); err != nil {
+		t.Fatal(err)
+	}
+	return dsn, pool
+}
+
+// useRecyclingPool uses pool as a caller would, a statement every 100 ms,
+// for 10 s; it calls alive after every statement and check every second
+// and at the end. It fails the test if the pool recycled no connection
+// meanwhile: the test would have proved nothing.
+func useRecyclingPool(t *testing.T, pool *pgxpool.Pool, check, alive func()) {
+	t.Helper()
+	ctx := testCtx(t)
 	const hold = 10 * time.Second
 	end := time.After(hold)
 	tick := time.NewTicker(100 * time.Millisecond)
@@ -183,15 +215,9 @@ func TestFaultPoolRecycling(t *testing.T) {
 			check()
 			st := pool.Stat()
 			recycled := st.MaxLifetimeDestroyCount() + st.MaxIdleDestroyCount()
-			t.Logf("pool recycled %d connections (%d by lifetime) while the locks were held", recycled, st.MaxLifetimeDestroyCount())
+			t.Logf("pool recycled %d connections (%d by lifetime) in %v", recycled, st.MaxLifetimeDestroyCount(), hold)
 			if recycled == 0 {
 				t.Fatal("the pool recycled no connection: the test proved nothing")
-			}
-			for _, l := range locks {
-				mustUnlock(t, l)
-			}
-			if n := len(lockState(t, dsn)); n != 0 {
-				t.Fatalf("%d advisory locks after Unlock", n)
 			}
 			return
 		case <-tick.C:
@@ -202,13 +228,7 @@ func TestFaultPoolRecycling(t *testing.T) {
 				check()
 			}
 		}
-		for _, l := range locks {
-			select {
-			case <-l.Done():
-				t.Fatalf("lock %v ended while the pool recycled: %v", l.Keys(), l.Err())
-			default:
-			}
-		}
+		alive()
 	}
 }
 
