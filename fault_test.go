@@ -100,6 +100,8 @@ func parseFaultTarget(s string) (faultTarget, error) {
 	switch kind {
 	case "lock":
 		return lockTarget{name}, nil
+	case "semaphore":
+		return parseSemaphoreTarget(name)
 	}
 	return nil, fmt.Errorf("unknown fault target %q", s)
 }
