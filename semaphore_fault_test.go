@@ -12,6 +12,9 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math"
+	"math/rand/v2"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -19,7 +22,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/anishathalye/porcupine"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -591,5 +596,275 @@ func TestSemaphoreFaultPoolRecycling(t *testing.T) {
 	}
 	if st := permitLocks(t, dsn, target); len(st.slots) != 0 {
 		t.Fatalf("pg_locks after Release: slots %v", st.slots)
+	}
+}
+
+// Permits in the soak (see soak_test.go). A soak child's round on a
+// semaphore acquires a permit (waiting at most 3 s), records in
+// soak_permits, at the start and at the end of its critical section, that
+// the server holds the permit's slot for the permit's backend (the same
+// backend: pid and start time), and releases the permit. Two checks follow:
+//
+//   - The history of acquires and releases, as the children saw them, is
+//     checked with porcupine against soakPermitModel: a permit takes a free
+//     slot below the limit, and holds it until it ends. A permit released
+//     without error ended within its Release; any other permit (lost,
+//     failed release, child killed) may have ended any time after its
+//     acquire returned, since the server can hold a lost permit's slot
+//     beyond the client's loss deadline.
+//   - The intervals recorded with both ends verified are intervals in
+//     which the server held the slot for that backend: no two of them for
+//     one slot may overlap, and no more than the limit at any instant.
+//
+// A recording that finds the slot not held on the server is a permit the
+// library believes held although it is not: the permit must report the
+// loss (Done closed, Err wrapping ErrLockLost) within soakLossBound, or
+// the round reports a silent loss.
+
+// soakSemaphore is the semaphore of the soak.
+var soakSemaphore = semaphoreTarget{"soak-permits", 2}
+
+// soakLossBound bounds how long a soak child waits for a permit that the
+// server no longer holds to report the loss: the heartbeat bound 2H after
+// the server ended the backend, plus the longest pause the soak injects
+// (twice the loss deadline of 2 s), with slack for a loaded machine.
+const soakLossBound = 15 * time.Second
+
+const soakPermitsTable = `CREATE TABLE soak_permits (
+	op            text PRIMARY KEY,
+	slot          integer NOT NULL,
+	pid           integer NOT NULL,
+	backend_start timestamptz NOT NULL,
+	t_from        timestamptz NOT NULL,
+	t_to          timestamptz)`
+
+// Both recordings find the slot granted to the permit's backend in pg_locks.
+const (
+	soakPermitOpenSQL = `INSERT INTO soak_permits (op, slot, pid, backend_start, t_from)
+		SELECT $1, $2, a.pid, a.backend_start, clock_timestamp() FROM pg_stat_activity a
+		WHERE a.pid = $3 AND EXISTS (SELECT FROM pg_locks l
+			WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+			  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+			  AND ((l.classid::bigint << 32) | l.objid::bigint) = $4)`
+	soakPermitCloseSQL = `UPDATE soak_permits s SET t_to = clock_timestamp() FROM pg_stat_activity a
+		WHERE s.op = $1 AND a.pid = s.pid AND a.backend_start = s.backend_start AND EXISTS (SELECT FROM pg_locks l
+			WHERE l.pid = s.pid AND l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+			  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+			  AND ((l.classid::bigint << 32) | l.objid::bigint) = $2)`
+)
+
+// soakRound is a soak child's round on the semaphore s; id names it.
+func (s semaphoreTarget) soakRound(ctx context.Context, c *Client, pool *pgxpool.Pool, id string, emit func(soakEvent)) {
+	emit(soakEvent{Ev: "call", ID: id, Op: "permit", Target: s.String()})
+	actx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	p, err := s.sem(c).Acquire(actx)
+	cancel()
+	if err != nil {
+		emit(soakEvent{Ev: "ret", ID: id, Result: "error", Err: err.Error()})
+		time.Sleep(50 * time.Millisecond) // the server may be restarting
+		return
+	}
+	emit(soakEvent{Ev: "ret", ID: id, Result: "ok", Fence: int64(p.Slot()) + 1})
+	key := s.prefix()<<16 | int64(p.Slot())
+	// record runs one recording; it reports false when the server did
+	// not hold the slot, after checking that the permit reported it.
+	record := func(sql string, args ...any) (held, ok bool) {
+		rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		tag, err := pool.Exec(rctx, sql, args...)
+		cancel()
+		if err != nil {
+			return false, false // the server may be restarting: no verdict
+		}
+		if tag.RowsAffected() == 1 {
+			return true, true
+		}
+		select {
+		case <-p.Done():
+			if errors.Is(p.Err(), ErrLockLost) {
+				emit(soakEvent{Ev: "lost", ID: id, Result: "reported", Err: p.Err().Error()})
+			} else {
+				emit(soakEvent{Ev: "lost", ID: id, Result: "silent", Err: fmt.Sprintf("the server does not hold slot %d, and the permit ended with %v", p.Slot(), p.Err())})
+			}
+		case <-time.After(soakLossBound):
+			emit(soakEvent{Ev: "lost", ID: id, Result: "silent", Err: fmt.Sprintf("the server does not hold slot %d, and the permit was not lost %v later", p.Slot(), soakLossBound)})
+		}
+		return false, true
+	}
+	if held, _ := record(soakPermitOpenSQL, id, int32(p.Slot()), p.l.s.PID(), key); held {
+		time.Sleep(time.Duration(5+rand.IntN(25)) * time.Millisecond) // the critical section's work
+		record(soakPermitCloseSQL, id, key)
+	}
+	emit(soakEvent{Ev: "call", ID: id + "/release", Op: "unpermit", Target: s.String()})
+	rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	err = p.Release(rctx)
+	cancel()
+	if err != nil {
+		emit(soakEvent{Ev: "ret", ID: id + "/release", Result: "error", Err: err.Error()})
+	} else {
+		emit(soakEvent{Ev: "ret", ID: id + "/release", Result: "ok"})
+	}
+}
+
+// permitOperations turns the acquire id of a permit, with its release,
+// into porcupine operations: the acquire, and the permit's end.
+func (h *soakHistory) permitOperations(id string, call soakEvent, f *soakFigures) []porcupine.Operation {
+	ret, returned := h.rets[id]
+	acq := porcupine.Operation{Input: soakInput{Op: "permit", Target: call.Target, Holder: id}, Call: call.T, Output: soakOutput{}, Return: math.MaxInt64}
+	if returned {
+		acq.Return = ret.T
+	}
+	if !returned || ret.Result != "ok" {
+		// An Acquire that failed holds nothing; one cut short by a kill
+		// held nothing beyond the death of its process.
+		f.permitFailed++
+		return []porcupine.Operation{acq}
+	}
+	f.permits++
+	acq.Output = soakOutput{Fence: ret.Fence}
+	end := porcupine.Operation{Input: soakInput{Op: "unpermit", Target: call.Target, Holder: id, Fence: ret.Fence}, Call: ret.T, Output: soakOutput{}, Return: math.MaxInt64}
+	rcall, called := h.calls[id+"/release"]
+	if rret, ok := h.rets[id+"/release"]; called && ok && rret.Result == "ok" {
+		end.Call, end.Return = rcall.T, rret.T
+		f.permitsReleased++
+	}
+	return []porcupine.Operation{acq, end}
+}
+
+// soakPermitModel is a semaphore with limit slots. The state names the
+// holder of each slot ("" for none), separated by NUL bytes. A permit
+// granted slot s takes effect when s was free and below the limit; an
+// acquire that returned no slot changes nothing; a permit's end frees its
+// slot.
+func soakPermitModel(limit int) porcupine.Model {
+	m := &porcupine.NondeterministicModel{
+		Init: func() []any { return []any{strings.Repeat("\x00", limit-1)} },
+		Step: func(state, input, output any) []any {
+			slots, in, out := strings.Split(state.(string), "\x00"), input.(soakInput), output.(soakOutput)
+			switch {
+			case in.Op == "permit" && out.Fence == 0:
+				return []any{state}
+			case in.Op == "permit" && out.Fence <= int64(limit) && slots[out.Fence-1] == "":
+				slots[out.Fence-1] = in.Holder
+			case in.Op == "unpermit" && in.Fence <= int64(limit) && slots[in.Fence-1] == in.Holder:
+				slots[in.Fence-1] = ""
+			default:
+				return nil
+			}
+			return []any{strings.Join(slots, "\x00")}
+		},
+		DescribeOperation: func(input, output any) string {
+			in, out := input.(soakInput), output.(soakOutput)
+			if in.Op == "unpermit" {
+				return fmt.Sprintf("%s ends slot %d", in.Holder, in.Fence-1)
+			}
+			if out.Fence == 0 {
+				return in.Holder + " acquires nothing"
+			}
+			return fmt.Sprintf("%s acquires slot %d", in.Holder, out.Fence-1)
+		},
+		DescribeState: func(state any) string { return strings.ReplaceAll(state.(string), "\x00", " | ") },
+	}
+	return m.ToModel()
+}
+
+// The permit checker accepts a legal history (a slot taken again after
+// its release, or after a lost permit that may have ended any time), and
+// catches a slot granted twice, a slot at the limit, and a permit's end
+// without its acquire.
+func TestFaultSoakPermitChecker(t *testing.T) {
+	t.Parallel()
+	model := soakPermitModel(2)
+	acq := func(who string, call, ret int64, slot int) porcupine.Operation {
+		return porcupine.Operation{Input: soakInput{Op: "permit", Target: "s", Holder: who}, Call: call, Output: soakOutput{Fence: int64(slot + 1)}, Return: ret}
+	}
+	end := func(who string, call, ret int64, slot int) porcupine.Operation {
+		return porcupine.Operation{Input: soakInput{Op: "unpermit", Target: "s", Holder: who, Fence: int64(slot + 1)}, Call: call, Output: soakOutput{}, Return: ret}
+	}
+	for _, tc := range []struct {
+		name  string
+		ops   []porcupine.Operation
+		legal bool
+	}{
+		{"legal", []porcupine.Operation{acq("a", 0, 1, 0), acq("b", 0, 2, 1), acq("c", 0, math.MaxInt64, -1), end("a", 3, 4, 0), acq("d", 5, 6, 0), end("b", 7, 8, 1), end("d", 7, 8, 0)}, true},
+		{"after a loss", []porcupine.Operation{acq("a", 0, 1, 0), end("a", 1, math.MaxInt64, 0), acq("b", 2, 3, 0), end("b", 4, 5, 0)}, true},
+		{"slot granted twice", []porcupine.Operation{acq("a", 0, 1, 0), acq("b", 2, 3, 0), end("a", 4, 5, 0)}, false},
+		{"slot at the limit", []porcupine.Operation{acq("a", 0, 1, 2)}, false},
+		{"three held", []porcupine.Operation{acq("a", 0, 1, 0), acq("b", 0, 1, 1), end("a", 4, 5, 0), end("b", 4, 5, 1), acq("c", 2, 3, 1)}, false},
+		{"end without acquire", []porcupine.Operation{end("a", 0, 1, 0)}, false},
+	} {
+		err := checkSoakHistory(model, tc.ops, time.Minute)
+		if (err == nil) != tc.legal {
+			t.Errorf("%s: %v, want legal=%v", tc.name, err, tc.legal)
+		}
+		if err != nil {
+			_ = os.Remove(strings.TrimPrefix(err.Error(), "history is not linearizable: see "))
+		}
+	}
+}
+
+// checkSoakPermits checks the intervals recorded in soak_permits (see
+// above) and the children's loss reports, and logs the figures.
+func checkSoakPermits(t *testing.T, pool *pgxpool.Pool, h *soakHistory, f *soakFigures) {
+	t.Helper()
+	limit := soakSemaphore.limit
+	rows, err := pool.Query(testCtx(t), "SELECT op, slot, t_from, t_to FROM soak_permits WHERE t_to IS NOT NULL ORDER BY t_from")
+	if err != nil {
+		t.Fatal(err)
+	}
+	type interval struct {
+		Op       string
+		Slot     int32
+		From, To time.Time
+	}
+	spans, err := pgx.CollectRows(rows, pgx.RowToStructByPos[interval])
+	if err != nil {
+		t.Fatal(err)
+	}
+	var open int
+	if err := pool.QueryRow(testCtx(t), "SELECT count(*) FROM soak_permits WHERE t_to IS NULL").Scan(&open); err != nil {
+		t.Fatal(err)
+	}
+	// Ordered by start: a slot overlaps when it starts before the end of
+	// the slot's previous interval; the holders at once are the intervals
+	// started and not yet ended.
+	overlaps, most := 0, 0
+	last := map[int32]interval{}
+	var ends []time.Time // of the intervals started so far, not yet ended
+	for _, s := range spans {
+		if s.Slot < 0 || int(s.Slot) >= limit {
+			overlaps++
+			t.Errorf("soak_permits: %s held slot %d of a semaphore with limit %d", s.Op, s.Slot, limit)
+		}
+		if prev, ok := last[s.Slot]; ok && s.From.Before(prev.To) {
+			overlaps++
+			t.Errorf("soak_permits: slot %d held by %s from %v and by %s until %v", s.Slot, s.Op, s.From, prev.Op, prev.To)
+		}
+		if prev, ok := last[s.Slot]; !ok || s.To.After(prev.To) {
+			last[s.Slot] = s
+		}
+		ends = slices.DeleteFunc(ends, func(e time.Time) bool { return !e.After(s.From) })
+		ends = append(ends, s.To)
+		most = max(most, len(ends))
+		if len(ends) > limit {
+			t.Errorf("soak_permits: %d permits held at %v, limit %d", len(ends), s.From, limit)
+		}
+	}
+	var reported, silent int
+	h.mu.Lock()
+	for _, e := range h.losses {
+		if e.Result == "reported" {
+			reported++
+			continue
+		}
+		silent++
+		t.Errorf("lost permit %s: %s", e.ID, e.Err)
+	}
+	h.mu.Unlock()
+	t.Logf("permits of %v: %d granted (%d released cleanly), %d acquires failed or cut short; "+
+		"%d critical sections verified on the server at both ends (%d not at the end), at most %d held at once, %d overlapping; "+
+		"%d permits found not held by the server and reported lost, %d lost silently",
+		soakSemaphore, f.permits, f.permitsReleased, f.permitFailed, len(spans), open, most, overlaps, reported, silent)
+	if len(spans) == 0 {
+		t.Error("soak_permits: no critical section verified at both ends: the soak proved nothing about permits")
 	}
 }
