@@ -317,7 +317,7 @@ func TestMigrate(t *testing.T) {
 	db := pgtest.DB(t)
 	for range 2 { // idempotent
 		code, out, errOut := cli(t, db, "migrate")
-		if code != exitOK || out != "schema \"pgcoord\" is at version 1\n" {
+		if code != exitOK || out != "schema \"pgcoord\" is at version 3\n" {
 			t.Fatalf("migrate: exit %d, %q, %q", code, out, errOut)
 		}
 	}
