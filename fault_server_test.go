@@ -131,18 +131,7 @@ func TestFaultRoleIdleSessionTimeout(t *testing.T) {
 func TestFaultPoolRecycling(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
-	dsn := pgtest.DB(t)
-	pool := pgtest.Pool(t, dsn, func(cfg *pgxpool.Config) {
-		cfg.MaxConnLifetime = time.Second
-		cfg.MaxConnLifetimeJitter = 0
-		cfg.MaxConnIdleTime = time.Second
-		cfg.HealthCheckPeriod = 100 * time.Millisecond
-		cfg.MinConns = 2
-	})
-	migrateCtx := testCtx(t)
-	if err := Migrate(migrateCtx, pool); err != nil {
-		t.Fatal(err)
-	}
+	dsn, pool := recyclingPool(t)
 	c := newTestClientOn(t, pool)
 	fenced, err := c.Lock(ctx, HashKey("recycled", "fenced"), WithFence())
 	if err != nil {
@@ -181,44 +170,8 @@ func TestFaultPoolRecycling(t *testing.T) {
 			}
 		}
 	}
-	check()
-
-	// The caller uses its pool meanwhile; every second pg_locks is read.
-	const hold = 10 * time.Second
-	end := time.After(hold)
-	tick := time.NewTicker(100 * time.Millisecond)
-	defer tick.Stop()
-	for i := 0; ; i++ {
-		select {
-		case <-end:
-			check()
-			st := pool.Stat()
-			recycled := st.MaxLifetimeDestroyCount() + st.MaxIdleDestroyCount()
-			t.Logf("pool recycled %d connections (%d by lifetime) while the locks were held", recycled, st.MaxLifetimeDestroyCount())
-			if recycled == 0 {
-				t.Fatal("the pool recycled no connection: the test proved nothing")
-			}
-			if info, err := e.Leader(ctx); err != nil || info.Term != ld.Term() || info.Pid != ld.lock.s.PID() {
-				t.Fatalf("Leader: %+v, %v; want term %d on backend %d", info, err, ld.Term(), ld.lock.s.PID())
-			}
-			if err := ld.Resign(ctx); err != nil {
-				t.Fatal(err)
-			}
-			for _, l := range locks[:3] {
-				mustUnlock(t, l)
-			}
-			if n := len(lockState(t, dsn)); n != 0 {
-				t.Fatalf("%d advisory locks after Unlock", n)
-			}
-			return
-		case <-tick.C:
-			if _, err := pool.Exec(ctx, "SELECT 1"); err != nil {
-				t.Fatal(err)
-			}
-			if i%10 == 0 {
-				check()
-			}
-		}
+	alive := func() {
+		t.Helper()
 		for _, l := range locks {
 			select {
 			case <-l.Done():
@@ -231,6 +184,73 @@ func TestFaultPoolRecycling(t *testing.T) {
 			t.Fatalf("leadership ended while the pool recycled: %v", context.Cause(ld.Context()))
 		default:
 		}
+	}
+	check()
+	useRecyclingPool(t, pool, check, alive)
+	if info, err := e.Leader(ctx); err != nil || info.Term != ld.Term() || info.Pid != ld.lock.s.PID() {
+		t.Fatalf("Leader: %+v, %v; want term %d on backend %d", info, err, ld.Term(), ld.lock.s.PID())
+	}
+	if err := ld.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range locks[:3] {
+		mustUnlock(t, l)
+	}
+	if n := len(lockState(t, dsn)); n != 0 {
+		t.Fatalf("%d advisory locks after Unlock", n)
+	}
+}
+
+// recyclingPool returns a fresh migrated database and a pool on it that
+// recycles its connections aggressively: lifetime and idle time 1 s,
+// health checks every 100 ms.
+func recyclingPool(t *testing.T) (string, *pgxpool.Pool) {
+	t.Helper()
+	dsn := pgtest.DB(t)
+	pool := pgtest.Pool(t, dsn, func(cfg *pgxpool.Config) {
+		cfg.MaxConnLifetime = time.Second
+		cfg.MaxConnLifetimeJitter = 0
+		cfg.MaxConnIdleTime = time.Second
+		cfg.HealthCheckPeriod = 100 * time.Millisecond
+		cfg.MinConns = 2
+	})
+	if err := Migrate(testCtx(t), pool); err != nil {
+		t.Fatal(err)
+	}
+	return dsn, pool
+}
+
+// useRecyclingPool uses pool as a caller would, a statement every 100 ms,
+// for 10 s; it calls alive after every statement and check every second
+// and at the end. It fails the test if the pool recycled no connection
+// meanwhile: the test would have proved nothing.
+func useRecyclingPool(t *testing.T, pool *pgxpool.Pool, check, alive func()) {
+	t.Helper()
+	ctx := testCtx(t)
+	const hold = 10 * time.Second
+	end := time.After(hold)
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for i := 0; ; i++ {
+		select {
+		case <-end:
+			check()
+			st := pool.Stat()
+			recycled := st.MaxLifetimeDestroyCount() + st.MaxIdleDestroyCount()
+			t.Logf("pool recycled %d connections (%d by lifetime) in %v", recycled, st.MaxLifetimeDestroyCount(), hold)
+			if recycled == 0 {
+				t.Fatal("the pool recycled no connection: the test proved nothing")
+			}
+			return
+		case <-tick.C:
+			if _, err := pool.Exec(ctx, "SELECT 1"); err != nil {
+				t.Fatal(err)
+			}
+			if i%10 == 0 {
+				check()
+			}
+		}
+		alive()
 	}
 }
 

@@ -102,6 +102,8 @@ func parseFaultTarget(s string) (faultTarget, error) {
 		return lockTarget{name}, nil
 	case "election":
 		return electionTarget{name}, nil
+	case "semaphore":
+		return parseSemaphoreTarget(name)
 	}
 	return nil, fmt.Errorf("unknown fault target %q", s)
 }

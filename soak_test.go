@@ -68,17 +68,21 @@ func soakKinds() []soakKind {
 		name:    "election",
 		targets: []faultTarget{electionTarget{"soak-x"}, electionTarget{"soak-y"}},
 		model:   soakTermModel(),
+	}, {
+		name:    "semaphore",
+		targets: []faultTarget{soakSemaphore},
+		model:   soakPermitModel(soakSemaphore.limit),
 	}}
 }
 
 // soakEvent is one line of a soak child: the call or the return of an
 // operation.
 type soakEvent struct {
-	Ev     string `json:"ev"`               // "call" or "ret"
+	Ev     string `json:"ev"`               // "call" or "ret"; "lost" for a permit found not held (see soakRound)
 	ID     string `json:"id"`               // unique across the run
-	Op     string `json:"op,omitempty"`     // call: "acquire" or "write"
+	Op     string `json:"op,omitempty"`     // call: "acquire" or "write"; "permit" or "unpermit" (its release)
 	Target string `json:"target,omitempty"` // call
-	Fence  int64  `json:"fence,omitempty"`  // call of a write; ret of an acquire that succeeded
+	Fence  int64  `json:"fence,omitempty"`  // call of a write; ret of an acquire that succeeded; a permit's slot plus one
 	Result string `json:"result,omitempty"` // ret: "ok", "stale" (a write's ErrStaleFence) or "error"
 	Err    string `json:"err,omitempty"`
 	T      int64  `json:"t"` // Unix nanoseconds
@@ -88,7 +92,8 @@ type soakEvent struct {
 type soakInput struct {
 	Op     string // "acquire" or "write"
 	Target string
-	Fence  int64 // of a write
+	Fence  int64  // of a write; a permit's slot plus one, of its end
+	Holder string // a permit's acquire id, of the acquire and of its end
 }
 
 type soakOutput struct {
@@ -193,6 +198,10 @@ func runSoakChild(out *childOut) error {
 	for seq := 0; !stop.Load(); seq++ {
 		target := targets[rand.IntN(len(targets))]
 		id := fmt.Sprintf("%s-%d", me, seq)
+		if s, ok := target.(semaphoreTarget); ok {
+			s.soakRound(ctx, c, pool, id, emit)
+			continue
+		}
 		emit(soakEvent{Ev: "call", ID: id, Op: "acquire", Target: target.String()})
 		actx, cancel := context.WithTimeout(ctx, 3*time.Second)
 		h, err := target.acquire(actx, c)
@@ -231,6 +240,7 @@ type soakHistory struct {
 	mu     sync.Mutex
 	calls  map[string]soakEvent
 	rets   map[string]soakEvent
+	losses []soakEvent // "lost" events of permits
 	errors []string
 }
 
@@ -244,7 +254,9 @@ func (h *soakHistory) read(p *faultProc) {
 			continue
 		}
 		h.mu.Lock()
-		if e.Ev == "call" {
+		if e.Ev == "lost" {
+			h.losses = append(h.losses, e)
+		} else if e.Ev == "call" {
 			h.calls[e.ID] = e
 		} else {
 			h.rets[e.ID] = e
@@ -255,11 +267,12 @@ func (h *soakHistory) read(p *faultProc) {
 
 // soakFigures are what a soak run reports.
 type soakFigures struct {
-	acquired, acquireUnknown          int
-	written, stale, writeUnknown      int
-	resolvedWritten, resolvedNotFound int
-	faults                            map[string]int
-	maxFence                          map[string]int64
+	acquired, acquireUnknown               int
+	written, stale, writeUnknown           int
+	resolvedWritten, resolvedNotFound      int
+	permits, permitsReleased, permitFailed int
+	faults                                 map[string]int
+	maxFence                               map[string]int64
 }
 
 // operations turns the history into porcupine operations, resolving the
@@ -269,6 +282,12 @@ type soakFigures struct {
 func (h *soakHistory) operations(ops map[string]bool, f *soakFigures) []porcupine.Operation {
 	var out []porcupine.Operation
 	for id, call := range h.calls {
+		if call.Op == "permit" {
+			out = append(out, h.permitOperations(id, call, f)...)
+			continue
+		} else if call.Op == "unpermit" {
+			continue // with its permit
+		}
 		ret, returned := h.rets[id]
 		end := int64(math.MaxInt64)
 		if returned {
@@ -383,6 +402,9 @@ func TestFaultSoak(t *testing.T) {
 	srv := pgtest.NewServer(t)
 	dsn := srv.DB(t)
 	pool := faultTables(t, dsn)
+	if _, err := pool.Exec(testCtx(t), soakPermitsTable); err != nil {
+		t.Fatal(err)
+	}
 	kinds := soakKinds()
 	var names []string
 	for _, k := range kinds {
@@ -543,6 +565,7 @@ func TestFaultSoak(t *testing.T) {
 		}
 	}
 	stored := storedFences(t, testCtx(t), pool, &config{schema: DefaultSchema})
+	checkSoakPermits(t, pool, h, &f)
 	t.Logf("porcupine checked the histories in %v: %d not linearizable; fences going backwards in fault_writes: %d; highest fence returned per target: %v; fences table: %v",
 		time.Since(checked).Round(time.Millisecond), illegal, backwards, f.maxFence, stored)
 }
