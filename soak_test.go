@@ -20,8 +20,9 @@ package pgcoord
 // Kinds of targets are listed in soakKinds with the model they are checked
 // against: locks (soakFenceModel) and elections, whose term is the fence
 // (soakTermModel: never two leaders whose accepted writes interleave, terms
-// only grow). A semaphore (never more than limit holders) needs a model
-// that counts permits.
+// only grow), and a semaphore's permits (soakPermitModel: never more than
+// limit holders, no slot granted twice), cross-checked against pg_locks
+// through the soak_permits table.
 
 import (
 	"bufio"
