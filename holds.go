@@ -223,7 +223,10 @@ func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
 		stop()
 		yielded := errors.Is(context.Cause(sctx), errYield)
 		cancel(nil)
-		if err == nil || ctx.Err() != nil || byDeadline || s.Err() != nil || !(pgCode(err) == "55P03" || yielded && pgCode(err) == "57014") {
+		// A yield cancels the slice's statement: on the server (57014), or
+		// before pgx sent it (a context error, the connection intact).
+		yieldedHere := yielded && (pgCode(err) == "57014" || errors.Is(err, context.Canceled) && !s.conn.IsClosed())
+		if err == nil || ctx.Err() != nil || byDeadline || s.Err() != nil || !(pgCode(err) == "55P03" || yieldedHere) {
 			s.release()
 			return err
 		}

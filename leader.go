@@ -395,7 +395,9 @@ func (e *Election) takeGuard(ctx context.Context) (*Lock, error) {
 		if errors.Is(err, ErrLocked) {
 			wctx, cancel := context.WithTimeout(ctx, c.cfg.lossDeadline)
 			g, err = s.Lock(wctx, e.guard)
-			expired := wctx.Err() != nil && ctx.Err() == nil
+			// The wait's deadline may have passed by the clock a moment
+			// before wctx reports it.
+			expired := ctx.Err() == nil && (wctx.Err() != nil || errors.Is(err, context.DeadlineExceeded))
 			cancel()
 			if err != nil && expired {
 				c.cfg.warnLogger().Warn("pgcoord: the previous leader did not free the election's guard within the loss deadline; leading without it",

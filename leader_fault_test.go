@@ -1105,7 +1105,10 @@ func TestElectionConnectionUse(t *testing.T) {
 	for i := range elections {
 		won[i] = make(chan *Leadership, 1)
 		go func() {
-			ld, _ := fc.Election(name(i), WithIdentity("follows")).Campaign(fctx)
+			ld, err := fc.Election(name(i), WithIdentity("follows")).Campaign(fctx)
+			if err != nil && fctx.Err() == nil {
+				t.Errorf("%s: the following Client's campaign: %v", name(i), err)
+			}
 			won[i] <- ld
 		}()
 	}
