@@ -1,17 +1,15 @@
 package pgcoord
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
-	"os/exec"
 	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -347,94 +345,24 @@ func TestSemaphoreHolderBackendTerminated(t *testing.T) {
 	mustRelease(t, r.p)
 }
 
-// semHolderEnv makes the test binary run TestSemaphoreHolderChild as a
-// holder process: it holds a permit of the semaphore named in
-// semHolderName until it is killed or its stdin closes.
-const (
-	semHolderEnv  = "PGCOORD_TEST_SEMAPHORE_HOLDER_DSN"
-	semHolderName = "PGCOORD_TEST_SEMAPHORE_HOLDER_NAME"
-)
-
-// TestSemaphoreHolderChild is the holder process of
-// TestSemaphoreHolderProcessKilled; it does nothing in a normal run.
-func TestSemaphoreHolderChild(t *testing.T) {
-	dsn := os.Getenv(semHolderEnv)
-	if dsn == "" {
-		t.Skip("runs only as the child of TestSemaphoreHolderProcessKilled")
-	}
-	ctx := testCtx(t)
-	c, err := Open(ctx, dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	p, err := c.Semaphore(os.Getenv(semHolderName), 1, WithHolderIdentity("child")).Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	fmt.Printf("holding %d\n", p.l.s.pid)
-	closed := make(chan struct{})
-	go func() {
-		_, _ = io.Copy(io.Discard, os.Stdin)
-		close(closed)
-	}()
-	select {
-	case <-closed:
-	case <-ctx.Done():
-	}
-}
-
 // A holder process that is killed frees its permit: a blocked waiter gets
-// it within a second, and Holders no longer lists the dead holder.
+// it within a second, and Holders no longer lists the dead holder. The
+// holder is a child of the fault tests' kind (see startFaultChild).
 func TestSemaphoreHolderProcessKilled(t *testing.T) {
 	ctx := testCtx(t)
 	dsn, _ := semaphoreDB(t)
-	const name = "killed"
-	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestSemaphoreHolderChild$", "-test.count=1")
-	cmd.Env = append(os.Environ(), semHolderEnv+"="+dsn, semHolderName+"="+name)
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	waited := false
-	defer func() {
-		stdin.Close()
-		if !waited {
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-		}
-	}()
-	lines := bufio.NewScanner(stdout)
-	var childPid int32
-	for lines.Scan() {
-		if _, err := fmt.Sscanf(lines.Text(), "holding %d", &childPid); err == nil {
-			break
-		}
-	}
-	if childPid == 0 {
-		t.Fatalf("the child printed no holding line; stderr:\n%s", stderr.String())
-	}
-	go func() { _, _ = io.Copy(io.Discard, stdout) }()
+	target := semaphoreTarget{"killed", 1}
+	child := startFaultChild(t, "holder", dsn, target, "")
+	_, childPid := child.held(t)
 
-	sem := newTestClient(t, dsn).Semaphore(name, 1, WithHolderIdentity("parent"))
+	sem := newTestClient(t, dsn).Semaphore(target.name, 1, WithHolderIdentity("parent"))
 	hs, err := sem.Holders(ctx)
-	if err != nil || len(hs) != 1 || hs[0].Identity != "child" || hs[0].Pid != childPid {
+	if err != nil || len(hs) != 1 || hs[0].Identity == "parent" || hs[0].Pid != childPid {
 		t.Fatalf("Holders = %+v, %v; want the child on backend %d", hs, err, childPid)
 	}
 	waiter := goAcquire(ctx, sem)
 	awaitHead(t, dsn, sem)
-	if err := cmd.Process.Kill(); err != nil {
-		t.Fatal(err)
-	}
+	child.Signal(syscall.SIGKILL)
 	killed := time.Now()
 	r := receivePermit(t, waiter)
 	if r.err != nil {
@@ -443,8 +371,6 @@ func TestSemaphoreHolderProcessKilled(t *testing.T) {
 	if d := time.Since(killed); d > time.Second {
 		t.Errorf("the waiter got the permit %v after the holder process was killed, want within 1s", d)
 	}
-	_ = cmd.Wait()
-	waited = true
 	hs, err = sem.Holders(ctx)
 	if err != nil || len(hs) != 1 || hs[0].Identity != "parent" {
 		t.Fatalf("Holders after the kill = %+v, %v; want only the parent", hs, err)
