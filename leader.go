@@ -9,7 +9,6 @@ import (
 	"strings"
 	"sync"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -164,20 +163,6 @@ func (c *Client) Election(name string, opts ...ElectionOption) *Election {
 	return e
 }
 
-// checkText validates a name stored in a text column.
-func checkText(what, s string, limit int) error {
-	switch {
-	case s == "":
-		return fmt.Errorf("%s is empty", what)
-	case len(s) > limit:
-		return fmt.Errorf("%s is %d bytes; at most %d are allowed", what, len(s), limit)
-	case strings.IndexByte(s, 0) >= 0:
-		return fmt.Errorf("%s contains a NUL byte, which PostgreSQL text cannot store", what)
-	case !utf8.ValidString(s):
-		return fmt.Errorf("%s is not valid UTF-8", what)
-	}
-	return nil
-}
 
 // Name returns the election's name.
 func (e *Election) Name() string { return e.name }

@@ -2,8 +2,11 @@ package pgcoord
 
 import (
 	"errors"
+	"fmt"
 	"log/slog"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -265,3 +268,20 @@ func WithSessionPooler() Option {
 
 // quotedSchema returns the schema as a quoted SQL identifier.
 func (c *config) quotedSchema() string { return pgx.Identifier{c.schema}.Sanitize() }
+
+// checkText checks a name or identity that pgcoord stores as text: 1 to
+// limit bytes of UTF-8 without NUL.
+func checkText(what, v string, limit int) error {
+	switch {
+	case v == "":
+		return fmt.Errorf("%s is empty; give it 1 to %d bytes", what, limit)
+	case len(v) > limit:
+		return fmt.Errorf("%s is %d bytes long; at most %d are allowed (use a shorter name, or a hash of a long one)", what, len(v), limit)
+	case !utf8.ValidString(v):
+		return fmt.Errorf("%s %s is not valid UTF-8, which PostgreSQL text requires", what, quoteName(v))
+	}
+	if i := strings.IndexByte(v, 0); i >= 0 {
+		return fmt.Errorf("%s %s contains a NUL byte at %d, which PostgreSQL text cannot store", what, quoteName(v), i)
+	}
+	return nil
+}

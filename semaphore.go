@@ -48,7 +48,7 @@ func (f semaphoreOptionFunc) applySemaphore(s *Semaphore) error { return f(s) }
 // valid UTF-8 without NUL.
 func WithHolderIdentity(identity string) SemaphoreOption {
 	return semaphoreOptionFunc(func(s *Semaphore) error {
-		if err := checkSemaphoreText("holder identity", identity); err != nil {
+		if err := checkText("holder identity", identity, MaxSemaphoreName); err != nil {
 			return err
 		}
 		s.identity = identity
@@ -185,7 +185,7 @@ func (c *Client) Semaphore(name string, limit int, opts ...SemaphoreOption) *Sem
 }
 
 func (s *Semaphore) init(opts []SemaphoreOption) error {
-	if err := checkSemaphoreText("name", s.name); err != nil {
+	if err := checkText("name", s.name, MaxSemaphoreName); err != nil {
 		return errorf("Semaphore: %w", err)
 	}
 	if s.limit < 1 || s.limit > MaxSemaphoreLimit {
@@ -229,23 +229,6 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 	return nil
 }
 
-// checkSemaphoreText checks a name or identity: it is stored as text.
-func checkSemaphoreText(what, v string) error {
-	switch {
-	case v == "":
-		return fmt.Errorf("%s is empty; give it 1 to %d bytes", what, MaxSemaphoreName)
-	case len(v) > MaxSemaphoreName:
-		return fmt.Errorf("%s is %d bytes long; at most %d are allowed (use a shorter name, or a hash of a long one)", what, len(v), MaxSemaphoreName)
-	case !utf8.ValidString(v):
-		return fmt.Errorf("%s %s is not valid UTF-8, which PostgreSQL text requires", what, quoteName(v))
-	}
-	for i := 0; i < len(v); i++ {
-		if v[i] == 0 {
-			return fmt.Errorf("%s %s contains a NUL byte at %d, which PostgreSQL text cannot store", what, quoteName(v), i)
-		}
-	}
-	return nil
-}
 
 // quoteName quotes a name for an error message, cut to 64 bytes.
 func quoteName(name string) string {
