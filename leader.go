@@ -440,11 +440,7 @@ func (ld *Leadership) watch() {
 		case <-c.closing.Done():
 			why = ErrClosed
 		case <-ld.sub.kick:
-			ld.sub.mu.Lock()
-			q := ld.sub.queue
-			ld.sub.queue = nil
-			ld.sub.mu.Unlock()
-			for _, p := range q {
+			for _, p := range ld.sub.take() {
 				if p == requested {
 					why = errResignRequested
 				}
@@ -672,11 +668,7 @@ func (e *Election) observe(ctx context.Context, sub *subscription, out chan<- Le
 		case <-tick.C:
 			check(false)
 		case <-sub.kick:
-			sub.mu.Lock()
-			q := sub.queue
-			sub.queue = nil
-			sub.mu.Unlock()
-			for _, p := range q {
+			for _, p := range sub.take() {
 				e.observed(&o, p, check)
 			}
 		case <-ctx.Done():

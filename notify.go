@@ -125,11 +125,17 @@ func (sub *subscription) next(ctx context.Context, timer <-chan time.Time) ([]st
 	case <-sub.c.closing.Done():
 		return nil, ErrClosed
 	}
+	return sub.take(), nil
+}
+
+// take returns and empties the queued payloads; call it after receiving
+// from kick.
+func (sub *subscription) take() []string {
 	sub.mu.Lock()
+	defer sub.mu.Unlock()
 	q := sub.queue
 	sub.queue = nil
-	sub.mu.Unlock()
-	return q, nil
+	return q
 }
 
 // dispatch hands a notification, or a resync marker (payload "" on no
