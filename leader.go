@@ -163,7 +163,6 @@ func (c *Client) Election(name string, opts ...ElectionOption) *Election {
 	return e
 }
 
-
 // Name returns the election's name.
 func (e *Election) Name() string { return e.name }
 

@@ -229,7 +229,6 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 	return nil
 }
 
-
 // quoteName quotes a name for an error message, cut to 64 bytes.
 func quoteName(name string) string {
 	if len(name) > 64 {

@@ -58,16 +58,11 @@ func run() error {
 	ctx, cancelTimeout := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancelTimeout()
 
-	dsn := os.Getenv("DATABASE_URL")
-	if dsn == "" {
-		fmt.Println("DATABASE_URL is not set: starting a throwaway PostgreSQL from the local binaries ...")
-		cs, stop, err := throwaway.Start(ctx)
-		if err != nil {
-			return err
-		}
-		defer stop()
-		dsn = cs
+	dsn, stop, err := throwaway.DatabaseURL(ctx)
+	if err != nil {
+		return err
 	}
+	defer stop()
 	pool, err := pgxpool.New(ctx, dsn)
 	if err != nil {
 		return err

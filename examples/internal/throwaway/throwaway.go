@@ -230,3 +230,15 @@ func readLog(path string) string {
 	}
 	return string(b)
 }
+
+// DatabaseURL returns $DATABASE_URL when it is set, with a stop function
+// that does nothing. Otherwise it says so on standard output, starts a
+// throwaway server with Start, and returns its connection string and stop.
+// ctx bounds the start only.
+func DatabaseURL(ctx context.Context) (string, func(), error) {
+	if dsn := os.Getenv("DATABASE_URL"); dsn != "" {
+		return dsn, func() {}, nil
+	}
+	fmt.Println("DATABASE_URL is not set: starting a throwaway PostgreSQL from the local binaries ...")
+	return Start(ctx)
+}
