@@ -181,13 +181,33 @@ type Leadership struct {
 	term  Term
 	since time.Time
 
-	ctx    context.Context
-	cancel context.CancelCauseFunc
-	resign chan struct{} // closed by Resign
-	once   sync.Once
-	done   chan struct{}
-	mu     sync.Mutex
-	err    error // why it ended
+	ctx       context.Context
+	cancel    context.CancelCauseFunc
+	resign    chan struct{} // closed by Resign
+	once      sync.Once
+	done      chan struct{}
+	mu        sync.Mutex
+	err       error     // why it ended
+	cancelled time.Time // when ctx had been cancelled, before anything was released
+}
+
+// leadershipKey is the key of the Leadership in its own context.
+type leadershipKey struct{}
+
+// leadershipOf returns the Leadership whose context ctx is, or derives
+// from; nil if none.
+func leadershipOf(ctx context.Context) *Leadership {
+	ld, _ := ctx.Value(leadershipKey{}).(*Leadership)
+	return ld
+}
+
+// cancelledAt returns when the leader's context had been cancelled (zero
+// while leading): by the process's clock, before the guard and the lock
+// were released.
+func (ld *Leadership) cancelledAt() time.Time {
+	ld.mu.Lock()
+	defer ld.mu.Unlock()
+	return ld.cancelled
 }
 
 // Term returns the leader's term.
@@ -349,13 +369,12 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 	case err != nil:
 		return fail(g, notMigrated(c.cfg, fmt.Sprintf("election %q: record leader", e.name), err))
 	}
-	lctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 	ld := &Leadership{
 		e: e, lock: l, guard: g, sub: sub, term: term, since: since,
-		ctx: lctx, cancel: cancel,
 		resign: make(chan struct{}),
 		done:   make(chan struct{}),
 	}
+	ld.ctx, ld.cancel = context.WithCancelCause(context.WithValue(context.WithoutCancel(ctx), leadershipKey{}, ld))
 	c.hooks.leadership(LeadershipEvent{Election: e.name, Identity: e.identity, Term: int64(term), Leading: true})
 	c.cfg.infoLogger().Info("pgcoord: leading", "election", e.name, "identity", e.identity, "term", int64(term))
 	c.wg.Add(1)
@@ -453,6 +472,9 @@ func (ld *Leadership) watch() {
 // resign) and frees the guard and the lock.
 func (ld *Leadership) end(why error) {
 	ld.cancel(why)
+	ld.mu.Lock()
+	ld.cancelled = time.Now()
+	ld.mu.Unlock()
 	ld.sub.close()
 	ctx, cancel := withoutCancel(context.Background(), ld.e.c.cfg.lossDeadline)
 	defer cancel()

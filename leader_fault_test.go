@@ -96,11 +96,6 @@ func runCandidateChild(out *childOut) error {
 	me := fmt.Sprintf("child-%d", os.Getpid())
 	err = c.Election(et.name).Run(ctx, func(lctx context.Context, term Term) error {
 		start := time.Now()
-		ended := make(chan time.Time, 1)
-		go func() {
-			<-lctx.Done()
-			ended <- time.Now()
-		}()
 		out.printf("lead %d %d", term, start.UnixNano())
 		pace := time.NewTimer(0)
 		defer pace.Stop()
@@ -120,7 +115,11 @@ func runCandidateChild(out *childOut) error {
 			case <-pace.C:
 			}
 		}
-		at := <-ended
+		// When the library had cancelled lctx, by this process's clock:
+		// taken right after the cancel, before the guard and the lock
+		// are released (a goroutine woken by the cancel may run later).
+		<-lctx.Done()
+		at := leadershipOf(lctx).cancelledAt()
 		out.printf("unlead %d %d %v", term, at.UnixNano(), context.Cause(lctx))
 		return nil
 	})
