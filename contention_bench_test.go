@@ -161,8 +161,9 @@ func contend(b *testing.B, op func(ctx context.Context, i int) error) {
 // waiter that is already queued on the server:
 //
 //  1. Client A holds the key.
-//  2. Untimed: B calls Lock in a goroutine, and the benchmark polls pg_locks
-//     until B's backend shows up waiting for the key.
+//  2. Untimed: B calls Lock in a goroutine, and the benchmark polls the
+//     server until B's backend waits for the key and has gone to sleep on
+//     it (see awaitQueued).
 //  3. Timed: A calls Unlock, and the benchmark waits for B's Lock to return.
 //  4. B is now the holder and A the waiter; go to 2.
 //
@@ -230,6 +231,7 @@ func handoff(b *testing.B, dsn string, k Key, lock, unlock func(ctx context.Cont
 		b.Fatal(err)
 	}
 
+	obs := pgtest.Conn(b, dsn)
 	holder := 0
 	var waited []time.Duration
 	for b.Loop() {
@@ -242,7 +244,7 @@ func handoff(b *testing.B, dsn string, k Key, lock, unlock func(ctx context.Cont
 			returned = time.Now()
 			got <- err
 		})
-		awaitQueued(b, dsn, k)
+		awaitQueued(b, obs, k)
 		b.StartTimer()
 
 		start := time.Now()
@@ -263,14 +265,33 @@ func handoff(b *testing.B, dsn string, k Key, lock, unlock func(ctx context.Cont
 	notHeld(b, dsn, k)
 }
 
-// awaitQueued returns once pg_locks shows a backend waiting for k. It polls
+// awaitQueued returns once a backend waits for k in pg_locks and sleeps on
+// it: pg_stat_activity shows it in the wait event for advisory locks. A
+// backend shows in pg_locks as soon as it has joined the key's queue, a
+// few microseconds before it arms its timers and sleeps; timing a handoff
+// from that moment would time the end of the waiter's own setup on the
+// server's CPU too, and more so the later the waiter joined. It polls
 // without sleeping (each poll is a round trip), bounded by testTimeout.
-func awaitQueued(b *testing.B, dsn string, k Key) {
+func awaitQueued(b *testing.B, conn *pgx.Conn, k Key) {
 	b.Helper()
+	classid, objid, objsubid := k.lockColumns()
 	deadline := time.Now().Add(testTimeout)
-	for waitingOn(b, dsn, k) == 0 {
+	for {
+		var n int
+		err := conn.QueryRow(context.Background(), `
+			SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE l.locktype = 'advisory' AND NOT l.granted
+			  AND l.classid = $1 AND l.objid = $2 AND l.objsubid = $3
+			  AND a.wait_event_type = 'Lock' AND a.wait_event = 'advisory'`,
+			int64(classid), int64(objid), objsubid).Scan(&n)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if n > 0 {
+			return
+		}
 		if time.Now().After(deadline) {
-			b.Fatalf("no backend queued for %v within %v", k, testTimeout)
+			b.Fatalf("no backend asleep waiting for %v within %v", k, testTimeout)
 		}
 	}
 }

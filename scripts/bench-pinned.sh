@@ -5,6 +5,10 @@
 # Usage: scripts/bench-pinned.sh [BENCH_REGEXP]     (default: all, ".")
 #
 #   COUNT=6            -count passed to go test
+#   ROUNDS=1           run the whole pattern this many times in turn, each
+#                      time with -count COUNT: with ROUNDS=8 COUNT=1, every
+#                      benchmark runs once per round, next to its floor, so a
+#                      slow spell of the machine hits both alike
 #   OUT=bench.txt      where the go test output goes (relative to the
 #                      current directory); printed through benchstat if
 #                      benchstat is on PATH
@@ -29,6 +33,7 @@ set -euo pipefail
 
 pattern=${1:-.}
 count=${COUNT:-6}
+rounds=${ROUNDS:-1}
 out=${OUT:-bench.txt}
 server_cpu=${SERVER_CPU:-1}
 client_cpu=${CLIENT_CPU:-0}
@@ -135,7 +140,13 @@ version=$("${as_pg[@]}" "$pg_ctl" --version)
 echo "bench-pinned: $version on 127.0.0.1:$port, CPU $server_cpu; go test on CPU $client_cpu; output in $out" >&2
 
 cd "$(dirname "$0")/.."
-"$taskset" -c "$client_cpu" go test -run '^$' -bench "$pattern" -benchmem -count "$count" . 2>&1 | tee "$out"
+go test -c -o "$dir/pgcoord.test" . || die "go test -c failed"
+: >"$out"
+for ((round = 1; round <= rounds; round++)); do
+	"$taskset" -c "$client_cpu" "$dir/pgcoord.test" -test.run '^$' -test.bench "$pattern" -test.benchmem \
+		-test.count "$count" 2>&1 | tee -a "$out"
+	[[ ${PIPESTATUS[0]} -eq 0 ]] || die "benchmarks failed in round $round"
+done
 
 if command -v benchstat >/dev/null; then
 	echo
