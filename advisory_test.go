@@ -707,15 +707,32 @@ func TestOpen(t *testing.T) {
 	if _, err := Open(ctx, dsn, WithHeartbeat(-1)); err == nil {
 		t.Fatal("Open with a bad option: no error")
 	}
-	c, err := Open(ctx, dsn)
+	if _, err := Open(ctx, "postgres://postgres@127.0.0.1:1/x?sslmode=disable&connect_timeout=5"); err == nil {
+		t.Fatal("Open with nothing listening: no error")
+	}
+	c, err := Open(ctx, dsn, WithApplicationName("open-test"))
 	if err != nil {
 		t.Fatal(err)
+	}
+	// Open opened the first lock connection, and the pool holds none: a
+	// Client that only locks costs one backend.
+	if st := c.Stat(); st.Backends != 1 {
+		t.Fatalf("after Open: Stat %+v, want 1 backend", st)
+	}
+	if n := c.pool.Stat().TotalConns(); n != 0 {
+		t.Fatalf("after Open: the pool holds %d connections, want 0", n)
+	}
+	if n := backendsOf(t, dsn, "open-test"); n != 1 {
+		t.Fatalf("after Open: %d backends in pg_stat_activity, want 1", n)
 	}
 	l, err := c.Lock(ctx, Int64Key(3))
 	if err != nil {
 		t.Fatal(err)
 	}
 	heldOnlyBy(t, dsn, Int64Key(3), l.s.PID())
+	if n := backendsOf(t, dsn, "open-test"); n != 1 {
+		t.Fatalf("after Lock: %d backends in pg_stat_activity, want 1", n)
+	}
 	if err := c.Close(); err != nil {
 		t.Fatal(err)
 	}

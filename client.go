@@ -57,10 +57,14 @@ func New(pool *pgxpool.Pool, opts ...Option) (*Client, error) {
 	return newClient(pool, false, opts)
 }
 
-// Open connects a pool to connString and returns a Client that owns it:
-// Close closes the pool. ctx bounds the connect and the first ping. It
-// returns errors for an unparsable connString, an unreachable server, and
-// invalid or conflicting options.
+// Open makes a pool for connString and returns a Client that owns it:
+// Close closes the pool. Open opens the Client's first lock connection, so
+// the first lock does not wait for one, and so a server that pgcoord
+// cannot use fails here; the pool itself connects only when a method that
+// runs on it (Leader, Locks, ...) first needs it. ctx bounds the connect.
+// Open returns errors for an unparsable connString, an unreachable server,
+// a standby ([ErrReadOnly]), a transaction pooler
+// ([ErrTransactionPooling]), and invalid or conflicting options.
 func Open(ctx context.Context, connString string, opts ...Option) (*Client, error) {
 	if _, err := newConfig(scopeClient, opts); err != nil {
 		return nil, err
@@ -69,11 +73,19 @@ func Open(ctx context.Context, connString string, opts ...Option) (*Client, erro
 	if err != nil {
 		return nil, errorf("Open: %w", err)
 	}
-	if err := pool.Ping(ctx); err != nil {
+	c, err := newClient(pool, true, opts)
+	if err != nil {
 		pool.Close()
+		return nil, err
+	}
+	c.mu.Lock()
+	call := c.startConnect()
+	c.mu.Unlock()
+	if err := c.awaitConnect(ctx, call); err != nil {
+		_ = c.Close()
 		return nil, errorf("Open: %w", err)
 	}
-	return newClient(pool, true, opts)
+	return c, nil
 }
 
 func newClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
