@@ -12,7 +12,8 @@ type LockOption interface {
 }
 
 type lockConfig struct {
-	fence bool
+	fence   bool
+	prepare []string
 }
 
 type lockOptionFunc func(*lockConfig) error
@@ -29,13 +30,21 @@ func WithFence() LockOption {
 	return lockOptionFunc(func(c *lockConfig) error { c.fence = true; return nil })
 }
 
+// withPrepared has the acquire prepare statements (see Session.prepare) on
+// the backend it takes the keys on, before it tries or waits there: the
+// holder's first statements then run without a planning round trip.
+func withPrepared(sqls ...string) LockOption {
+	return lockOptionFunc(func(c *lockConfig) error { c.prepare = sqls; return nil })
+}
+
 // request is one acquire: keys in canonical order and how to take them.
 type request struct {
-	keys   []Key
-	shared bool
-	try    bool
-	fence  bool
-	tried  bool // a try of these keys just failed: wait at once
+	keys    []Key
+	shared  bool
+	try     bool
+	fence   bool
+	tried   bool     // a try of these keys just failed: wait at once
+	prepare []string // statements to prepare on the backend first
 }
 
 func newRequest(keys []Key, shared, try bool, opts []LockOption) (request, error) {
@@ -56,7 +65,7 @@ func newRequest(keys []Key, shared, try bool, opts []LockOption) (request, error
 	if lc.fence && (shared || len(ks) > 1) {
 		return r, errors.New("pgcoord: WithFence applies only to exclusive single-key locks (Lock, TryLock)")
 	}
-	r.fence = lc.fence
+	r.fence, r.prepare = lc.fence, lc.prepare
 	return r, nil
 }
 

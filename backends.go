@@ -132,6 +132,9 @@ func (c *Client) takeOnce(ctx context.Context, r request) (*Lock, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := b.prepare(ctx, r.prepare); err != nil {
+		return nil, err
+	}
 	l, err := b.take(ctx, tr)
 	if r.try || !errors.Is(err, ErrLocked) {
 		return l, err
@@ -154,6 +157,9 @@ func (c *Client) takeOnce(ctx context.Context, r request) (*Lock, error) {
 		return nil, err
 	}
 	defer done()
+	if err := b.prepare(ctx, r.prepare); err != nil {
+		return nil, err
+	}
 	r.tried = true
 	return b.take(ctx, r)
 }

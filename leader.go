@@ -77,8 +77,9 @@ func WithIdentity(identity string) ElectionOption {
 // on the server, on one of the Client's bounded waits (see WithMaxWaits);
 // a campaign gives its wait up every loss deadline and takes it again, so
 // campaigns and locks of one Client beyond WithMaxWaits all get their
-// turn. Once it has the lock, with a fresh fence as its term, it takes the
-// election's guard (below), writes the row, notifies observers, and leads:
+// turn. Once it has the lock, it takes the election's guard (below) and,
+// meanwhile, in one statement issues a fresh fence as its term, writes the
+// row and notifies observers; then it leads:
 // Run calls fn with the term and a context that is cancelled when the
 // leadership ends. It ends by Resign (Run resigns when fn returns), by a
 // RequestResign from any process, by loss of either connection it rests
@@ -108,8 +109,10 @@ func WithIdentity(identity string) ElectionOption {
 // # Bounds
 //
 // With the defaults (heartbeat 1 s, loss deadline L = 5 s):
-//   - leader's process killed: a waiting candidate leads within a few
-//     milliseconds (the server notices closed sockets at once);
+//   - leader's process killed: a waiting candidate leads one round trip
+//     after the server has freed the lock and the guard, which it does as
+//     the killed process's backends exit (they notice the closed sockets
+//     at once; their exits take milliseconds, more on a busy server);
 //   - leader's backend terminated, process alive: the old leader's context
 //     is cancelled within a heartbeat interval, and the new leader starts
 //     right after, never before; at most L;
@@ -213,7 +216,10 @@ func (ld *Leadership) cancelledAt() time.Time {
 // Term returns the leader's term.
 func (ld *Leadership) Term() Term { return ld.term }
 
-// Since returns when the leadership began, by the server's clock.
+// Since returns when the leadership began, by the server's clock: when the
+// term was issued, right after the election's lock was won. Leader and
+// Observe report the same time. The leader's work may start a little
+// later, once the guard is taken too.
 func (ld *Leadership) Since() time.Time { return ld.since }
 
 // Context returns a context that is cancelled, with the reason as its
@@ -281,11 +287,12 @@ func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 	if err != nil {
 		return nil, errorf("election %q: %w", e.name, err)
 	}
-	// Open the guard session now, while following, so that a takeover
-	// does not wait for a connection.
-	if _, err := c.guardSession(ctx); err != nil {
+	// Open the guard session now, while following, and prepare the guard's
+	// try there, so that a takeover waits neither for a connection nor for
+	// a planning round trip.
+	if err := e.prepareGuard(ctx); err != nil {
 		sub.close()
-		return nil, errorf("election %q: open guard session: %w", e.name, err)
+		return nil, errorf("election %q: %w", e.name, err)
 	}
 	for {
 		l, err := e.wait(ctx)
@@ -308,11 +315,11 @@ func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 // began; the campaign goes on.
 var errLostWhileWinning = errors.New("pgcoord: leadership lock lost while winning")
 
-// wait takes the election's lock with a fresh fence, in rounds.
+// wait takes the election's lock, in rounds.
 func (e *Election) wait(ctx context.Context) (*Lock, error) {
 	for {
 		round, cancel := context.WithTimeout(ctx, e.campaignRound())
-		l, err := e.c.Lock(round, e.key, WithFence())
+		l, err := e.c.Lock(round, e.key, withPrepared(recordSQL(e.c.cfg)))
 		cancel()
 		switch {
 		case err == nil:
@@ -339,28 +346,20 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 		_ = l.Unlock(rctx)
 		return nil, err
 	}
-	g, err := e.takeGuard(ctx)
-	if err != nil {
-		return fail(nil, err)
+	// Take the guard, and meanwhile issue the term and record the leader
+	// on the lock's backend: fn starts only once both are done.
+	var g *Lock
+	var gerr error
+	guarded := make(chan struct{})
+	go func() {
+		defer close(guarded)
+		g, gerr = e.takeGuard(ctx)
+	}()
+	term, since, err := e.record(ctx, l)
+	<-guarded
+	if gerr != nil {
+		return fail(g, gerr)
 	}
-	if l.Err() != nil {
-		return fail(g, errLostWhileWinning)
-	}
-	term := Term(l.Fence())
-	k, _ := e.key.Int64()
-	var since time.Time
-	err = l.s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		return conn.QueryRow(ctx, `WITH won AS (
-			INSERT INTO `+c.cfg.table("leaders")+` AS l (name, lock_key, identity, term, since, pid)
-			VALUES ($1, $2, $3, $4, now(), pg_backend_pid())
-			ON CONFLICT (name) DO UPDATE SET lock_key = EXCLUDED.lock_key, identity = EXCLUDED.identity,
-				term = EXCLUDED.term, since = EXCLUDED.since, pid = EXCLUDED.pid
-			WHERE l.term < EXCLUDED.term
-			RETURNING since)
-		SELECT since, pg_notify($5, format('%s:lead:%s:%s:%s:%s', $2::bigint, $4::bigint, pg_backend_pid(),
-			(extract(epoch FROM since) * 1000000)::bigint, $3::text)) IS NULL FROM won`,
-			e.name, k, e.identity, int64(term), leaderChannel).Scan(&since, new(bool))
-	})
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return fail(g, errorf("election %q: term %d is not newer than the recorded leader's: the fences table was reset or restored while the leaders table was not; delete the election's row in leaders to continue", e.name, term))
@@ -368,6 +367,8 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 		return fail(g, errLostWhileWinning)
 	case err != nil:
 		return fail(g, notMigrated(c.cfg, fmt.Sprintf("election %q: record leader", e.name), err))
+	case l.Err() != nil:
+		return fail(g, errLostWhileWinning)
 	}
 	ld := &Leadership{
 		e: e, lock: l, guard: g, sub: sub, term: term, since: since,
@@ -380,6 +381,68 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 	c.wg.Add(1)
 	go ld.watch()
 	return ld, nil
+}
+
+// recordSQL issues the election key's next fence as the new leader's term,
+// durably (see nextFence), records the leader in the leaders table, and
+// notifies observers, all in one statement, run on the backend that holds
+// the election's lock. Parameters: $1 and $2 the
+// fence row (fenceRow), $3 the election's name, $4 its lock key, $5 the
+// identity, $6 the pid of the backend that holds the election's lock, $7
+// the notification channel. It returns the term, and the time the
+// leadership began, or no row if the leaders table holds a newer term.
+func recordSQL(c *config) string {
+	return `WITH fence AS (
+			INSERT INTO ` + c.table("fences") + ` AS f (key_space, key, fence)
+			SELECT $1, $2, 1 FROM (SELECT set_config('synchronous_commit',
+				CASE current_setting('synchronous_commit') WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END,
+				true)) AS durable
+			ON CONFLICT (key_space, key) DO UPDATE SET fence = f.fence + 1
+			RETURNING f.fence),
+		won AS (
+			INSERT INTO ` + c.table("leaders") + ` AS l (name, lock_key, identity, term, since, pid)
+			SELECT $3, $4, $5, fence.fence, now(), $6 FROM fence
+			ON CONFLICT (name) DO UPDATE SET lock_key = EXCLUDED.lock_key, identity = EXCLUDED.identity,
+				term = EXCLUDED.term, since = EXCLUDED.since, pid = EXCLUDED.pid
+			WHERE l.term < EXCLUDED.term
+			RETURNING term, since)
+		SELECT fence.fence, won.since, CASE WHEN won.term IS NOT NULL THEN
+			pg_notify($7, format('%s:lead:%s:%s:%s:%s', $4::bigint, won.term, $6::int,
+				(extract(epoch FROM won.since) * 1000000)::bigint, $5::text)) END IS NULL
+		FROM fence LEFT JOIN won ON true`
+}
+
+// record runs recordSQL, which the campaign's acquire prepared, on the
+// backend of l, the election's lock. It returns pgx.ErrNoRows, with the
+// fence issued, when the leaders table holds a newer term.
+func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, error) {
+	c := e.c
+	space, fkey := fenceRow(e.key)
+	k, _ := e.key.Int64()
+	var term int64
+	var since *time.Time
+	err := l.s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		return conn.QueryRow(ctx, recordSQL(c.cfg), space, fkey, e.name, k, e.identity, l.s.pid, leaderChannel).
+			Scan(&term, &since, new(bool))
+	})
+	if err != nil {
+		return Term(term), time.Time{}, err
+	}
+	if since == nil {
+		return Term(term), time.Time{}, pgx.ErrNoRows
+	}
+	return Term(term), *since, nil
+}
+
+// prepareGuard opens the Client's guard session, if needed, and prepares
+// there the guard's try, which a takeover runs first.
+func (e *Election) prepareGuard(ctx context.Context) error {
+	s, err := e.c.guardSession(ctx)
+	if err != nil {
+		return errorf("open guard session: %w", err)
+	}
+	try, _ := trySQL(lockFunc(false, true), []Key{e.guard}, s.pid)
+	return s.prepare(ctx, []string{try})
 }
 
 // takeGuard takes the election's guard on the Client's guard session,

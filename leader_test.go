@@ -3,11 +3,13 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -298,5 +300,65 @@ func TestElectionBadInput(t *testing.T) {
 		if _, err := c.Election(name).Leader(ctx); err == nil || !errors.Is(err, ErrNotMigrated) {
 			t.Errorf("Leader(%.20q) on an unmigrated database: %v, want ErrNotMigrated", name, err)
 		}
+	}
+}
+
+// A campaign prepares a takeover's statements while it follows: the
+// statement that issues the term and records the leader on the backend
+// that then holds the election's lock, and the guard's try on the guard
+// session. pg_prepared_statements of each backend shows them, so a
+// takeover sends no planning round trip.
+func TestElectionCampaignPreparesTakeover(t *testing.T) {
+	t.Parallel()
+	dsn := migratedDB(t)
+	ctx := testCtx(t)
+	a, b := newTestClient(t, dsn), newTestClient(t, dsn)
+	ea, eb := a.Election("prepared", WithIdentity("a")), b.Election("prepared", WithIdentity("b"))
+	la, err := ea.Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	won := goLeader(func() (*Leadership, error) { return eb.Campaign(ctx) })
+	pgtest.Eventually(t, testTimeout, "b waits for the election", func() bool { return waitingOn(t, dsn, eb.Key()) == 1 })
+	var following time.Time // by the server's clock, before b can win
+	if err := pgtest.Pool(t, dsn).QueryRow(ctx, "SELECT clock_timestamp()").Scan(&following); err != nil {
+		t.Fatal(err)
+	}
+	if err := la.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	lb := receiveLeader(t, won)
+	defer lb.Resign(ctx)
+
+	// prepared lists the statements s prepared before b could win.
+	prepared := func(s *Session) []string {
+		t.Helper()
+		var stmts []string
+		err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+			rows, err := conn.Query(ctx, "SELECT statement FROM pg_prepared_statements WHERE prepare_time < $1", following)
+			if err != nil {
+				return err
+			}
+			stmts, err = pgx.CollectRows(rows, pgx.RowTo[string])
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return stmts
+	}
+	if got := prepared(lb.lock.s); !slices.Contains(got, recordSQL(b.cfg)) {
+		t.Errorf("the new leader's lock backend has not prepared the statement that records the leader; prepared: %q", got)
+	}
+	guard, err := b.guardSession(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	try, _ := trySQL(lockFunc(false, true), []Key{eb.guard}, guard.pid)
+	if got := prepared(guard); !slices.Contains(got, try) {
+		t.Errorf("the guard session has not prepared the guard's try; prepared: %q", got)
+	}
+	if info, err := ea.Leader(ctx); err != nil || info.Identity != "b" || info.Term != lb.Term() || info.Pid != lb.lock.s.PID() {
+		t.Fatalf("Leader = %+v, %v; want b, term %d, backend %d", info, err, lb.Term(), lb.lock.s.PID())
 	}
 }

@@ -307,6 +307,24 @@ func (s *Session) grab(ctx context.Context) error {
 // release gives the connection back after grab.
 func (s *Session) release() { <-s.use }
 
+// prepare prepares sqls on the session's connection (named by their text,
+// so that pgx runs them as prepared statements from then on), unless they
+// are already. Preparing has the server parse them and load the metadata
+// of their tables, which a connection's first use of a table costs.
+func (s *Session) prepare(ctx context.Context, sqls []string) error {
+	if len(sqls) == 0 {
+		return nil
+	}
+	return s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		for _, sql := range sqls {
+			if _, err := conn.Prepare(ctx, sql, sql); err != nil {
+				return notMigrated(s.c.cfg, "prepare statements", err)
+			}
+		}
+		return nil
+	})
+}
+
 // run executes one statement on the session's connection.
 func (s *Session) run(ctx context.Context, f func(ctx context.Context, conn *pgx.Conn) error) error {
 	if err := s.grab(ctx); err != nil {
