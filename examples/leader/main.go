@@ -1,9 +1,11 @@
 // Command leader shows leader election across processes: three candidate
 // processes campaign for one election; the program shows who leads, kills
 // the leader with SIGKILL several times and prints how long each takeover
-// took (from the kill to the new leader's function starting), then asks
-// the leader to step down from a process that is not a candidate, and
-// terminates a leader's backend while its process lives.
+// took (from the kill to the new leader's function starting), next to the
+// floor of the machine (the same kill of a process that holds a plain
+// pg_advisory_lock), then asks the leader to step down from a process that
+// is not a candidate, and terminates a leader's backend while its process
+// lives.
 //
 // It reads DATABASE_URL; when that is unset it starts a throwaway PostgreSQL
 // from the local binaries and removes it on exit.
@@ -27,6 +29,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord"
 	"github.com/pgcoord/pgcoord/examples/internal/throwaway"
@@ -41,10 +44,13 @@ const (
 
 func main() {
 	var err error
-	if name := os.Getenv(roleEnv); name != "" {
-		err = candidate(name)
-	} else {
+	switch name := os.Getenv(roleEnv); name {
+	case "":
 		err = run()
+	case rawHolderRole:
+		err = rawHolder()
+	default:
+		err = candidate(name)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "leader:", err)
@@ -183,7 +189,12 @@ func run() error {
 
 	fmt.Printf("\n2. kill -9 the leader's process, %d times, and time the takeover\n", kills)
 	var takeovers []time.Duration
+	leaderConns := 0 // the most connections a killed leader had
 	for range kills {
+		// Kill a leader in steady state: both followers wait for the lock.
+		if err := awaitFollowers(ctx, obs, e.Key(), 2); err != nil {
+			return err
+		}
 		info, err := e.Leader(ctx)
 		if err != nil {
 			return err
@@ -191,6 +202,12 @@ func run() error {
 		mu.Lock()
 		victim := procs[info.Identity]
 		mu.Unlock()
+		var conns int
+		if err := pool.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+			"candidate-"+victim.name).Scan(&conns); err != nil {
+			return err
+		}
+		leaderConns = max(leaderConns, conns)
 		killedAt := time.Now()
 		if err := victim.cmd.Process.Signal(syscall.SIGKILL); err != nil {
 			return err
@@ -214,7 +231,20 @@ func run() error {
 	fmt.Printf("   takeover after kill -9: p50 %v, max %v\n", takeovers[len(takeovers)/2].Round(10*time.Microsecond),
 		takeovers[len(takeovers)-1].Round(10*time.Microsecond))
 
-	fmt.Println("\n3. the observer (not a candidate) asks the leader to step down")
+	fmt.Printf("\n3. the floor on this machine: the same kill without pgcoord, %d times\n", kills)
+	fmt.Printf("   (a process with %d plain pgx connections, as many as a killed leader had, holds\n", leaderConns)
+	fmt.Println("   pg_advisory_lock on one of them; another connection waits for the lock)")
+	granted, plusOne, err := rawFloor(ctx, dsn, obs, leaderConns)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("   lock granted after p50 %v; granted plus one round trip after p50 %v\n",
+		granted[len(granted)/2].Round(10*time.Microsecond), plusOne[len(plusOne)/2].Round(10*time.Microsecond))
+	fmt.Println("   (a new leader's fn starts one round trip after its grant: the term, the row and the")
+	fmt.Println("   guard are taken in parallel. The server frees a killed process's locks only as its")
+	fmt.Println("   backends exit, and on a small machine those exits compete for the CPU.)")
+
+	fmt.Println("\n4. the observer (not a candidate) asks the leader to step down")
 	before, err := e.Leader(ctx)
 	if err != nil {
 		return err
@@ -233,7 +263,7 @@ func run() error {
 	fmt.Printf("   %s stepped down (%s); %s leads, term %d > %d, %v later\n", end.name, end.text, ev.name, ev.term, before.Term,
 		ev.at.Sub(end.at).Round(10*time.Microsecond))
 
-	fmt.Println("\n4. an administrator terminates the leader's backend; its process lives on")
+	fmt.Println("\n5. an administrator terminates the leader's backend; its process lives on")
 	before, err = e.Leader(ctx)
 	if err != nil {
 		return err
@@ -253,6 +283,133 @@ func run() error {
 	fmt.Printf("   %s leads, term %d, %v after the old leader stopped (never before)\n", ev.name, ev.term, ev.at.Sub(end.at).Round(10*time.Microsecond))
 	fmt.Println("\ndone")
 	return nil
+}
+
+// rawHolderRole is the role of a child process that holds rawKey with plain
+// pgx, for the floor.
+const (
+	rawHolderRole = "raw-holder"
+	connsEnv      = "PGCOORD_EXAMPLE_CONNS"
+	rawKey        = 7331
+)
+
+// rawHolder opens the number of connections connsEnv says, takes rawKey on
+// the first, reports "ready", and waits to be killed.
+func rawHolder() error {
+	ctx := context.Background()
+	n, err := strconv.Atoi(os.Getenv(connsEnv))
+	if err != nil || n < 1 {
+		return fmt.Errorf("%s=%q: want a positive count", connsEnv, os.Getenv(connsEnv))
+	}
+	conns := make([]*pgx.Conn, n)
+	for i := range conns {
+		if conns[i], err = pgx.Connect(ctx, os.Getenv("DATABASE_URL")); err != nil {
+			return err
+		}
+	}
+	if _, err := conns[0].Exec(ctx, "SELECT pg_advisory_lock($1)", rawKey); err != nil {
+		return err
+	}
+	fmt.Println("ready")
+	_, _ = io.Copy(io.Discard, os.Stdin) // until killed, or the parent is gone
+	return nil
+}
+
+// rawFloor kills a rawHolder with conns connections kills times, each time
+// while a connection of this process waits for rawKey, and returns, sorted,
+// the times from the kill to the grant and to the end of one more round
+// trip.
+func rawFloor(ctx context.Context, dsn string, obs *pgcoord.Client, conns int) (granted, plusOne []time.Duration, err error) {
+	waiter, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer waiter.Close(context.Background())
+	self, err := os.Executable()
+	if err != nil {
+		return nil, nil, err
+	}
+	for range kills {
+		cmd := exec.CommandContext(ctx, self)
+		cmd.Env = append(os.Environ(), roleEnv+"="+rawHolderRole, connsEnv+"="+strconv.Itoa(conns), "DATABASE_URL="+dsn)
+		cmd.Stderr = os.Stderr
+		stdin, err := cmd.StdinPipe()
+		if err != nil {
+			return nil, nil, err
+		}
+		stdout, err := cmd.StdoutPipe()
+		if err != nil {
+			return nil, nil, err
+		}
+		if err := cmd.Start(); err != nil {
+			return nil, nil, err
+		}
+		if line, err := bufio.NewReader(stdout).ReadString('\n'); err != nil || line != "ready\n" {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			return nil, nil, fmt.Errorf("raw holder: %q, %v", line, err)
+		}
+		got := make(chan error, 1)
+		var grant, trip time.Time
+		go func() {
+			_, err := waiter.Exec(ctx, "SELECT pg_advisory_lock($1)", rawKey)
+			grant = time.Now()
+			if err == nil {
+				_, err = waiter.Exec(ctx, "SELECT 1")
+			}
+			trip = time.Now()
+			got <- err
+		}()
+		err = awaitFollowers(ctx, obs, pgcoord.Int64Key(rawKey), 1)
+		killedAt := time.Now()
+		_ = cmd.Process.Signal(syscall.SIGKILL)
+		_ = stdin.Close()
+		_ = cmd.Wait()
+		werr := <-got // the kill freed the lock, so the waiter is done
+		if err != nil {
+			return nil, nil, err
+		}
+		if werr != nil {
+			return nil, nil, werr
+		}
+		granted = append(granted, grant.Sub(killedAt))
+		plusOne = append(plusOne, trip.Sub(killedAt))
+		if _, err := waiter.Exec(ctx, "SELECT pg_advisory_unlock($1)", rawKey); err != nil {
+			return nil, nil, err
+		}
+	}
+	slices.Sort(granted)
+	slices.Sort(plusOne)
+	return granted, plusOne, nil
+}
+
+// awaitFollowers returns once n candidates wait for the election's lock on
+// the server, as pg_locks shows them through Client.Locks.
+func awaitFollowers(ctx context.Context, c *pgcoord.Client, key pgcoord.Key, n int) error {
+	deadline := time.Now().Add(waitLimit)
+	for {
+		locks, err := c.Locks(ctx)
+		if err != nil {
+			return err
+		}
+		waiting := 0
+		for _, l := range locks {
+			if l.Key == key && !l.Granted {
+				waiting++
+			}
+		}
+		if waiting >= n {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%d candidates wait for the election, not %d, after %v", waiting, n, waitLimit)
+		}
+		select {
+		case <-time.After(5 * time.Millisecond):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 }
 
 // startCandidate runs this program again as a candidate and forwards its
