@@ -86,25 +86,24 @@ func (c *Client) Stat() Stat {
 // not wait for a connection. ctx bounds the wait; the connections go on
 // opening in the background if it ends first. It returns the first
 // connection error, or ctx's.
-func (c *Client) Warm(ctx context.Context) error {
+func (c *Client) Warm(ctx context.Context) error { return c.warm(ctx, c.cfg.sharedBackends) }
+
+// warm opens shared backends until n are open or opening, and waits for
+// the ones it started, bounded by ctx.
+func (c *Client) warm(ctx context.Context, n int) error {
 	if err := c.enter(); err != nil {
 		return err
 	}
 	defer c.wg.Done()
 	c.mu.Lock()
 	var calls []*connectCall
-	for n := len(c.backends) + c.opening; n < c.cfg.sharedBackends; n++ {
+	for open := len(c.backends) + c.opening; open < n; open++ {
 		calls = append(calls, c.startConnect())
 	}
 	c.mu.Unlock()
 	for _, call := range calls {
-		select {
-		case <-call.done:
-			if call.err != nil {
-				return call.err
-			}
-		case <-ctx.Done():
-			return context.Cause(ctx)
+		if err := c.awaitConnect(ctx, call); err != nil {
+			return err
 		}
 	}
 	return nil

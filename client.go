@@ -78,10 +78,7 @@ func Open(ctx context.Context, connString string, opts ...Option) (*Client, erro
 		pool.Close()
 		return nil, err
 	}
-	c.mu.Lock()
-	call := c.startConnect()
-	c.mu.Unlock()
-	if err := c.awaitConnect(ctx, call); err != nil {
+	if err := c.warm(ctx, 1); err != nil {
 		_ = c.Close()
 		return nil, errorf("Open: %w", err)
 	}
@@ -161,16 +158,25 @@ func (c *Client) enter() error {
 	return nil
 }
 
-// track records a session so Close can end it. It reports false if the
-// Client was closed meanwhile.
-func (c *Client) track(s *Session) bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.closed {
-		return false
+// openSession opens a session of its own (not one of the Client's shared
+// backends) and records it so Close can end it. It returns ErrClosed, with
+// the session closed, if the Client was closed meanwhile.
+func (c *Client) openSession(ctx context.Context) (*Session, error) {
+	s, err := c.newSession(ctx, false)
+	if err != nil {
+		return nil, err
 	}
-	c.sessions[s] = struct{}{}
-	return true
+	c.mu.Lock()
+	closed := c.closed
+	if !closed {
+		c.sessions[s] = struct{}{}
+	}
+	c.mu.Unlock()
+	if closed {
+		s.close(context.Background())
+		return nil, ErrClosed
+	}
+	return s, nil
 }
 
 // untrack forgets a session whose connection is closed.

@@ -33,6 +33,19 @@ func fenceRow(k Key) (space int16, key int64) {
 // transaction, the setting lasts until that transaction ends, so the
 // commit of the whole transaction waits for the flush, unless the caller
 // sets synchronous_commit again after nextFence.
+// issueFenceSQL issues the next fence of the fence row ($1, $2) (see
+// fenceRow) and returns it. It sets synchronous_commit on for its
+// transaction (keeping remote_apply), so a crash cannot lose a fence that
+// was handed out and issue it again.
+func issueFenceSQL(c *config) string {
+	return "INSERT INTO " + c.table("fences") + ` AS f (key_space, key, fence)
+		SELECT $1, $2, 1 FROM (SELECT set_config('synchronous_commit',
+			CASE current_setting('synchronous_commit') WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END,
+			true)) AS durable
+		ON CONFLICT (key_space, key) DO UPDATE SET fence = f.fence + 1
+		RETURNING f.fence`
+}
+
 func nextFence(ctx context.Context, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }, c *config, k Key) (int64, error) {
@@ -41,12 +54,7 @@ func nextFence(ctx context.Context, q interface {
 	}
 	space, key := fenceRow(k)
 	var fence int64
-	err := q.QueryRow(ctx, "INSERT INTO "+c.table("fences")+` AS f (key_space, key, fence)
-		SELECT $1, $2, 1 FROM (SELECT set_config('synchronous_commit',
-			CASE current_setting('synchronous_commit') WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END,
-			true)) AS durable
-		ON CONFLICT (key_space, key) DO UPDATE SET fence = f.fence + 1
-		RETURNING f.fence`, space, key).Scan(&fence)
+	err := q.QueryRow(ctx, issueFenceSQL(c), space, key).Scan(&fence)
 	if err != nil {
 		return 0, notMigrated(c, "issue fence for key "+k.String(), err)
 	}

@@ -384,7 +384,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 }
 
 // recordSQL issues the election key's next fence as the new leader's term,
-// durably (see nextFence), records the leader in the leaders table, and
+// durably (issueFenceSQL), records the leader in the leaders table, and
 // notifies observers, all in one statement, run on the backend that holds
 // the election's lock. Parameters: $1 and $2 the
 // fence row (fenceRow), $3 the election's name, $4 its lock key, $5 the
@@ -392,13 +392,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 // the notification channel. It returns the term, and the time the
 // leadership began, or no row if the leaders table holds a newer term.
 func recordSQL(c *config) string {
-	return `WITH fence AS (
-			INSERT INTO ` + c.table("fences") + ` AS f (key_space, key, fence)
-			SELECT $1, $2, 1 FROM (SELECT set_config('synchronous_commit',
-				CASE current_setting('synchronous_commit') WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END,
-				true)) AS durable
-			ON CONFLICT (key_space, key) DO UPDATE SET fence = f.fence + 1
-			RETURNING f.fence),
+	return `WITH fence AS (` + issueFenceSQL(c) + `),
 		won AS (
 			INSERT INTO ` + c.table("leaders") + ` AS l (name, lock_key, identity, term, since, pid)
 			SELECT $3, $4, $5, fence.fence, now(), $6 FROM fence
@@ -488,13 +482,9 @@ func (c *Client) guardSession(ctx context.Context) (*Session, error) {
 	if c.guard != nil && c.guard.Err() == nil {
 		return c.guard, nil
 	}
-	s, err := c.newSession(ctx, false)
+	s, err := c.openSession(ctx)
 	if err != nil {
 		return nil, err
-	}
-	if !c.track(s) {
-		s.close(context.Background())
-		return nil, ErrClosed
 	}
 	c.guard = s
 	return s, nil

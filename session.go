@@ -103,15 +103,7 @@ func (c *Client) NewSession(ctx context.Context) (*Session, error) {
 		return nil, err
 	}
 	defer c.wg.Done()
-	s, err := c.newSession(ctx, false)
-	if err != nil {
-		return nil, err
-	}
-	if !c.track(s) {
-		s.close(context.Background())
-		return nil, ErrClosed
-	}
-	return s, nil
+	return c.openSession(ctx)
 }
 
 // Done returns a channel that is closed when the session ends: by Close,
