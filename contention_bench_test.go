@@ -232,23 +232,37 @@ func handoff(b *testing.B, dsn string, k Key, lock, unlock func(ctx context.Cont
 	}
 
 	obs := pgtest.Conn(b, dsn)
-	holder := 0
-	var waited []time.Duration
+	holder, waited := pingPong(b, ctx, &waiter, lock, unlock, func(int) { awaitQueued(b, obs, k) })
+	b.ReportMetric(float64(waited[len(waited)/2].Nanoseconds())/1e3, "waiter-p50-us")
+	if err := unlock(ctx, holder); err != nil {
+		b.Fatal(err)
+	}
+	notHeld(b, dsn, k)
+}
+
+// pingPong runs the timed loop of a handoff benchmark. Side 0 holds the
+// resource at the start. Each iteration, untimed, starts take for the other
+// side in a goroutine of waiter and calls queued with that side, which
+// returns once the taker waits; then, timed, the holder gives the resource
+// up and the iteration ends when take has returned. It returns the side
+// that holds the resource at the end, and the time from the start of each
+// give to the return of its take, sorted.
+func pingPong(b *testing.B, ctx context.Context, waiter *sync.WaitGroup, take, give func(ctx context.Context, side int) error, queued func(side int)) (holder int, waited []time.Duration) {
 	for b.Loop() {
 		b.StopTimer()
 		next := 1 - holder
 		got := make(chan error, 1)
 		var returned time.Time
 		waiter.Go(func() {
-			err := lock(ctx, next)
+			err := take(ctx, next)
 			returned = time.Now()
 			got <- err
 		})
-		awaitQueued(b, obs, k)
+		queued(next)
 		b.StartTimer()
 
 		start := time.Now()
-		if err := unlock(ctx, holder); err != nil {
+		if err := give(ctx, holder); err != nil {
 			b.Fatal(err)
 		}
 		if err := <-got; err != nil {
@@ -258,11 +272,7 @@ func handoff(b *testing.B, dsn string, k Key, lock, unlock func(ctx context.Cont
 		holder = next
 	}
 	slices.Sort(waited)
-	b.ReportMetric(float64(waited[len(waited)/2].Nanoseconds())/1e3, "waiter-p50-us")
-	if err := unlock(ctx, holder); err != nil {
-		b.Fatal(err)
-	}
-	notHeld(b, dsn, k)
+	return holder, waited
 }
 
 // awaitQueued returns once a backend waits for k in pg_locks and sleeps on

@@ -2,7 +2,6 @@ package pgcoord
 
 import (
 	"context"
-	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -63,33 +62,14 @@ func BenchmarkSemaphoreHandoff(b *testing.B) {
 	}
 	held[0] = p
 
-	holder := 0
-	var waited []time.Duration
-	for b.Loop() {
-		b.StopTimer()
-		next := 1 - holder
-		got := make(chan error, 1)
-		var returned time.Time
-		waiter.Go(func() {
-			p, err := sems[next].Acquire(ctx)
-			returned = time.Now()
-			held[next] = p
-			got <- err
-		})
-		awaitBlockedHead(b, dsn, sems[next])
-		b.StartTimer()
-
-		start := time.Now()
-		if err := held[holder].Release(ctx); err != nil {
-			b.Fatal(err)
-		}
-		if err := <-got; err != nil {
-			b.Fatal(err)
-		}
-		waited = append(waited, returned.Sub(start))
-		holder = next
-	}
-	slices.Sort(waited)
+	holder, waited := pingPong(b, ctx, &waiter,
+		func(ctx context.Context, side int) error {
+			p, err := sems[side].Acquire(ctx)
+			held[side] = p
+			return err
+		},
+		func(ctx context.Context, side int) error { return held[side].Release(ctx) },
+		func(side int) { awaitBlockedHead(b, dsn, sems[side]) })
 	b.ReportMetric(float64(waited[len(waited)/2].Nanoseconds())/1e3, "waiter-p50-us")
 	b.ReportMetric(float64(waited[len(waited)*9/10].Nanoseconds())/1e3, "waiter-p90-us")
 	if err := held[holder].Release(ctx); err != nil {

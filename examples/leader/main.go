@@ -325,23 +325,9 @@ func rawFloor(ctx context.Context, dsn string, obs *pgcoord.Client, conns int) (
 		return nil, nil, err
 	}
 	defer waiter.Close(context.Background())
-	self, err := os.Executable()
-	if err != nil {
-		return nil, nil, err
-	}
 	for range kills {
-		cmd := exec.CommandContext(ctx, self)
-		cmd.Env = append(os.Environ(), roleEnv+"="+rawHolderRole, connsEnv+"="+strconv.Itoa(conns), "DATABASE_URL="+dsn)
-		cmd.Stderr = os.Stderr
-		stdin, err := cmd.StdinPipe()
+		cmd, stdin, stdout, err := startSelf(rawHolderRole, dsn, connsEnv+"="+strconv.Itoa(conns))
 		if err != nil {
-			return nil, nil, err
-		}
-		stdout, err := cmd.StdoutPipe()
-		if err != nil {
-			return nil, nil, err
-		}
-		if err := cmd.Start(); err != nil {
 			return nil, nil, err
 		}
 		if line, err := bufio.NewReader(stdout).ReadString('\n'); err != nil || line != "ready\n" {
@@ -412,25 +398,36 @@ func awaitFollowers(ctx context.Context, c *pgcoord.Client, key pgcoord.Key, n i
 	}
 }
 
-// startCandidate runs this program again as a candidate and forwards its
-// lines to events.
-func startCandidate(name, dsn string, events chan<- event) (*proc, error) {
+// startSelf runs this program again in role (see main), connected to dsn,
+// with extra environment variables env. The child's standard error is
+// ours; its standard input and output are returned.
+func startSelf(role, dsn string, env ...string) (*exec.Cmd, io.WriteCloser, io.ReadCloser, error) {
 	self, err := os.Executable()
 	if err != nil {
-		return nil, err
+		return nil, nil, nil, err
 	}
 	cmd := exec.Command(self)
-	cmd.Env = append(os.Environ(), roleEnv+"="+name, "DATABASE_URL="+dsn)
+	cmd.Env = append(append(os.Environ(), roleEnv+"="+role, "DATABASE_URL="+dsn), env...)
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
-		return nil, err
+		return nil, nil, nil, err
 	}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		return nil, err
+		return nil, nil, nil, err
 	}
 	if err := cmd.Start(); err != nil {
+		return nil, nil, nil, err
+	}
+	return cmd, stdin, stdout, nil
+}
+
+// startCandidate runs this program again as a candidate and forwards its
+// lines to events.
+func startCandidate(name, dsn string, events chan<- event) (*proc, error) {
+	cmd, stdin, stdout, err := startSelf(name, dsn)
+	if err != nil {
 		return nil, err
 	}
 	go func() {
