@@ -264,6 +264,15 @@ func (l *candidateLog) awaitLead(t testing.TB, after Term) leaderTerm {
 	})
 }
 
+// ended reports whether term's fn context has been cancelled, or its
+// leader killed.
+func (l *candidateLog) ended(term Term) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	lt := l.terms[term]
+	return lt != nil && !lt.end.IsZero()
+}
+
 // awaitEnd waits until term's fn context has been cancelled.
 func (l *candidateLog) awaitEnd(t testing.TB, term Term) leaderTerm {
 	t.Helper()
@@ -356,6 +365,18 @@ func fencesInOrder(t testing.TB, dsn string, target faultTarget) (writes, distin
 		}
 	}
 	return len(fences), distinct
+}
+
+// wroteWithFence reports whether fault_writes holds a write to target
+// with fence.
+func wroteWithFence(t testing.TB, pool *pgxpool.Pool, target faultTarget, fence int64) bool {
+	t.Helper()
+	var ok bool
+	err := pool.QueryRow(testCtx(t), "SELECT EXISTS (SELECT 1 FROM fault_writes WHERE target = $1 AND fence = $2)", target.String(), fence).Scan(&ok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ok
 }
 
 // electionWatch reads an election's state from PostgreSQL again and again,
@@ -528,8 +549,9 @@ func percentile(ds []time.Duration, p float64) time.Duration {
 //     the moment of SIGKILL), no two leaders' intervals overlap, and terms
 //     grow in the order leaders started;
 //   - fencing: every leader writes its term through CheckFence while it
-//     leads, and the accepted writes, in the order they were made, never
-//     show a term lower than one before it.
+//     leads (each forced term's first write lands before its fault), and
+//     the accepted writes, in the order they were made, never show a term
+//     lower than one before it.
 func TestElectionOneLeaderUnderFaults(t *testing.T) {
 	t.Parallel()
 	const candidates, changes = 5, 51
@@ -562,8 +584,15 @@ func TestElectionOneLeaderUnderFaults(t *testing.T) {
 		pgtest.Eventually(t, testTimeout, fmt.Sprintf("the watch sees term %d held", cur.term), func() bool {
 			return w.heldTerm() >= cur.term
 		})
+		// Every forced term takes part in the fence check: its first
+		// fenced write has landed before the fault.
+		var wrote bool
+		pgtest.Eventually(t, testTimeout, fmt.Sprintf("term %d writes through its fence, or ends", cur.term), func() bool {
+			wrote = wroteWithFence(t, pool, target, int64(cur.term))
+			return wrote || log.ended(cur.term)
+		})
 		info, err := e.Leader(ctx)
-		if err != nil || info.Term != cur.term {
+		if !wrote || err != nil || info.Term != cur.term {
 			// The leader lost its leadership by itself (a loaded machine can
 			// miss a heartbeat's deadline): not a forced change.
 			unforced++
@@ -609,8 +638,8 @@ func TestElectionOneLeaderUnderFaults(t *testing.T) {
 	if len(w.terms) < changes {
 		t.Errorf("the watch saw %d terms, want at least %d: it proved little", len(w.terms), changes)
 	}
-	if distinct < changes/2 {
-		t.Errorf("%d writes by %d terms: too few terms wrote for the fence check to prove anything", writes, distinct)
+	if distinct < changes {
+		t.Errorf("%d writes by %d terms in increasing order, want at least the %d forced terms, each of which wrote before its fault", writes, distinct, changes)
 	}
 	t.Logf("%d terms (%d forced changes, %d without a fault); the watch read the state %d times and saw %d terms, Leader reported a leader %d times; %d fenced writes by %d terms, %d refused as stale",
 		n, changes, unforced, w.reads, len(w.terms), w.reported, writes, distinct, log.stale)
