@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"sync"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -391,11 +392,56 @@ func (c *Client) connect(ctx context.Context) (*pgx.Conn, int32, error) {
 		return nil, 0, err
 	}
 	pid, err := c.prepare(ctx, conn)
+	if err == nil {
+		err = prepareHot(ctx, conn)
+	}
 	if err != nil {
 		closeConn(conn, c.cfg.lossDeadline)
 		return nil, 0, err
 	}
 	return conn, pid, nil
+}
+
+// A hotStatement is a statement of a session's common path, with
+// arguments that make it do nothing: a pid guard of 0 matches no backend.
+type hotStatement struct {
+	sql  string
+	args []any
+}
+
+// hotStatements are the statements of Lock, TryLock and Unlock of one
+// bigint key, and of the heartbeat.
+var hotStatements = sync.OnceValue(func() []hotStatement {
+	k := []Key{Int64Key(0)}
+	var hot []hotStatement
+	for _, build := range []func() (string, []any){
+		func() (string, []any) { return trySQL(lockFunc(false, true), k, 0) },
+		func() (string, []any) { return waitSQL(lockFunc(false, false), k, 0) },
+		func() (string, []any) { return unlockSQL(unlockFunc(false), k, 0) },
+		func() (string, []any) { return pingSQL, nil },
+	} {
+		sql, args := build()
+		hot = append(hot, hotStatement{sql, args})
+	}
+	return hot
+})
+
+// prepareHot prepares hotStatements on a new connection and runs each
+// once, guarded to do nothing. Else a backend's first lock would cost
+// pgx's prepare round trip, and the server's first lookups of the
+// statement's functions in its catalogs: together a few times a warm
+// lock, and more on a loaded machine, where a tight deadline would then
+// miss on a connection that was ready.
+func prepareHot(ctx context.Context, conn *pgx.Conn) error {
+	for _, h := range hotStatements() {
+		if _, err := conn.Prepare(ctx, h.sql, h.sql); err != nil {
+			return errorf("prepare session connection: %w", err)
+		}
+		if _, err := conn.Exec(ctx, h.sql, h.args...); err != nil {
+			return errorf("prepare session connection: %w", err)
+		}
+	}
+	return nil
 }
 
 // dial opens a connection as the pool would.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/rand/v2"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -168,10 +169,12 @@ func TestTightDeadlines(t *testing.T) {
 	// ...but the connection it started is kept for the next one.
 	pgtest.Eventually(t, testTimeout, "connection kept", func() bool { return c.Stat().Backends >= 1 })
 	dctx, dcancel = context.WithTimeout(ctx, 5*time.Millisecond)
+	start := time.Now()
 	l, err := c.Lock(dctx, k)
+	took := time.Since(start)
 	dcancel()
 	if err != nil {
-		t.Fatalf("Lock of a free key with a 5ms deadline on a warm Client: %v", err)
+		t.Fatalf("Lock of a free key with a 5ms deadline on a warm Client (%+v): %v after %v", c.Stat(), err, took)
 	}
 	mustUnlock(t, l)
 	if err := other.Warm(ctx); err != nil {
@@ -209,6 +212,55 @@ func TestTightDeadlines(t *testing.T) {
 	t.Logf("500 waits with a 5ms deadline, holder releasing after 4-6ms: %d acquired, %d timed out", acquired, timedOut)
 	if acquired == 0 || timedOut == 0 {
 		t.Fatalf("%d acquired and %d timed out: the race was not exercised", acquired, timedOut)
+	}
+}
+
+// A backend is ready for its first lock when it joins the Client: the
+// statements of a bigint key's Lock, TryLock and Unlock, and the
+// heartbeat's, are prepared and have run once, guarded to do nothing, so
+// the first lock costs one round trip and no lookups in the server's
+// catalogs. pg_prepared_statements of each backend shows them planned, and
+// pg_locks shows that running them took nothing.
+func TestBackendReadyOnConnect(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	c := newTestClient(t, dsn)
+	if err := c.Warm(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := len(lockState(t, dsn)); got != 0 {
+		t.Fatalf("%d keys locked after Warm, want none", got)
+	}
+	c.mu.Lock()
+	backends := slices.Clone(c.backends)
+	c.mu.Unlock()
+	if len(backends) == 0 {
+		t.Fatal("no backend after Warm")
+	}
+	for _, b := range backends {
+		plans := map[string]int64{}
+		err := b.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+			rows, err := conn.Query(ctx, "SELECT statement, generic_plans + custom_plans FROM pg_prepared_statements")
+			if err != nil {
+				return err
+			}
+			var sql string
+			var n int64
+			_, err = pgx.ForEachRow(rows, []any{&sql, &n}, func() error {
+				plans[sql] = n
+				return nil
+			})
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, h := range hotStatements() {
+			if n, ok := plans[h.sql]; !ok || n < 1 {
+				t.Errorf("backend %d: %q prepared %v, planned %d times; want prepared and run", b.PID(), h.sql, ok, n)
+			}
+		}
 	}
 }
 

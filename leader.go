@@ -287,12 +287,12 @@ func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 	if err != nil {
 		return nil, errorf("election %q: %w", e.name, err)
 	}
-	// Open the guard session now, while following, and prepare the guard's
-	// try there, so that a takeover waits neither for a connection nor for
-	// a planning round trip.
-	if err := e.prepareGuard(ctx); err != nil {
+	// Open the guard session now, while following, so that a takeover
+	// does not wait for a connection. The guard's try, a bigint key's
+	// TryLock, is prepared on every session as it connects.
+	if _, err := e.c.guardSession(ctx); err != nil {
 		sub.close()
-		return nil, errorf("election %q: %w", e.name, err)
+		return nil, errorf("election %q: open guard session: %w", e.name, err)
 	}
 	for {
 		l, err := e.wait(ctx)
@@ -426,17 +426,6 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, error)
 		return Term(term), time.Time{}, pgx.ErrNoRows
 	}
 	return Term(term), *since, nil
-}
-
-// prepareGuard opens the Client's guard session, if needed, and prepares
-// there the guard's try, which a takeover runs first.
-func (e *Election) prepareGuard(ctx context.Context) error {
-	s, err := e.c.guardSession(ctx)
-	if err != nil {
-		return errorf("open guard session: %w", err)
-	}
-	try, _ := trySQL(lockFunc(false, true), []Key{e.guard}, s.pid)
-	return s.prepare(ctx, []string{try})
 }
 
 // takeGuard takes the election's guard on the Client's guard session,

@@ -402,11 +402,13 @@ func (s *Session) heartbeat() {
 	}
 }
 
+const pingSQL = "SELECT pg_backend_pid()"
+
 // ping proves the connection alive with one round trip, and that the
 // backend behind it is still the one that holds the session's locks.
 func (s *Session) ping(ctx context.Context, conn *pgx.Conn) error {
 	var pid int32
-	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+	if err := conn.QueryRow(ctx, pingSQL).Scan(&pid); err != nil {
 		return err
 	}
 	if pid != s.pid {
