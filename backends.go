@@ -392,9 +392,6 @@ func (c *Client) connect(ctx context.Context) (*pgx.Conn, int32, error) {
 		return nil, 0, err
 	}
 	pid, err := c.prepare(ctx, conn)
-	if err == nil {
-		err = prepareHot(ctx, conn)
-	}
 	if err != nil {
 		closeConn(conn, c.cfg.lossDeadline)
 		return nil, 0, err
@@ -413,25 +410,18 @@ type hotStatement struct {
 // bigint key, and of the heartbeat.
 var hotStatements = sync.OnceValue(func() []hotStatement {
 	k := []Key{Int64Key(0)}
-	var hot []hotStatement
-	for _, build := range []func() (string, []any){
-		func() (string, []any) { return trySQL(lockFunc(false, true), k, 0) },
-		func() (string, []any) { return waitSQL(lockFunc(false, false), k, 0) },
-		func() (string, []any) { return unlockSQL(unlockFunc(false), k, 0) },
-		func() (string, []any) { return pingSQL, nil },
-	} {
-		sql, args := build()
-		hot = append(hot, hotStatement{sql, args})
-	}
-	return hot
+	try, tryArgs := trySQL(lockFunc(false, true), k, 0)
+	wait, waitArgs := waitSQL(lockFunc(false, false), k, 0)
+	unlock, unlockArgs := unlockSQL(unlockFunc(false), k, 0)
+	return []hotStatement{{try, tryArgs}, {wait, waitArgs}, {unlock, unlockArgs}, {pingSQL, nil}}
 })
 
-// prepareHot prepares hotStatements on a new connection and runs each
-// once, guarded to do nothing. Else a backend's first lock would cost
-// pgx's prepare round trip, and the server's first lookups of the
-// statement's functions in its catalogs: together a few times a warm
-// lock, and more on a loaded machine, where a tight deadline would then
-// miss on a connection that was ready.
+// prepareHot prepares hotStatements on a session's new connection and
+// runs each once, guarded to do nothing. Else a backend's first lock would
+// cost pgx's prepare round trip, and the server's first lookups of the
+// statement's functions in its catalogs: together a few times a warm lock,
+// and more on a loaded machine, where a tight deadline would then miss on
+// a connection that was ready.
 func prepareHot(ctx context.Context, conn *pgx.Conn) error {
 	for _, h := range hotStatements() {
 		if _, err := conn.Prepare(ctx, h.sql, h.sql); err != nil {

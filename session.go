@@ -72,6 +72,10 @@ func (c *Client) newSession(ctx context.Context, managed bool) (*Session, error)
 	if err != nil {
 		return nil, err
 	}
+	if err := prepareHot(ctx, conn); err != nil {
+		closeConn(conn, c.cfg.lossDeadline)
+		return nil, err
+	}
 	s := &Session{
 		c:        c,
 		conn:     conn,
