@@ -301,18 +301,8 @@ func TestFaultFailover(t *testing.T) {
 	})
 
 	primary.Stop(t)
-	stopped := time.Now()
-	bound := lossNoticeBound(&config{heartbeat: DefaultHeartbeat})
-	for _, h := range []*Lock{l, sl} {
-		select {
-		case <-h.Done():
-		case <-time.After(time.Until(stopped.Add(bound))):
-			t.Fatalf("lock %v still believed held %v after the primary stopped", h.Keys(), bound)
-		}
-		if !errors.Is(h.Err(), ErrLockLost) {
-			t.Fatalf("lock %v ended with %v, want ErrLockLost", h.Keys(), h.Err())
-		}
-	}
+	locks := []*Lock{l, sl}
+	awaitLost(t, locks, func(i int) string { return fmt.Sprintf("lock %v", locks[i].Keys()) }, time.Now(), "the primary stopped")
 	if !errors.Is(s.Err(), ErrLockLost) {
 		t.Fatalf("session: %v, want ErrLockLost", s.Err())
 	}

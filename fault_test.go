@@ -287,6 +287,43 @@ func (p *faultProc) ended(t testing.TB) (at time.Time, lost bool, why string) {
 	return time.Unix(0, ns), f[2] == "lost=true", strings.Join(f[3:], " ")
 }
 
+// awaitLossReported waits for the holder child to report that its hold
+// ended, and checks that it was reported lost within the loss-notice bound
+// of the default heartbeat after since (the event named by after).
+func (p *faultProc) awaitLossReported(t testing.TB, who string, since time.Time, after string) {
+	t.Helper()
+	at, lost, why := p.ended(t)
+	if !lost {
+		t.Fatalf("%s's hold ended with %q, want ErrLockLost", who, why)
+	}
+	bound := lossNoticeBound(&config{heartbeat: DefaultHeartbeat})
+	if took := at.Sub(since); took > bound {
+		t.Errorf("%s reported the loss %v after %s, want within %v", who, took, after, bound)
+	}
+	t.Logf("%s reported the loss %v after %s: %s", who, at.Sub(since).Round(time.Millisecond), after, why)
+}
+
+// awaitLost checks that each of holds ends, with ErrLockLost, within the
+// loss-notice bound of the default heartbeat after since (the event named
+// by after). name describes the i-th hold in messages.
+func awaitLost[H interface {
+	Done() <-chan struct{}
+	Err() error
+}](t testing.TB, holds []H, name func(i int) string, since time.Time, after string) {
+	t.Helper()
+	bound := lossNoticeBound(&config{heartbeat: DefaultHeartbeat})
+	for i, h := range holds {
+		select {
+		case <-h.Done():
+		case <-time.After(time.Until(since.Add(bound))):
+			t.Fatalf("%s still believed held %v after %s", name(i), bound, after)
+		}
+		if !errors.Is(h.Err(), ErrLockLost) {
+			t.Fatalf("%s ended with %v, want ErrLockLost", name(i), h.Err())
+		}
+	}
+}
+
 // acquired is the outcome of a contender's acquire, and when it returned.
 type acquired struct {
 	h   faultHold
@@ -516,15 +553,7 @@ func TestFaultHolderLoss(t *testing.T) {
 				if f := p.await(t, "write", testTimeout); f[1] != "stale" {
 					t.Fatalf("old holder's write after the fault: %q, want stale", f)
 				}
-				at, lost, why := p.ended(t)
-				if !lost {
-					t.Fatalf("old holder's hold ended with %q, want ErrLockLost", why)
-				}
-				bound := lossNoticeBound(&config{heartbeat: DefaultHeartbeat})
-				if took := at.Sub(resumed); took > bound {
-					t.Errorf("old holder reported the loss %v after the fault (or SIGCONT), want within %v", took, bound)
-				}
-				t.Logf("old holder reported the loss %v after the fault (or SIGCONT): %s", at.Sub(resumed).Round(time.Millisecond), why)
+				p.awaitLossReported(t, "old holder", resumed, "the fault (or SIGCONT)")
 			}
 			if w := writers(t, pool, target); len(w) != 1 || w[0] != "contender" {
 				t.Fatalf("fault_writes for %v: %q, want only the contender's write", target, w)
@@ -579,17 +608,7 @@ func TestFaultServerRestart(t *testing.T) {
 			}
 			back := time.Now()
 			pool.Reset() // its connections died with the server
-			bound := lossNoticeBound(&config{heartbeat: DefaultHeartbeat})
-			for i, h := range append(holds, lockHold{sl}) {
-				select {
-				case <-h.Done():
-				case <-time.After(time.Until(back.Add(bound))):
-					t.Fatalf("hold %d still believed held %v after the server came back", i, bound)
-				}
-				if !errors.Is(h.Err(), ErrLockLost) {
-					t.Fatalf("hold %d ended with %v, want ErrLockLost", i, h.Err())
-				}
-			}
+			awaitLost(t, append(holds, lockHold{sl}), func(i int) string { return fmt.Sprintf("hold %d", i) }, back, "the server came back")
 			<-s.Done()
 			if !errors.Is(s.Err(), ErrLockLost) {
 				t.Fatalf("session ended with %v, want ErrLockLost", s.Err())

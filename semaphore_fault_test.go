@@ -254,16 +254,7 @@ func TestSemaphoreFaultPausedHolder(t *testing.T) {
 	}
 
 	p.Signal(syscall.SIGCONT)
-	resumed := time.Now()
-	at, lost, why := p.ended(t)
-	if !lost {
-		t.Fatalf("the paused holder's permit ended with %q, want ErrLockLost", why)
-	}
-	bound := lossNoticeBound(&config{heartbeat: DefaultHeartbeat})
-	if d := at.Sub(resumed); d > bound {
-		t.Errorf("the paused holder reported the loss %v after SIGCONT, want within %v", d, bound)
-	}
-	t.Logf("the paused holder reported the loss %v after SIGCONT: %s", at.Sub(resumed).Round(time.Millisecond), why)
+	p.awaitLossReported(t, "the paused holder", time.Now(), "SIGCONT")
 	p.Send(t, "release")
 	if f := p.await(t, "released", testTimeout); !strings.Contains(strings.Join(f, " "), strings.TrimPrefix(ErrLockLost.Error(), prefix)) {
 		t.Fatalf("the paused holder's Release: %q, want ErrLockLost", f)
@@ -321,17 +312,7 @@ func TestSemaphoreFaultServerRestart(t *testing.T) {
 			}
 			back := time.Now()
 			pool.Reset()
-			bound := lossNoticeBound(&config{heartbeat: DefaultHeartbeat})
-			for i, p := range held {
-				select {
-				case <-p.Done():
-				case <-time.After(time.Until(back.Add(bound))):
-					t.Fatalf("permit %d still believed held %v after the server came back", i, bound)
-				}
-				if !errors.Is(p.Err(), ErrLockLost) {
-					t.Fatalf("permit %d ended with %v, want ErrLockLost", i, p.Err())
-				}
-			}
+			awaitLost(t, held, func(i int) string { return fmt.Sprintf("permit %d", i) }, back, "the server came back")
 
 			var extra *Permit // the waiter's, if it got one
 			if r := receivePermit(t, waiter); r.err != nil {
@@ -344,14 +325,7 @@ func TestSemaphoreFaultServerRestart(t *testing.T) {
 			if extra != nil && st.slots[extra.Slot()] != extra.l.s.PID() {
 				// Granted on the old server, between the holders' deaths
 				// and its own backend's: it must report the loss too.
-				select {
-				case <-extra.Done():
-				case <-time.After(time.Until(back.Add(bound))):
-					t.Fatalf("the waiter's permit, not in pg_locks, still believed held %v after the server came back", bound)
-				}
-				if !errors.Is(extra.Err(), ErrLockLost) {
-					t.Fatalf("the waiter's permit, not in pg_locks, ended with %v, want ErrLockLost", extra.Err())
-				}
+				awaitLost(t, []*Permit{extra}, func(int) string { return "the waiter's permit, not in pg_locks," }, back, "the server came back")
 				t.Logf("the waiter's permit was granted before the %s and reported lost: %v", fault, extra.Err())
 				extra = nil
 			}
