@@ -44,6 +44,7 @@ type request struct {
 	try     bool
 	fence   bool
 	tried   bool     // a try of these keys just failed: wait at once
+	waiting bool     // the acquire waits on a backend that waitBackend gave it
 	prepare []string // statements to prepare on the backend first
 }
 
@@ -69,30 +70,40 @@ func newRequest(keys []Key, shared, try bool, opts []LockOption) (request, error
 	return r, nil
 }
 
-// Lock blocks until it holds key exclusively, on one of the Client's shared
-// dedicated connections, and returns the held lock. ctx bounds only the wait: once
-// Lock returns, the lock is held until Unlock or loss, whatever happens to
-// ctx. If the wait fails or is cancelled, nothing stays locked. Errors:
-// ctx's error (or cause) if it ended first, [ErrClosed], [ErrDeadlock],
-// [ErrTooManyLocks], [ErrInvalidKey], [ErrNotMigrated] (with WithFence), or
-// the connection error.
+// Lock blocks until it holds key exclusively, on one of the Client's
+// dedicated connections, and returns the held lock. ctx bounds only the
+// wait: once Lock returns, the lock is held until Unlock or loss, whatever
+// happens to ctx. If the wait fails or is cancelled, nothing stays locked.
+// Lock rides through a lost connection, a server restart or a failover: it
+// keeps trying to reach a writable server, backing off, until ctx ends.
+// Errors: ctx's error (or cause) if it ended first, joined with the last
+// connection error if the server could not be reached; [ErrClosed];
+// [ErrDeadlock] if the application has a lock cycle; [ErrTooManyLocks];
+// [ErrInvalidKey]; [ErrNotMigrated] (with WithFence); or
+// [ErrTransactionPooling].
 func (c *Client) Lock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
 	return c.acquire(ctx, nil, []Key{key}, false, false, opts)
 }
 
 // TryLock takes key exclusively if nobody holds it, without waiting. It
 // returns an error wrapping [ErrLocked] if another holder has it, in this
-// process or any other. ctx bounds the round trip. Other errors are as for
-// Lock.
+// process or any other. ctx bounds the round trip. It fails fast when the
+// server cannot be reached (after one more attempt on another connection
+// if its connection was lost). Other errors are as for Lock.
 func (c *Client) TryLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
 	return c.acquire(ctx, nil, []Key{key}, false, true, opts)
 }
 
 // RLock blocks until it holds key shared: any number of shared holders
 // coexist, and exclude exclusive ones. A waiting exclusive holder is not
-// starved: PostgreSQL queues new shared requests behind it. ctx, opts and
-// errors are as for Lock, except that [WithFence] is refused (a fence
-// orders exclusive holders).
+// starved: PostgreSQL queues new shared requests behind it, and readers of
+// one Client join each other's hold without asking the server only for a
+// short while after it was taken (the bounds of [WithHandoff]), so they
+// too queue behind a writer that waits. As with sync.RWMutex, a goroutine
+// must not take a key shared again while it holds it shared: if a writer
+// waits meanwhile, the second RLock waits behind it, and the writer waits
+// for the first. ctx, opts and errors are as for Lock, except that
+// [WithFence] is refused (a fence orders exclusive holders).
 func (c *Client) RLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
 	return c.acquire(ctx, nil, []Key{key}, true, false, opts)
 }
@@ -180,7 +191,11 @@ func (s *Session) TryLock(ctx context.Context, key Key, opts ...LockOption) (*Lo
 	return s.c.acquire(ctx, s, []Key{key}, false, true, opts)
 }
 
-// RLock is [Client.RLock] on this session's connection.
+// RLock is [Client.RLock] on this session's connection, with one
+// difference: the session holds each key once, so every shared hold of a
+// key on one session joins the first without asking the server, and a
+// writer elsewhere waits until all of them are released. Readers that must
+// let a waiting writer in take the key through the Client.
 func (s *Session) RLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
 	return s.c.acquire(ctx, s, []Key{key}, true, false, opts)
 }
@@ -190,9 +205,13 @@ func (s *Session) TryRLock(ctx context.Context, key Key, opts ...LockOption) (*L
 	return s.c.acquire(ctx, s, []Key{key}, true, true, opts)
 }
 
-// LockAll is [Client.LockAll] on this session's connection. A session that
-// is chosen as a deadlock victim while holding other locks is lost (its
-// connection is closed, freeing all its locks) so the other side can go on.
+// LockAll is [Client.LockAll] on this session's connection. The session's
+// locks and its waits are one session to the server: a wait on a session
+// that holds other locks is, to PostgreSQL, a session that holds and waits.
+// If the server picks it as a deadlock victim, the acquire returns an error
+// wrapping [ErrDeadlock], leaves nothing of its keys behind, and the
+// session and its other locks live: release some to let the other side go
+// on.
 func (s *Session) LockAll(ctx context.Context, keys ...Key) (*Lock, error) {
 	return s.c.acquire(ctx, s, keys, false, false, nil)
 }
@@ -240,7 +259,8 @@ func (c *Client) acquireGated(ctx context.Context, s *Session, r request, observ
 			accept = func(l *Lock) bool { return l.s == s }
 		}
 	}
-	for i, k := range r.keys {
+	for i := 0; i < len(r.keys); i++ {
+		k := r.keys[i]
 		handed, ok, err := c.gates.enter(ctx, k, shared, try, accept, queued)
 		if err == nil && !ok {
 			if observed {
@@ -254,16 +274,24 @@ func (c *Client) acquireGated(ctx context.Context, s *Session, r request, observ
 			}
 			return nil, false, c.acquireErr(ctx, r, err)
 		}
-		if handed != nil {
-			if r.fence {
-				if err := handed.s.issueFence(ctx, handed); err != nil {
-					handed.unreported.Store(true) // the acquire fails: no release to report
-					_ = handed.Unlock(ctx)
-					return nil, false, c.acquireErr(ctx, r, err)
-				}
-			}
-			return handed, true, nil
+		if handed == nil {
+			continue
 		}
+		if r.fence {
+			if err := handed.s.issueFence(ctx, handed); err != nil {
+				handed.unreported.Store(true) // the acquire fails: no release to report
+				_ = handed.Unlock(ctx)
+				if errorIsLoss(err) && ctx.Err() == nil {
+					// The backend was lost with the lock handed over, which
+					// left the key's gate: queue for the key again, and take
+					// it on another backend.
+					i--
+					continue
+				}
+				return nil, false, c.acquireErr(ctx, r, err)
+			}
+		}
+		return handed, true, nil
 	}
 	var l *Lock
 	var err error

@@ -356,10 +356,12 @@ func TestLossOnTerminatedBackend(t *testing.T) {
 	mustUnlock(t, l)
 }
 
-// Two sessions locking two keys in opposite order: PostgreSQL picks one as
-// the deadlock victim, that session's locks are freed and the other one
-// proceeds. LockAll on the same workload never deadlocks.
-func TestDeadlockVictimFreesItsLocks(t *testing.T) {
+// Two sessions locking two keys in opposite order: a lock cycle of the
+// application. PostgreSQL picks one acquire as the deadlock victim: it
+// fails with ErrDeadlock and takes nothing, and its session and the lock it
+// held live on (pg_locks), until the application releases that lock; then
+// the other side proceeds.
+func TestDeadlockVictimKeepsItsSession(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
 	dsn := pgtest.DB(t)
@@ -369,31 +371,46 @@ func TestDeadlockVictimFreesItsLocks(t *testing.T) {
 	s2 := newTestSession(t, newTestClient(t, dsn))
 	a, b := Int64Key(1), Int64Key(2)
 
-	if _, err := s1.Lock(ctx, a); err != nil {
+	la, err := s1.Lock(ctx, a)
+	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := s2.Lock(ctx, b); err != nil {
+	lb, err := s2.Lock(ctx, b)
+	if err != nil {
 		t.Fatal(err)
 	}
 	ch1 := goLock(func() (*Lock, error) { return s1.Lock(ctx, b) })
 	ch2 := goLock(func() (*Lock, error) { return s2.Lock(ctx, a) })
-	r1, r2 := receive(t, ch1), receive(t, ch2)
-	victim, winner, wres := s1, s2, r2
-	if r1.err == nil {
-		victim, winner, wres = s2, s1, r1
+	var victim, winner *Session
+	var vheld *Lock
+	var wch <-chan result
+	select {
+	case r := <-ch1:
+		victim, winner, vheld, wch = s1, s2, la, ch2
+		if !errors.Is(r.err, ErrDeadlock) {
+			t.Fatalf("first acquire to return: %v, want ErrDeadlock", r.err)
+		}
+	case r := <-ch2:
+		victim, winner, vheld, wch = s2, s1, lb, ch1
+		if !errors.Is(r.err, ErrDeadlock) {
+			t.Fatalf("first acquire to return: %v, want ErrDeadlock", r.err)
+		}
+	case <-time.After(testTimeout):
+		t.Fatal("no deadlock was detected")
 	}
-	verr := r1.err
-	if victim == s2 {
-		verr = r2.err
+	if err := victim.Err(); err != nil {
+		t.Fatalf("victim session: %v, want it open", err)
 	}
-	if !errors.Is(verr, ErrDeadlock) {
-		t.Fatalf("victim's Lock: %v, want ErrDeadlock", verr)
+	if err := vheld.Err(); err != nil {
+		t.Fatalf("victim's held lock: %v, want it held", err)
 	}
+	heldOnlyBy(t, dsn, vheld.Key(), victim.PID())
+	stillWaiting(t, wch)
+	// The application resolves its cycle: the victim lets go.
+	mustUnlock(t, vheld)
+	wres := receive(t, wch)
 	if wres.err != nil {
 		t.Fatalf("winner's Lock: %v", wres.err)
-	}
-	if !errors.Is(victim.Err(), ErrLockLost) || !errors.Is(victim.Err(), ErrDeadlock) {
-		t.Fatalf("victim session Err: %v, want ErrLockLost wrapping ErrDeadlock", victim.Err())
 	}
 	heldOnlyBy(t, dsn, a, winner.PID())
 	heldOnlyBy(t, dsn, b, winner.PID())

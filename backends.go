@@ -3,35 +3,75 @@ package pgcoord
 import (
 	"context"
 	"errors"
-	"sync"
-
-	"github.com/jackc/pgx/v5"
+	"time"
 )
 
-// The Client's shared backends
+// The Client's backends, and which statement may run on which
 //
 // Locks taken through a Client (Lock, TryLock, RLock, TryRLock, LockAll,
-// Do) live on a few dedicated connections that the Client shares among all
-// its locks; a held lock costs an entry in the server's lock table, not a
-// connection. An acquire first tries its keys, without waiting, on a
-// shared backend that is not busy with a wait: one round trip, and no new
-// connection, when the keys are free. Only when the keys are held
-// elsewhere does it wait on the server, and such waits run on their own
-// backends: at most WithMaxWaits (default DefaultMaxWaits) at once; further
-// waits queue in the process, first come first served, until one ends.
-// So a Client never uses more than WithSharedBackends + WithMaxWaits
+// Do, and the locks of elections and semaphores) live on a few dedicated
+// connections that the Client shares among all its locks; a held lock
+// costs an entry in the server's lock table, not a connection.
+//
+// PostgreSQL sees each backend as one session: its deadlock detector, its
+// lock_timeout and its lock queue know the backend, not the goroutine. A
+// backend that holds goroutine A's lock and waits for goroutine B's key is,
+// to the server, a session that holds one lock and waits for another, and
+// the server may pick it as a deadlock victim for a cycle that no
+// goroutine of the application has. So one rule decides where a statement
+// runs, enforced by route and waitBackend below and by Session.reserve:
+//
+//   - A statement that does not block (a try, an unlock, the heartbeat)
+//     runs on any backend that is not waiting.
+//   - A statement that waits for a lock held elsewhere runs only on a
+//     backend that holds nothing. The backend is marked as waiting for the
+//     length of the acquire, and nothing else takes a key on it meanwhile.
+//     A backend whose wait was granted keeps its key and serves tries from
+//     then on, like any other; it can wait again once it holds nothing.
+//   - Every blocking statement, on any backend (a wait, or the issue of a
+//     fence, which waits for a transaction that checked the old fence),
+//     runs in slices of the lease (Session.block): the server answers at
+//     least every slice, so a backend that holds locks always proves
+//     itself alive in time, and another statement that needs the backend
+//     interrupts the slice and runs first.
+//   - A statement's error is the statement's, not the backend's: a
+//     deadlock, a lock timeout or a cancel ends that statement, whatever it
+//     may have taken is released on the same backend, and the backend and
+//     its other locks live. Only a broken connection or a lost lease ends a
+//     backend.
+//
+// An acquire first tries its keys, without waiting, on a backend that is
+// not waiting: one round trip, and no new connection, when the keys are
+// free. Only when they are held elsewhere does it wait on the server, on a
+// backend that holds nothing: at most WithMaxWaits (default
+// DefaultMaxWaits) such waits run at once, on backends opened when needed.
+// A blocking acquire that finds no backend it may wait on (WithMaxWaits
+// waits run already, or every backend the Client may open holds locks)
+// does not queue behind them: it tries its keys again, at once when a
+// backend frees up and otherwise at growing intervals of at most
+// maxPollInterval, until it can wait or gets the keys. So a Client's limits
+// delay an acquire but never deadlock goroutines whose lock order is
+// consistent. A Client uses at most WithSharedBackends + WithMaxWaits
 // connections (defaults 2 + 4) for its locks, whatever the number of keys
-// it holds. A lock granted after a wait stays on the backend that waited;
-// that backend then serves tries and later waits like any other (a wait
-// on a backend that holds locks is interrupted by an Unlock of one of
-// them, and resumes). Sessions from NewSession are separate: one
-// connection each.
+// it holds. Sessions from NewSession are separate: one connection each, on
+// which the application's own locks and waits are one session to the
+// server.
+//
+// Shared holds: goroutines of one Client that take a key shared join one
+// backend's hold of it without a round trip, but only for a short while
+// after the hold was taken from the server (the handoff bounds, see
+// WithHandoff). Later readers take the key on another backend, so the
+// server sees them and queues them behind a writer that waits for the key.
 //
 // Connections are opened in the background, bounded by the connect
-// timeout, not by the deadline of the call that needed one: a call that
-// gives up does not waste the connection, which the next call uses.
-// A lost backend ends every lock on it (their Done channels close and Err
-// wraps ErrLockLost); the Client opens another when it needs one.
+// timeout and the Client's Close, not by the deadline of the call that
+// needed one: a call that gives up does not waste the connection, which the
+// next call uses. A lost backend ends every lock on it (their Done channels
+// close and Err wraps ErrLockLost); the Client opens another when it needs
+// one. A blocking acquire rides through a lost backend, a server restart or
+// a failover: it keeps trying to reach a writable server, backing off, until
+// its ctx ends, and then returns ctx's error with the last connection error.
+// A try fails fast.
 
 // DefaultMaxWaits is how many blocking acquires of one Client wait on the
 // server at once unless WithMaxWaits says otherwise; DefaultSharedBackends
@@ -41,12 +81,14 @@ const (
 	DefaultSharedBackends = 2
 )
 
-// connectCall is a connection being opened in the background.
-type connectCall struct {
-	done chan struct{}
-	s    *Session
-	err  error
-}
+// Intervals of a blocking acquire that cannot wait on the server yet
+// (polling), and of one that cannot reach the server (retrying).
+const (
+	minPollInterval  = 2 * time.Millisecond
+	maxPollInterval  = 100 * time.Millisecond
+	minRetryInterval = 50 * time.Millisecond
+	maxRetryInterval = time.Second
+)
 
 // Stat is a snapshot of a Client's use of the server, like pgxpool.Stat.
 type Stat struct {
@@ -54,7 +96,7 @@ type Stat struct {
 	Sessions    int // connections of Sessions from NewSession
 	Connecting  int // connections being opened
 	Waits       int // blocking acquires waiting on the server
-	QueuedWaits int // blocking acquires queued in the process for a wait slot
+	QueuedWaits int // blocking acquires pausing before they try again: no backend to wait on, or the server unreachable
 	Locks       int // live Lock handles, on backends and Sessions
 
 	DroppedHookEvents int64 // events not delivered to WithHooks' hooks because too many were pending
@@ -73,10 +115,10 @@ func (c *Client) Stat() Stat {
 		DroppedHookEvents: c.hooks.droppedEvents(),
 	}
 	for s := range c.sessions {
-		if s.waiter {
+		s.state.Lock()
+		if s.waiting {
 			st.Waits++
 		}
-		s.state.Lock()
 		st.Locks += len(s.locks)
 		s.state.Unlock()
 	}
@@ -110,49 +152,125 @@ func (c *Client) warm(ctx context.Context, n int) error {
 	return nil
 }
 
-// take acquires r on the Client's backends: a try on a shared backend,
-// then, if the keys are held elsewhere, a wait on a backend of the waits.
-// A backend found dead (a server restart, say) takes nothing with it that
-// this acquire holds: the acquire goes on, on another backend.
+// Errors that route an acquire elsewhere; they never reach the caller.
+var (
+	// errRoute: the backend picked for a statement may not run it any
+	// more (it started a wait, or a shared hold there stopped taking
+	// joiners); pick again.
+	errRoute = errors.New("pgcoord: pick another backend")
+	// errNoWaitBackend: no backend may take a blocking wait now.
+	errNoWaitBackend = errors.New("pgcoord: no backend free to wait on")
+)
+
+// take acquires r on the Client's backends: a try on a backend that is not
+// waiting, then, if the keys are held elsewhere, a wait on a backend that
+// holds nothing. A blocking acquire that finds no such backend tries again
+// when one frees up, or after a while; one that cannot reach the server, or
+// whose backend is lost, tries again with backoff until ctx ends. A try
+// goes on once on another backend if its backend was lost, and otherwise
+// fails fast.
 func (c *Client) take(ctx context.Context, r request) (*Lock, error) {
-	var err error
-	for range c.cfg.sharedBackends + c.cfg.maxWaits + 1 {
-		var l *Lock
-		if l, err = c.takeOnce(ctx, r); err == nil || !errorIsLoss(err) || ctx.Err() != nil {
-			return l, err
+	poll, retry := minPollInterval, minRetryInterval
+	var last error // the last connection error, for a blocking acquire
+	for lost := 0; ; {
+		l, err := c.takeOnce(ctx, r)
+		var wait time.Duration
+		switch {
+		case err == nil:
+			return l, nil
+		case ctx.Err() != nil:
+			if last != nil && !errors.Is(err, last) {
+				err = errorf("%w (last connection error: %w)", err, last)
+			}
+			return nil, err
+		case errors.Is(err, errRoute):
+			continue
+		case errors.Is(err, errNoWaitBackend):
+			wait, poll = poll, min(2*poll, maxPollInterval)
+		case !connectionTrouble(err):
+			return nil, err
+		case r.try:
+			if lost++; lost > 1 || !errorIsLoss(err) {
+				return nil, err
+			}
+			continue
+		default:
+			last = err
+			wait, retry = retry, min(2*retry, maxRetryInterval)
+		}
+		if err := c.pause(ctx, wait); err != nil {
+			if last != nil {
+				err = errorf("%w (last connection error: %w)", err, last)
+			}
+			return nil, err
 		}
 	}
-	return nil, err
+}
+
+// connectionTrouble reports whether err means the server could not be
+// reached or a backend was lost, which a blocking acquire rides through.
+func connectionTrouble(err error) bool {
+	return errors.Is(err, ErrLockLost) || errors.Is(err, errConnect)
+}
+
+// pause waits d, or less if a backend frees up meanwhile, bounded by ctx.
+func (c *Client) pause(ctx context.Context, d time.Duration) error {
+	freed := c.freedSignal()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	c.queuedWaits.Add(1)
+	defer c.queuedWaits.Add(-1)
+	select {
+	case <-t.C:
+		return nil
+	case <-freed:
+		return nil
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+}
+
+// freedSignal returns a channel that is closed the next time a backend
+// may have become free to wait on.
+func (c *Client) freedSignal() <-chan struct{} {
+	c.freedMu.Lock()
+	defer c.freedMu.Unlock()
+	if c.freed == nil {
+		c.freed = make(chan struct{})
+	}
+	return c.freed
+}
+
+// backendFreed wakes the acquires that wait for a backend to wait on.
+func (c *Client) backendFreed() {
+	c.freedMu.Lock()
+	defer c.freedMu.Unlock()
+	if c.freed != nil {
+		close(c.freed)
+		c.freed = nil
+	}
 }
 
 func (c *Client) takeOnce(ctx context.Context, r request) (*Lock, error) {
 	tr := r
 	tr.try = true
-	b, err := c.fastBackend(ctx, r)
+	b, err := c.route(ctx, r)
 	if err != nil {
 		return nil, err
 	}
-	if err := b.prepare(ctx, r.prepare); err != nil {
-		return nil, err
+	if b != nil {
+		if err := b.prepare(ctx, r.prepare); err != nil {
+			return nil, err
+		}
+		l, err := b.take(ctx, tr)
+		if r.try || !errors.Is(err, ErrLocked) {
+			return l, err
+		}
+		if c.observed() {
+			c.contended(r, false)
+		}
 	}
-	l, err := b.take(ctx, tr)
-	if r.try || !errors.Is(err, ErrLocked) {
-		return l, err
-	}
-	if c.observed() {
-		c.contended(r, false)
-	}
-
-	c.queuedWaits.Add(1)
-	select {
-	case c.waitSlots <- struct{}{}:
-		c.queuedWaits.Add(-1)
-	case <-ctx.Done():
-		c.queuedWaits.Add(-1)
-		return nil, context.Cause(ctx)
-	}
-	defer func() { <-c.waitSlots }()
-	b, done, err := c.waitBackend(ctx, r)
+	b, done, err := c.waitBackend(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -160,44 +278,69 @@ func (c *Client) takeOnce(ctx context.Context, r request) (*Lock, error) {
 	if err := b.prepare(ctx, r.prepare); err != nil {
 		return nil, err
 	}
-	r.tried = true
+	r.tried, r.waiting = true, true
 	return b.take(ctx, r)
 }
 
-// fastBackend picks the backend for a try: one that already holds r's keys
-// shared (joining costs no round trip), else a free one that is not
-// waiting. It opens another when all are busy and fewer than the shared
-// count are open, and waits for a connection only when there is none.
-func (c *Client) fastBackend(ctx context.Context, r request) (*Session, error) {
+// route picks the backend for a try of r: a backend whose shared hold of
+// r's keys r may join (no round trip), else the least busy backend that is
+// not waiting and holds none of r's keys. It opens another while all are
+// busy and fewer than the shared count are open, and waits for a
+// connection only when there is none. When every backend holds one of r's
+// keys (shared holds that take no more joiners) and no other may be
+// opened, it returns nil for a blocking acquire, which then waits, and any
+// holder for a try, which joins there.
+func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 	for {
 		c.mu.Lock()
 		if c.closed {
 			c.mu.Unlock()
 			return nil, ErrClosed
 		}
-		if r.shared {
-			if b := c.holderOf(r.keys); b != nil {
-				c.mu.Unlock()
-				return b, nil
-			}
-		}
-		var pick *Session
+		var pick, holder *Session
 		n := 0
 		for _, b := range c.backends {
-			if b.waiter {
+			b.state.Lock()
+			waiting, held, joinable := b.waiting, false, false
+			for _, k := range r.keys {
+				if h := b.keys[k]; h != nil {
+					held = true
+					joinable = r.shared && h.shared && c.joinable(h)
+				}
+			}
+			busy := len(b.use) != 0
+			b.state.Unlock()
+			if waiting {
 				continue
 			}
 			n++
-			if pick == nil || len(b.use) == 0 && len(pick.use) != 0 {
+			switch {
+			case joinable:
+				c.mu.Unlock()
+				return b, nil
+			case held:
+				holder = b
+			case pick == nil || !busy && len(pick.use) != 0:
 				pick = b
 			}
 		}
+		started := false
 		if (pick == nil || len(pick.use) != 0) && n+c.opening < c.cfg.sharedBackends {
 			c.startConnect()
+			started = true
 		}
-		if pick != nil {
+		switch {
+		case pick != nil:
 			c.mu.Unlock()
 			return pick, nil
+		case holder != nil && r.try:
+			c.mu.Unlock()
+			return holder, nil
+		case holder != nil && c.opening == 0 && len(c.backends) >= c.cfg.sharedBackends+c.cfg.maxWaits:
+			c.mu.Unlock()
+			return nil, nil
+		case holder != nil && !started && len(c.backends)+c.opening < c.cfg.sharedBackends+c.cfg.maxWaits:
+			c.startConnect()
 		}
 		call := c.anyConnect()
 		c.mu.Unlock()
@@ -207,336 +350,72 @@ func (c *Client) fastBackend(ctx context.Context, r request) (*Session, error) {
 	}
 }
 
-// waitBackend picks the backend for a blocking acquire and marks it as
-// waiting; done unmarks it. Shared keys that a backend holds or is taking
-// are joined there. Otherwise it takes a backend that holds nothing, when
-// another remains for tries, or opens one while under the limit, or, at
-// the limit, waits on a backend that holds locks.
-func (c *Client) waitBackend(ctx context.Context, r request) (*Session, func(), error) {
+// joinable reports whether another handle may join h, a shared hold, on
+// its backend without asking the server: only within the handoff bounds
+// of the hold's start, so that a writer that waits on the server for the
+// key gets its turn once the readers that joined in time are done.
+func (c *Client) joinable(h *keyHold) bool {
+	return h.busy != nil || h.joins < c.cfg.maxHandoffs && time.Since(h.since) < c.cfg.handoffWindow
+}
+
+// waitBackend picks a backend that holds nothing for a blocking acquire
+// and marks it as waiting, so that nothing else takes a key on it; done
+// unmarks it. It opens one while fewer than WithSharedBackends +
+// WithMaxWaits are open. It returns errNoWaitBackend when WithMaxWaits
+// acquires wait already, or no backend may be opened and every open one
+// holds locks or waits.
+func (c *Client) waitBackend(ctx context.Context) (*Session, func(), error) {
 	for {
 		c.mu.Lock()
 		if c.closed {
 			c.mu.Unlock()
 			return nil, nil, ErrClosed
 		}
-		if r.shared {
-			if b := c.holderOf(r.keys); b != nil {
-				c.mu.Unlock()
-				return b, func() {}, nil
-			}
-		}
-		var idle, holder []*Session
+		var pick *Session
+		waits := 0
 		for _, b := range c.backends {
-			if b.waiter {
+			b.state.Lock()
+			if b.waiting {
+				waits++
+			} else if len(b.keys) == 0 && (pick == nil || len(b.use) == 0) {
+				pick = b
+			}
+			b.state.Unlock()
+		}
+		if waits >= c.cfg.maxWaits {
+			c.mu.Unlock()
+			return nil, nil, errNoWaitBackend
+		}
+		if pick != nil {
+			pick.state.Lock()
+			ok := len(pick.keys) == 0 && !pick.waiting && pick.err == nil
+			pick.waiting = ok
+			pick.state.Unlock()
+			c.mu.Unlock()
+			if !ok {
 				continue
 			}
-			if b.holdsNothing() {
-				idle = append(idle, b)
-			} else {
-				holder = append(holder, b)
-			}
+			return pick, func() {
+				pick.state.Lock()
+				pick.waiting = false
+				pick.state.Unlock()
+				c.backendFreed()
+			}, nil
 		}
-		var pick *Session
-		switch {
-		case len(idle) > 0 && len(idle)+len(holder) > 1:
-			pick = idle[len(idle)-1]
-		case len(c.backends)+c.opening < c.cfg.sharedBackends+c.cfg.maxWaits:
-			call := c.startConnect()
+		if len(c.backends)+c.opening >= c.cfg.sharedBackends+c.cfg.maxWaits {
 			c.mu.Unlock()
-			if err := c.awaitConnect(ctx, call); err != nil {
-				if !errors.Is(err, ErrTooManyConnections) || len(idle)+len(holder) == 0 {
-					return nil, nil, err
-				}
-				// No slot for another connection: wait on one we have.
-				c.mu.Lock()
-				pick = c.leastLoaded()
-				if pick == nil {
-					c.mu.Unlock()
-					return nil, nil, err
-				}
-				break
-			}
-			continue
-		case len(idle) > 0:
-			pick = idle[0]
-		default:
-			pick = c.leastLoaded()
+			return nil, nil, errNoWaitBackend
 		}
-		if pick == nil {
-			// Every backend waits; one will be free when a wait ends.
-			call := c.anyConnect()
-			c.mu.Unlock()
-			if err := c.awaitConnect(ctx, call); err != nil {
-				return nil, nil, err
-			}
-			continue
-		}
-		pick.waiter = true
+		have := len(c.backends) > 0
+		call := c.startConnect()
 		c.mu.Unlock()
-		return pick, func() {
-			c.mu.Lock()
-			pick.waiter = false
-			c.mu.Unlock()
-		}, nil
-	}
-}
-
-// holderOf returns a backend that holds or is taking one of keys, so that
-// another shared hold of them joins it there. The caller holds c.mu.
-func (c *Client) holderOf(keys []Key) *Session {
-	for _, b := range c.backends {
-		b.state.Lock()
-		for _, k := range keys {
-			if h := b.keys[k]; h != nil && h.shared {
-				b.state.Unlock()
-				return b
+		if err := c.awaitConnect(ctx, call); err != nil {
+			if have && errors.Is(err, ErrTooManyConnections) {
+				// The server has no slot for another connection: try on
+				// the ones the Client has until one frees up.
+				return nil, nil, errNoWaitBackend
 			}
-		}
-		b.state.Unlock()
-	}
-	return nil
-}
-
-// leastLoaded returns the non-waiting backend with the fewest locks. The
-// caller holds c.mu.
-func (c *Client) leastLoaded() *Session {
-	var pick *Session
-	least := 0
-	for _, b := range c.backends {
-		if b.waiter {
-			continue
-		}
-		b.state.Lock()
-		n := len(b.locks)
-		b.state.Unlock()
-		if pick == nil || n < least {
-			pick, least = b, n
+			return nil, nil, err
 		}
 	}
-	return pick
-}
-
-func (s *Session) holdsNothing() bool {
-	s.state.Lock()
-	defer s.state.Unlock()
-	return len(s.keys) == 0
-}
-
-// startConnect opens a backend in the background; when it is ready it
-// joins the Client's backends. The caller holds c.mu.
-func (c *Client) startConnect() *connectCall {
-	call := &connectCall{done: make(chan struct{})}
-	c.connects = append(c.connects, call)
-	c.opening++
-	c.wg.Add(1)
-	go func() {
-		defer c.wg.Done()
-		ctx, cancel := context.WithTimeout(c.closing, c.connectTimeout)
-		s, err := c.newSession(ctx, true)
-		cancel()
-		c.mu.Lock()
-		c.opening--
-		for i, x := range c.connects {
-			if x == call {
-				c.connects = append(c.connects[:i:i], c.connects[i+1:]...)
-				break
-			}
-		}
-		switch {
-		case err != nil:
-			if cause := context.Cause(ctx); c.closed && cause != nil {
-				err = cause
-			}
-		case c.closed:
-			err = ErrClosed
-		default:
-			c.sessions[s] = struct{}{}
-			c.backends = append(c.backends, s)
-		}
-		c.mu.Unlock()
-		if err != nil && s != nil {
-			s.close(context.Background())
-		}
-		call.s, call.err = s, err
-		close(call.done)
-	}()
-	return call
-}
-
-// anyConnect returns a connection being opened, or starts one. The caller
-// holds c.mu.
-func (c *Client) anyConnect() *connectCall {
-	if len(c.connects) > 0 {
-		return c.connects[len(c.connects)-1]
-	}
-	return c.startConnect()
-}
-
-// awaitConnect waits for call, bounded by ctx.
-func (c *Client) awaitConnect(ctx context.Context, call *connectCall) error {
-	select {
-	case <-call.done:
-		return call.err
-	case <-ctx.Done():
-		return context.Cause(ctx)
-	}
-}
-
-// connect opens a dedicated connection through the pool's connect path
-// (its dialer, wrapped, and its BeforeConnect and AfterConnect hooks) and
-// prepares it for holding locks. It returns the connection and its backend
-// pid.
-func (c *Client) connect(ctx context.Context) (*pgx.Conn, int32, error) {
-	conn, err := c.dial(ctx)
-	if err != nil {
-		return nil, 0, err
-	}
-	pid, err := c.prepare(ctx, conn)
-	if err != nil {
-		closeConn(conn, c.cfg.lossDeadline)
-		return nil, 0, err
-	}
-	return conn, pid, nil
-}
-
-// A hotStatement is a statement of a session's common path, with
-// arguments that make it do nothing: a pid guard of 0 matches no backend.
-type hotStatement struct {
-	sql  string
-	args []any
-}
-
-// hotStatements are the statements of Lock, TryLock and Unlock of one
-// bigint key, and of the heartbeat.
-var hotStatements = sync.OnceValue(func() []hotStatement {
-	k := []Key{Int64Key(0)}
-	try, tryArgs := trySQL(lockFunc(false, true), k, 0)
-	wait, waitArgs := waitSQL(lockFunc(false, false), k, 0)
-	unlock, unlockArgs := unlockSQL(unlockFunc(false), k, 0)
-	return []hotStatement{{try, tryArgs}, {wait, waitArgs}, {unlock, unlockArgs}, {pingSQL, nil}}
-})
-
-// prepareHot prepares hotStatements on a session's new connection and
-// runs each once, guarded to do nothing. Else a backend's first lock would
-// cost pgx's prepare round trip, and the server's first lookups of the
-// statement's functions in its catalogs: together a few times a warm lock,
-// and more on a loaded machine, where a tight deadline would then miss on
-// a connection that was ready.
-func prepareHot(ctx context.Context, conn *pgx.Conn) error {
-	for _, h := range hotStatements() {
-		if _, err := conn.Prepare(ctx, h.sql, h.sql); err != nil {
-			return errorf("prepare session connection: %w", err)
-		}
-		if _, err := conn.Exec(ctx, h.sql, h.args...); err != nil {
-			return errorf("prepare session connection: %w", err)
-		}
-	}
-	return nil
-}
-
-// dial opens a connection as the pool would.
-func (c *Client) dial(ctx context.Context) (*pgx.Conn, error) {
-	cc := c.connConfig.Copy()
-	if c.beforeConnect != nil {
-		if err := c.beforeConnect(ctx, cc); err != nil {
-			return nil, errorf("open connection: BeforeConnect: %w", err)
-		}
-	}
-	conn, err := pgx.ConnectConfig(ctx, cc)
-	if err != nil {
-		return nil, connectError(err)
-	}
-	if c.afterConnect != nil {
-		if err := c.afterConnect(ctx, conn); err != nil {
-			closeConn(conn, c.cfg.lossDeadline)
-			return nil, errorf("open connection: AfterConnect: %w", err)
-		}
-	}
-	return conn, nil
-}
-
-// connectError explains a failed connect; running out of connection slots
-// wraps ErrTooManyConnections.
-func connectError(err error) error {
-	if pgCode(err) == "53300" {
-		return errorf("open connection: %w: the server has no free connection slot (SQLSTATE 53300); raise max_connections, close idle connections elsewhere, or lower WithMaxWaits: %w", ErrTooManyConnections, err)
-	}
-	return errorf("open connection: %w", err)
-}
-
-// prepare applies the session settings to conn's backend and checks that
-// the backend is a primary that the connection keeps to itself. It returns
-// the backend's pid.
-//
-// Directly connected (or through a TCP proxy), the pid the server announced
-// at connect is the backend's, and one statement guarded by it does
-// everything. Otherwise a protocol-aware pooler is in between (PgBouncer,
-// pgcat, RDS Proxy, ...). In transaction pooling mode such a pooler may run
-// each statement on another backend, or keep handing back the same one
-// while it is idle, which no statement of the session alone can tell apart
-// from a backend of its own; so a pooler is refused unless the Client was
-// told it pools sessions (WithSessionPooler). Even then prepare asks a
-// second connection through the pooler which backend it lands on: the
-// session's own means the pooler shares backends between its clients.
-// Settings are applied with a statement guarded by the backend's pid, which
-// does nothing on another backend.
-func (c *Client) prepare(ctx context.Context, conn *pgx.Conn) (int32, error) {
-	major := serverMajor(conn.PgConn().ParameterStatus("server_version"))
-	pid, err := c.setup(ctx, conn, major, int32(conn.PgConn().PID()))
-	if !errors.Is(err, pgx.ErrNoRows) {
-		return pid, err
-	}
-	if !c.cfg.sessionPooler {
-		return 0, errorf("%w: a connection pooler is between pgcoord and the server (the backend pid differs from the one announced at connect); session locks cannot work through transaction pooling: use the Xact functions, or, if the pooler runs in session mode, pass WithSessionPooler", ErrTransactionPooling)
-	}
-	probe, err := c.dial(ctx)
-	if err != nil {
-		return 0, err
-	}
-	defer closeConn(probe, c.cfg.lossDeadline)
-	var inRecovery bool
-	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid(), pg_is_in_recovery()").Scan(&pid, &inRecovery); err != nil {
-		return 0, errorf("prepare session connection: %w", err)
-	}
-	if inRecovery {
-		return 0, readOnlyError()
-	}
-	var other int32
-	if err := probe.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&other); err != nil {
-		return 0, errorf("prepare session connection: probe: %w", err)
-	}
-	if other == pid {
-		return 0, errorf("%w: two client connections share backend %d (the pooler pools transactions, not sessions); use the Xact functions", ErrTransactionPooling, pid)
-	}
-	got, err := c.setup(ctx, conn, major, pid)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, errorf("%w: the backend changed between two statements (the pooler pools transactions, not sessions); use the Xact functions", ErrTransactionPooling)
-	}
-	return got, err
-}
-
-// setup runs the settings statement guarded by pid; pgx.ErrNoRows means it
-// ran on another backend and did nothing.
-func (c *Client) setup(ctx context.Context, conn *pgx.Conn, major int, pid int32) (int32, error) {
-	sql, args := setupSQL(c.cfg, major, pid)
-	var got int32
-	var inRecovery bool
-	dest := []any{&got, &inRecovery}
-	for range (len(args) - 1) / 2 {
-		dest = append(dest, new(string))
-	}
-	err := conn.QueryRow(ctx, sql, args...).Scan(dest...)
-	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		return 0, err
-	case err != nil:
-		return 0, errorf("prepare session connection: %w", err)
-	case inRecovery:
-		return 0, readOnlyError()
-	}
-	return got, nil
-}
-
-func readOnlyError() error {
-	return errorf("%w: pg_is_in_recovery() is true; connect to the primary", ErrReadOnly)
 }

@@ -31,8 +31,9 @@ type Client struct {
 	stop    context.CancelCauseFunc
 	wg      sync.WaitGroup // calls in flight and background work
 
-	waitSlots   chan struct{} // a token per blocking acquire waiting on the server
-	queuedWaits atomic.Int64
+	queuedWaits atomic.Int64  // blocking acquires that found no backend to wait on
+	freedMu     sync.Mutex    // guards freed
+	freed       chan struct{} // closed when a backend may have become free to wait on
 
 	notifier  notifier    // the listener connection's subscriptions
 	guardMu   sync.Mutex  // guards guard
@@ -100,7 +101,6 @@ func newClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
 		afterConnect:   pc.AfterConnect,
 		connectTimeout: pc.ConnConfig.ConnectTimeout,
 		gates:          gates{maxHandoffs: cfg.maxHandoffs, handoffWindow: cfg.handoffWindow},
-		waitSlots:      make(chan struct{}, cfg.maxWaits),
 		sessions:       make(map[*Session]struct{}),
 	}
 	if c.connectTimeout <= 0 {
@@ -158,27 +158,6 @@ func (c *Client) enter() error {
 	return nil
 }
 
-// openSession opens a session of its own (not one of the Client's shared
-// backends) and records it so Close can end it. It returns ErrClosed, with
-// the session closed, if the Client was closed meanwhile.
-func (c *Client) openSession(ctx context.Context) (*Session, error) {
-	s, err := c.newSession(ctx, false)
-	if err != nil {
-		return nil, err
-	}
-	c.mu.Lock()
-	closed := c.closed
-	if !closed {
-		c.sessions[s] = struct{}{}
-	}
-	c.mu.Unlock()
-	if closed {
-		s.close(context.Background())
-		return nil, ErrClosed
-	}
-	return s, nil
-}
-
 // untrack forgets a session whose connection is closed.
 func (c *Client) untrack(s *Session) {
 	c.mu.Lock()
@@ -189,13 +168,14 @@ func (c *Client) untrack(s *Session) {
 // retire stops routing locks to an ended session.
 func (c *Client) retire(s *Session) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	for i, b := range c.backends {
 		if b == s {
 			c.backends = append(c.backends[:i:i], c.backends[i+1:]...)
 			break
 		}
 	}
+	c.mu.Unlock()
+	c.backendFreed()
 }
 
 // handoff passes l, being released, to a goroutine of this Client that

@@ -100,11 +100,26 @@
 //   - Connections are the scarce thing: a Client's locks share a few
 //     backends. An acquire first tries its keys on a shared backend (one
 //     round trip, no new connection, when they are free); only a wait for
-//     keys held elsewhere needs a backend of its own, and at most
-//     [WithMaxWaits] wait at once. A Client uses at most
-//     [WithSharedBackends] + WithMaxWaits connections (2 + 4 by default)
-//     however many keys it holds; [Client.Stat] shows them. A lost backend
-//     ends every lock on it.
+//     keys held elsewhere needs a backend, and at most [WithMaxWaits] wait
+//     at once. A Client uses at most [WithSharedBackends] + WithMaxWaits
+//     connections (2 + 4 by default) however many keys it holds;
+//     [Client.Stat] shows them. A lost backend ends every lock on it.
+//   - A backend is one session to PostgreSQL, whichever goroutines its
+//     locks belong to; the server's deadlock detector, lock_timeout and
+//     lock queue see the backend. So a wait for a key held elsewhere runs
+//     only on a backend that holds nothing, and every statement that can
+//     wait (a lock, or a fence that waits for a transaction that checked
+//     the old one) runs in slices that end with an answer within the lease.
+//     No goroutine sees [ErrDeadlock] unless its application has a lock
+//     cycle, no goroutine's lock is lost because of another's wait, timeout
+//     or error, and a Client's limits delay a blocking acquire but never
+//     deadlock goroutines whose lock order is consistent: one that finds no
+//     backend to wait on tries its keys again until it can wait. A
+//     [Session] is different by design: its locks and waits are one
+//     session to the server, as the application chose.
+//   - A blocking acquire rides through a lost connection, a server restart
+//     or a failover: it keeps trying to reach a writable server, backing
+//     off, until its ctx ends. A try fails fast.
 //   - An error from a blocking acquire does not mean "not acquired":
 //     PostgreSQL may grant the lock just before it processes the cancel. A
 //     backend's count of each key is kept at 0 or 1 and every decision
@@ -166,11 +181,15 @@
 //     the connection. The server heard from the client no earlier than
 //     that, so it keeps the locks until at least 2L.
 //   - A blocking acquire waits on the server in slices of (L-H)/2
-//     (lock_timeout, for that statement only): each slice ends with an
-//     answer, which proves the connection alive, and the wait goes on. So
-//     a lock held on a backend keeps its loss deadline while another
-//     acquire waits on the same backend, even behind a proxy that keeps the
-//     client's socket alive. The price: a wait that lasts several slices
+//     (lock_timeout, for that statement only; a statement that waits for
+//     several keys is cancelled when its slice is over): each slice ends
+//     with an answer, which proves the connection alive, and the wait goes
+//     on. Whatever a slice took before it ended is released before the
+//     next, so a backend's count of each key stays 0 or 1. Issuing a fence,
+//     which waits while a transaction that checked the previous fence is
+//     open, runs in slices the same way. So a lock held on a backend keeps
+//     its loss deadline while another statement waits on the same backend,
+//     even behind a proxy that keeps the client's socket alive. The price: a wait that lasts several slices
 //     rejoins PostgreSQL's queue for the key at each slice, so among
 //     waiters of different processes the order is not strictly first come
 //     first served.
@@ -191,9 +210,10 @@
 // When a session is lost its Done channel closes, Err returns an error
 // wrapping [ErrLockLost] and the cause, every Lock on it ends the same way,
 // the context of every [Client.Do] callback on it is cancelled, and the
-// connection is closed. A Session chosen as a deadlock victim by any of
-// its acquires is lost as a whole, which frees its other locks so that the
-// other side of the cycle can go on.
+// connection is closed. Only a broken connection or a lost lease loses a
+// session: an acquire chosen as a deadlock victim, cancelled or timed out
+// fails alone, leaving nothing of its keys behind, and the session's other
+// locks live.
 //
 // No clock covers a holder that is paused (GC, SIGSTOP, a slow disk) while
 // it acts on what it thinks it holds, nor the cases above where the lock is

@@ -307,9 +307,9 @@ func TestFaultFailover(t *testing.T) {
 		t.Fatalf("session: %v, want ErrLockLost", s.Err())
 	}
 
-	if _, err := c.Lock(ctx, k, WithFence()); !errors.Is(err, ErrReadOnly) {
-		t.Fatalf("Lock with only the standby up: %v, want ErrReadOnly", err)
-	}
+	// A try fails fast; a blocking acquire keeps trying until its ctx
+	// ends, and then says what the server answered.
+	refusedAcquire(t, c, k, ErrReadOnly)
 	if _, err := c.NewSession(ctx); !errors.Is(err, ErrReadOnly) {
 		t.Fatalf("NewSession with only the standby up: %v, want ErrReadOnly", err)
 	}
@@ -317,14 +317,19 @@ func TestFaultFailover(t *testing.T) {
 		t.Fatalf("%d advisory locks on the standby, want none", n)
 	}
 
+	// A blocking acquire that starts while only the standby is up rides
+	// through the failover: it gets the key once the standby is promoted.
+	riding := goLock(func() (*Lock, error) { return c.Lock(ctx, k, WithFence()) })
+	pgtest.Eventually(t, testTimeout, "the blocking Lock is retrying", func() bool { return c.Stat().QueuedWaits > 0 })
 	standby.Promote(t)
 	if _, err := s.TryLock(ctx, sk); !errors.Is(err, ErrLockLost) {
 		t.Fatalf("TryLock on the session from the old primary: %v, want ErrLockLost", err)
 	}
-	nl, err := c.Lock(ctx, k, WithFence())
-	if err != nil {
-		t.Fatalf("Lock after promotion: %v", err)
+	res := receive(t, riding)
+	if res.err != nil {
+		t.Fatalf("Lock that waited through the promotion: %v", res.err)
 	}
+	nl := res.l
 	if nl.Fence() <= l.Fence() {
 		t.Fatalf("fence %d on the new primary, not above %d from the old one", nl.Fence(), l.Fence())
 	}

@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"fmt"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -15,12 +16,13 @@ func fenceRow(k Key) (space int16, key int64) {
 	return objsubid, int64(uint64(classid)<<32 | uint64(objid))
 }
 
-// nextFence issues the next fence for k: 1 the first time, then one more
-// than the last fence issued for k. It runs one statement; when q is not in
-// a transaction, the new fence is committed before nextFence returns. The
-// statement waits while a transaction that called CheckFence on k is open.
-// It returns an error wrapping ErrNotMigrated when the fences table does not
-// exist in the configured schema.
+// issueFenceSQL issues the next fence of the fence row ($1, $2) (see
+// fenceRow): 1 the first time, then one more than the last fence issued
+// for the key, and returns it. Outside a transaction, the new fence is
+// committed when the statement returns. The statement waits while a
+// transaction that called CheckFence on the key is open; if lockTimeout is
+// not 0, it is the number of a parameter that sets lock_timeout for that
+// wait (milliseconds, as text, for the statement's transaction only).
 //
 // The commit waits until the fence is flushed to the WAL, whatever
 // synchronous_commit the server, database, role or session sets: with it
@@ -28,24 +30,26 @@ func fenceRow(k Key) (space int16, key int64) {
 // fence would be issued again and a paused holder of it would pass
 // CheckFence. The statement itself sets synchronous_commit to on for the
 // transaction it runs in (set_config with is_local, evaluated in the
-// INSERT's FROM subquery), so this costs no extra round trip; remote_apply,
-// which also waits for the flush, is kept. When q is in an explicit
-// transaction, the setting lasts until that transaction ends, so the
-// commit of the whole transaction waits for the flush, unless the caller
-// sets synchronous_commit again after nextFence.
-// issueFenceSQL issues the next fence of the fence row ($1, $2) (see
-// fenceRow) and returns it. It sets synchronous_commit on for its
-// transaction (keeping remote_apply), so a crash cannot lose a fence that
-// was handed out and issue it again.
-func issueFenceSQL(c *config) string {
+// INSERT's FROM subquery, before the row is written or waited for), so this
+// costs no extra round trip; remote_apply, which also waits for the flush,
+// is kept. In an explicit transaction, the setting lasts until that
+// transaction ends.
+func issueFenceSQL(c *config, lockTimeout int) string {
+	timeout := ""
+	if lockTimeout != 0 {
+		timeout = fmt.Sprintf(", set_config('lock_timeout', $%d, true)", lockTimeout)
+	}
 	return "INSERT INTO " + c.table("fences") + ` AS f (key_space, key, fence)
 		SELECT $1, $2, 1 FROM (SELECT set_config('synchronous_commit',
 			CASE current_setting('synchronous_commit') WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END,
-			true)) AS durable
+			true)` + timeout + `) AS durable
 		ON CONFLICT (key_space, key) DO UPDATE SET fence = f.fence + 1
 		RETURNING f.fence`
 }
 
+// nextFence issues the next fence for k with one statement on q (see
+// issueFenceSQL). It returns an error wrapping ErrNotMigrated when the
+// fences table does not exist in the configured schema.
 func nextFence(ctx context.Context, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }, c *config, k Key) (int64, error) {
@@ -54,7 +58,7 @@ func nextFence(ctx context.Context, q interface {
 	}
 	space, key := fenceRow(k)
 	var fence int64
-	err := q.QueryRow(ctx, issueFenceSQL(c), space, key).Scan(&fence)
+	err := q.QueryRow(ctx, issueFenceSQL(c, 0), space, key).Scan(&fence)
 	if err != nil {
 		return 0, notMigrated(c, "issue fence for key "+k.String(), err)
 	}

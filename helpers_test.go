@@ -2,6 +2,7 @@ package pgcoord
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -154,5 +155,21 @@ func mustUnlock(t testing.TB, l *Lock) {
 	t.Helper()
 	if err := l.Unlock(context.Background()); err != nil {
 		t.Fatalf("Unlock: %v", err)
+	}
+}
+
+// refusedAcquire checks that acquires on c fail because the server cannot
+// be used, for the reason want: a TryLock at once, and a blocking Lock,
+// which keeps trying until its ctx ends, with its deadline and want.
+func refusedAcquire(t testing.TB, c *Client, k Key, want error) {
+	t.Helper()
+	ctx := testCtx(t)
+	if _, err := c.TryLock(ctx, k); !errors.Is(err, want) {
+		t.Fatalf("TryLock: %v, want %v", err, want)
+	}
+	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	if _, err := c.Lock(short, k); !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, want) {
+		t.Fatalf("Lock with a 300ms deadline: %v, want DeadlineExceeded with the last connection error (%v)", err, want)
 	}
 }

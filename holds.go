@@ -25,7 +25,7 @@ import (
 // take acquires r's keys on s and returns the new handle. On error, nothing
 // this call took stays held; the in-process gates stay the caller's.
 func (s *Session) take(ctx context.Context, r request) (*Lock, error) {
-	need, err := s.reserve(ctx, r.keys, r.shared)
+	need, err := s.reserve(ctx, r)
 	if err != nil {
 		return nil, err
 	}
@@ -40,13 +40,11 @@ func (s *Session) take(ctx context.Context, r request) (*Lock, error) {
 		if err == nil {
 			return nil, ErrLocked
 		}
-		if !errorIsLoss(err) {
+		if !errorIsLoss(err) && !errors.Is(err, errRoute) {
+			// The statement's error, not the backend's: a deadlock or a
+			// cancel ended this acquire, and the backend's other locks
+			// live.
 			err = pgError("acquire", err)
-			if errors.Is(err, ErrDeadlock) {
-				// Free this backend's other locks, so that the other side
-				// of the cycle can go on.
-				s.lose(err)
-			}
 		}
 		return nil, err
 	}
@@ -63,11 +61,16 @@ func (s *Session) take(ctx context.Context, r request) (*Lock, error) {
 	return l, nil
 }
 
-// reserve records, for each key, that one more handle is about to hold it
-// here. Keys the backend already holds (shared) are joined with no round
-// trip; the others are returned, marked busy, for the caller to take on
-// the server. A key whose statement is in flight is waited for first.
-func (s *Session) reserve(ctx context.Context, keys []Key, shared bool) ([]Key, error) {
+// reserve records, for each of r's keys, that one more handle is about to
+// hold it here. Keys the backend already holds (shared) are joined with no
+// round trip; the others are returned, marked busy, for the caller to take
+// on the server. A key whose statement is in flight is waited for first.
+//
+// On a backend of the Client's, reserve enforces the routing rule (see
+// backends.go): it returns errRoute, reserving nothing, when the backend
+// waits for another acquire and r would send a statement, or when a
+// blocking shared acquire would join a hold that takes no more joiners.
+func (s *Session) reserve(ctx context.Context, r request) ([]Key, error) {
 	for {
 		s.state.Lock()
 		if s.err != nil {
@@ -75,27 +78,25 @@ func (s *Session) reserve(ctx context.Context, keys []Key, shared bool) ([]Key, 
 			return nil, s.err
 		}
 		var busy chan struct{}
-		for _, k := range keys {
+		for _, k := range r.keys {
 			if h := s.keys[k]; h != nil && h.busy != nil {
 				busy = h.busy
 				break
 			}
 		}
 		if busy == nil {
-			for _, k := range keys {
-				if h := s.keys[k]; h != nil && (!shared || !h.shared) {
-					s.state.Unlock()
-					return nil, errorf("%s is already held on this backend in another mode", k)
-				}
+			need, err := s.needs(r)
+			if err != nil {
+				s.state.Unlock()
+				return nil, err
 			}
-			var need []Key
-			for _, k := range keys {
+			for _, k := range r.keys {
 				if h := s.keys[k]; h != nil {
 					h.n++
+					h.joins++
 					continue
 				}
-				s.keys[k] = &keyHold{shared: shared, busy: make(chan struct{})}
-				need = append(need, k)
+				s.keys[k] = &keyHold{shared: r.shared, busy: make(chan struct{})}
 			}
 			s.state.Unlock()
 			return need, nil
@@ -109,6 +110,28 @@ func (s *Session) reserve(ctx context.Context, keys []Key, shared bool) ([]Key, 
 			return nil, s.Err()
 		}
 	}
+}
+
+// needs returns the keys of r that the backend does not hold, checking
+// that r may join the others and send a statement here. The caller holds
+// s.state.
+func (s *Session) needs(r request) ([]Key, error) {
+	var need []Key
+	for _, k := range r.keys {
+		h := s.keys[k]
+		switch {
+		case h == nil:
+			need = append(need, k)
+		case !r.shared || !h.shared:
+			return nil, errorf("%s is already held on this backend in another mode", k)
+		case s.managed && !r.try && !s.c.joinable(h):
+			return nil, errRoute
+		}
+	}
+	if len(need) > 0 && s.waiting && !r.waiting {
+		return nil, errRoute
+	}
+	return need, nil
 }
 
 // lockKeys takes the reserved keys on the server, in order, chunk by chunk.
@@ -128,7 +151,7 @@ func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, er
 					s.c.contended(r, false)
 				}
 			}
-			if err := s.wait(ctx, chunk, r.shared); err != nil {
+			if err := s.block(ctx, s.lockStatement(chunk, r.shared)); err != nil {
 				return false, err
 			}
 			continue
@@ -161,18 +184,60 @@ func (s *Session) tryKeys(ctx context.Context, chunk []Key, shared bool) (bool, 
 	return err == nil && failed == 0, err
 }
 
-// wait takes keys on the server, waiting until they are free. It waits in
-// slices (lock_timeout) so that the server answers at least every slice,
-// which proves the connection alive while the wait goes on, and it lets
-// other statements on the connection interrupt it (they run, then the wait
-// resumes). Keys of a multi-key statement taken before a slice ended are
-// released before the next slice.
+// A blockingStatement is a statement that may wait for a lock held
+// elsewhere: an advisory lock, or a row that another transaction holds.
+// Session.block runs it in slices.
+type blockingStatement struct {
+	sql  string
+	args []any // the last one is the slice's lock_timeout, in milliseconds, as text: block fills it in
+	run  func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error
+	// undo releases, on the same connection, whatever a slice that ended
+	// without success may have taken; nil if such a slice takes nothing.
+	undo func(ctx context.Context, conn *pgx.Conn) error
+}
+
+// lockStatement takes keys (at most one chunk), waiting until they are
+// free. A slice that ends without them may still have taken some (the
+// keys before the one it waited for, or even that one: the server can
+// grant a lock and report the lock timeout when the holder frees it at
+// the last moment), so its undo releases them all, as far as they were
+// taken: the backend held none of them before, so its count of each key
+// is 0 again afterwards.
+func (s *Session) lockStatement(keys []Key, shared bool) blockingStatement {
+	sql, args := waitSQL(lockFunc(shared, false), keys, s.pid)
+	return blockingStatement{
+		sql:  sql,
+		args: args,
+		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+			tag, err := conn.Exec(ctx, sql, args...)
+			if err == nil && tag.RowsAffected() == 0 {
+				err = s.wrongBackend(pgx.ErrNoRows)
+			}
+			return err
+		},
+		undo: func(ctx context.Context, conn *pgx.Conn) error {
+			return s.unlockStatement(ctx, conn, keys, shared, false)
+		},
+	}
+}
+
+// block runs a blocking statement in slices, so that the server answers at
+// least every slice, which proves the connection alive (and with it every
+// lock of the backend) while the wait goes on. Each slice waits at most
+// the slice for each lock (lock_timeout, for that statement only) and is
+// cancelled when it has run a slice and a grace, which bounds a statement
+// that waits for several locks. Another statement that needs the
+// connection interrupts the slice, runs, and the wait resumes. A slice that
+// ends without success is undone (st.undo) before the next one. Blocking
+// statements on one session run one at a time.
 //
 // A slice that would outlast ctx's deadline is cut to it, so the server
 // itself ends the wait at the deadline: quicker than a cancel request,
 // which is sent only for other ends of ctx, or if the server has not
 // answered deadlineGrace after the deadline.
-func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
+//
+// On error, what the last slice may have taken is the caller's to undo.
+func (s *Session) block(ctx context.Context, st blockingStatement) error {
 	select {
 	case s.waitTurn <- struct{}{}:
 	case <-ctx.Done():
@@ -181,7 +246,7 @@ func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
 		return s.Err()
 	}
 	defer func() { <-s.waitTurn }()
-	sql, args := waitSQL(lockFunc(shared, false), keys, s.pid)
+	last := len(st.args) - 1
 	for {
 		slice, byDeadline := s.c.cfg.waitSlice(), false
 		if dl, ok := ctx.Deadline(); ok {
@@ -193,7 +258,7 @@ func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
 				slice, byDeadline = left, true
 			}
 		}
-		args[len(args)-1] = strconv.FormatInt((slice + time.Millisecond - 1).Milliseconds(), 10)
+		st.args[last] = strconv.FormatInt((slice + time.Millisecond - 1).Milliseconds(), 10)
 		sctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 		stop := context.AfterFunc(ctx, func() {
 			if byDeadline && ctx.Err() == context.DeadlineExceeded {
@@ -205,41 +270,38 @@ func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
 			}
 			cancel(context.Cause(ctx))
 		})
+		cut := time.AfterFunc(slice+deadlineGrace, func() { cancel(errSliceOver) })
 		if err := s.grabForWait(ctx, cancel); err != nil {
 			stop()
+			cut.Stop()
 			cancel(nil)
 			return err
 		}
 		err := s.exec(sctx, func(ctx context.Context, conn *pgx.Conn) error {
-			tag, err := conn.Exec(ctx, sql, args...)
-			if err == nil && tag.RowsAffected() == 0 {
-				err = s.wrongBackend(pgx.ErrNoRows)
-			}
-			return err
+			return st.run(ctx, conn, st.sql, st.args)
 		})
 		s.state.Lock()
 		s.interrupt = nil
 		s.state.Unlock()
 		stop()
-		yielded := errors.Is(context.Cause(sctx), errYield)
+		cut.Stop()
+		cause := context.Cause(sctx)
 		cancel(nil)
-		// A yield cancels the slice's statement: on the server (57014), or
-		// before pgx sent it (a context error, the connection intact).
-		yieldedHere := yielded && (pgCode(err) == "57014" || errors.Is(err, context.Canceled) && !s.conn.IsClosed())
-		if err == nil || ctx.Err() != nil || byDeadline || s.Err() != nil || !(pgCode(err) == "55P03" || yieldedHere) {
+		// A yield or the cut cancels the slice's statement: on the server
+		// (57014), or before pgx sent it (a context error, the connection
+		// intact).
+		yielded := errors.Is(cause, errYield)
+		interrupted := (yielded || errors.Is(cause, errSliceOver)) &&
+			(pgCode(err) == "57014" || errors.Is(err, context.Canceled) && !s.conn.IsClosed())
+		sliceEnded := interrupted || pgCode(err) == "55P03" && !byDeadline
+		if err == nil || ctx.Err() != nil || s.Err() != nil || !sliceEnded {
 			s.release()
 			return err
 		}
-		// The slice ended without the keys: go on waiting. A lock
-		// timeout ends a wait that was not granted, but a cancel (a
-		// yield) can land just after the grant, which the statement
-		// then does not report: release what the slice may have taken,
-		// or the next slice would take a key a second time.
-		if len(keys) > 1 || yielded {
+		// The slice ended without success: go on waiting, from nothing.
+		if st.undo != nil {
 			uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
-			err = s.exec(uctx, func(ctx context.Context, conn *pgx.Conn) error {
-				return s.unlockStatement(ctx, conn, keys, shared, false)
-			})
+			err = s.exec(uctx, st.undo)
 			cancel()
 			if err != nil {
 				s.release()
@@ -251,8 +313,12 @@ func (s *Session) wait(ctx context.Context, keys []Key, shared bool) error {
 }
 
 // deadlineGrace is how long after ctx's deadline a wait cut to it may go
-// on before it is cancelled with a cancel request.
+// on before it is cancelled with a cancel request; and how long after its
+// slice a slice may go on before it is.
 const deadlineGrace = 50 * time.Millisecond
+
+// errSliceOver cancels a slice that has run its time (see block).
+var errSliceOver = errors.New("pgcoord: wait slice over")
 
 // grabForWait takes the connection for one slice of a blocking acquire,
 // after any statement that is waiting for it, and installs interrupt.
@@ -296,9 +362,10 @@ func (s *Session) grabForWait(ctx context.Context, interrupt func(error)) error 
 func (s *Session) settle(need []Key, l *Lock) error {
 	s.state.Lock()
 	defer s.state.Unlock()
+	now := time.Now()
 	for _, k := range need {
 		h := s.keys[k]
-		h.n = 1
+		h.n, h.since = 1, now
 		close(h.busy)
 		h.busy = nil
 	}
@@ -372,11 +439,15 @@ func (s *Session) releaseKeys(ctx context.Context, keys []Key, shared bool) erro
 // backend no longer holds, and wakes whoever waits for them.
 func (s *Session) forgetKeys(keys []Key) {
 	s.state.Lock()
-	defer s.state.Unlock()
 	for _, k := range keys {
 		h := s.keys[k]
 		delete(s.keys, k)
 		close(h.busy)
+	}
+	empty := len(s.keys) == 0 && s.managed
+	s.state.Unlock()
+	if empty {
+		s.c.backendFreed()
 	}
 }
 
@@ -430,13 +501,24 @@ func (s *Session) drop(l *Lock) {
 	}
 }
 
-// issueFence gives l a new fence for its key.
+// issueFence gives l a new fence for its key, on l's backend. The
+// statement waits while a transaction that checked an older fence of the
+// key (CheckFence) is open, so it runs in slices like a lock wait: it
+// never keeps the backend's other locks from proving themselves alive,
+// nor their Unlock from running.
 func (s *Session) issueFence(ctx context.Context, l *Lock) error {
-	return s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		var err error
-		l.fence, err = nextFence(ctx, conn, s.c.cfg, l.keys[0])
-		return err
+	space, key := fenceRow(l.keys[0])
+	err := s.block(ctx, blockingStatement{
+		sql:  issueFenceSQL(s.c.cfg, 3),
+		args: []any{space, key, ""},
+		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+			return conn.QueryRow(ctx, sql, args...).Scan(&l.fence)
+		},
 	})
+	if err != nil {
+		return notMigrated(s.c.cfg, "issue fence for key "+l.keys[0].String(), err)
+	}
+	return nil
 }
 
 // wrongBackend turns "no row" from a statement guarded by

@@ -389,10 +389,11 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 // the election's lock. Parameters: $1 and $2 the
 // fence row (fenceRow), $3 the election's name, $4 its lock key, $5 the
 // identity, $6 the pid of the backend that holds the election's lock, $7
-// the notification channel. It returns the term, and the time the
-// leadership began, or no row if the leaders table holds a newer term.
+// the notification channel, $8 the lock_timeout of its waits for rows (see
+// Session.block). It returns the term, and the time the leadership began,
+// or no row if the leaders table holds a newer term.
 func recordSQL(c *config) string {
-	return `WITH fence AS (` + issueFenceSQL(c) + `),
+	return `WITH fence AS (` + issueFenceSQL(c, 8) + `),
 		won AS (
 			INSERT INTO ` + c.table("leaders") + ` AS l (name, lock_key, identity, term, since, pid)
 			SELECT $3, $4, $5, fence.fence, now(), $6 FROM fence
@@ -415,9 +416,15 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, error)
 	k, _ := e.key.Int64()
 	var term int64
 	var since *time.Time
-	err := l.s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		return conn.QueryRow(ctx, recordSQL(c.cfg), space, fkey, e.name, k, e.identity, l.s.pid, leaderChannel).
-			Scan(&term, &since, new(bool))
+	// The statement waits for the fences row while a transaction that
+	// checked the previous term is open: in slices, like a lock wait, so
+	// that the backend's other locks keep proving themselves alive.
+	err := l.s.block(ctx, blockingStatement{
+		sql:  recordSQL(c.cfg),
+		args: []any{space, fkey, e.name, k, e.identity, l.s.pid, leaderChannel, ""},
+		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+			return conn.QueryRow(ctx, sql, args...).Scan(&term, &since, new(bool))
+		},
 	})
 	if err != nil {
 		return Term(term), time.Time{}, err

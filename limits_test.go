@@ -70,9 +70,9 @@ func TestConnectionSlotsExhausted(t *testing.T) {
 	t.Logf("filled the server with %d more connections", len(fillers))
 
 	fresh := newTestClient(t, dsn)
-	_, err := fresh.Lock(ctx, HashKey("no-slot"))
-	if !errors.Is(err, ErrTooManyConnections) || !strings.Contains(err.Error(), "max_connections") {
-		t.Fatalf("Lock with no free slot: %v, want ErrTooManyConnections naming max_connections", err)
+	refusedAcquire(t, fresh, HashKey("no-slot"), ErrTooManyConnections)
+	if _, err := fresh.TryLock(ctx, HashKey("no-slot")); !strings.Contains(fmt.Sprint(err), "max_connections") {
+		t.Fatalf("TryLock with no free slot: %v, want an error naming max_connections", err)
 	}
 	if n := len(lockState(t, admin)); n != 0 {
 		t.Fatalf("%d advisory locks after the refusal", n)

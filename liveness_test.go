@@ -97,9 +97,7 @@ func TestStandbyIsRefused(t *testing.T) {
 	primary.DB(t) // the standby copies the primary, databases included
 	standby := primary.StartStandby(t)
 	c := newTestClient(t, standby.ConnString("postgres"))
-	if _, err := c.Lock(ctx, Int64Key(1)); !errors.Is(err, ErrReadOnly) {
-		t.Fatalf("Lock on a standby: %v, want ErrReadOnly", err)
-	}
+	refusedAcquire(t, c, Int64Key(1), ErrReadOnly)
 	if _, err := c.NewSession(ctx); !errors.Is(err, ErrReadOnly) {
 		t.Fatalf("NewSession on a standby: %v, want ErrReadOnly", err)
 	}

@@ -191,10 +191,15 @@ func WithSchema(name string) Option {
 }
 
 // WithMaxWaits sets how many blocking acquires of the Client's own locks
-// (Lock, RLock, LockAll, Do) may wait on the server at once, each on a
-// dedicated connection (default [DefaultMaxWaits]). Further blocking
-// acquires wait in the process, first come first served, for one of those
-// to end; they use no connection meanwhile. It must be 1 to 1000.
+// (Lock, RLock, LockAll, Do, campaigns, semaphore queues) may wait on the
+// server at once (default [DefaultMaxWaits]). A wait runs on a dedicated
+// connection that holds no other lock, opened when needed; the Client has
+// at most [WithSharedBackends] + n connections for its locks. A blocking
+// acquire that finds no connection it may wait on tries its keys again
+// (at once when a wait ends or a connection frees up, else at growing
+// intervals of at most 100ms) until it can wait or gets them; it uses no
+// connection meanwhile, and never holds up other acquires. It must be 1 to
+// 1000.
 func WithMaxWaits(n int) Option {
 	return optionFunc{"WithMaxWaits", scopeClient, func(c *config) error {
 		if n < 1 || n > 1000 {
@@ -207,9 +212,9 @@ func WithMaxWaits(n int) Option {
 
 // WithSharedBackends sets how many dedicated connections serve the
 // Client's tries and hold its locks (default [DefaultSharedBackends]).
-// More lets more acquires run at the same moment; every held lock still
-// lives on one of them or on a connection of the waits. It must be 1 to
-// 64.
+// More lets more acquires run at the same moment; every held lock lives on
+// one of them or on a connection that waited for it (see [WithMaxWaits]).
+// It must be 1 to 64.
 func WithSharedBackends(n int) Option {
 	return optionFunc{"WithSharedBackends", scopeClient, func(c *config) error {
 		if n < 1 || n > 64 {

@@ -402,7 +402,7 @@ func (s *Semaphore) admit(ctx context.Context) (*Permit, admission, error) {
 	var err error
 	for range c.cfg.sharedBackends + c.cfg.maxWaits + 1 {
 		var b *Session
-		if b, err = c.fastBackend(ctx, request{}); err != nil {
+		if b, err = c.route(ctx, request{}); err != nil {
 			return nil, admission{}, err
 		}
 		var p *Permit

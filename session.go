@@ -46,8 +46,7 @@ type Session struct {
 	hbDone    chan struct{}
 	cleaned   chan struct{} // closed when the connection is closed and the heartbeat has stopped
 
-	// Fields guarded by the Client's mu, for routing its locks.
-	waiter bool // a blocking acquire of the Client's runs here
+	waiting bool // a blocking acquire of the Client's has this backend (see waitBackend)
 }
 
 // keyHold is one key on one backend. The server holds the key (once) while
@@ -59,42 +58,13 @@ type keyHold struct {
 	n      int  // live handles holding the key here
 	shared bool // mode of the holds
 	busy   chan struct{}
+	since  time.Time // when the server granted the key to this backend
+	joins  int       // handles that joined the hold without asking the server
 }
 
 // errYield interrupts a blocking acquire so that another statement can use
 // the connection; the acquire resumes afterwards.
 var errYield = errors.New("pgcoord: yield the connection")
-
-// newSession opens a dedicated connection and prepares it for holding locks.
-// ctx bounds the connect.
-func (c *Client) newSession(ctx context.Context, managed bool) (*Session, error) {
-	conn, pid, err := c.connect(ctx)
-	if err != nil {
-		return nil, err
-	}
-	if err := prepareHot(ctx, conn); err != nil {
-		closeConn(conn, c.cfg.lossDeadline)
-		return nil, err
-	}
-	s := &Session{
-		c:        c,
-		conn:     conn,
-		pid:      pid,
-		managed:  managed,
-		use:      make(chan struct{}, 1),
-		waitTurn: make(chan struct{}, 1),
-		lastOK:   time.Now(),
-		keys:     make(map[Key]*keyHold),
-		locks:    make(map[*Lock]struct{}),
-		done:     make(chan struct{}),
-		stopHB:   make(chan struct{}),
-		hbDone:   make(chan struct{}),
-		cleaned:  make(chan struct{}),
-	}
-	s.lease = time.AfterFunc(c.cfg.lossDeadline, s.checkLease)
-	go s.heartbeat()
-	return s, nil
-}
 
 // NewSession opens a Session: one dedicated connection for many locks. ctx
 // bounds only the connect. It returns [ErrClosed] after Close, an error
@@ -437,13 +407,6 @@ func (s *Session) checkLease() {
 	}
 	s.state.Unlock()
 	s.lose(errorf("no answer from the server for %v (loss deadline %v)", age.Round(time.Millisecond), s.c.cfg.lossDeadline))
-}
-
-// closeConn closes a connection that holds nothing, bounded by d.
-func closeConn(conn *pgx.Conn, d time.Duration) {
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	defer cancel()
-	_ = conn.Close(ctx)
 }
 
 // backendEnded reports whether err is the server ending the backend
