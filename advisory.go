@@ -45,6 +45,7 @@ type request struct {
 	fence   bool
 	tried   bool     // a try of these keys just failed: wait at once
 	waiting bool     // the acquire waits on a backend that waitBackend gave it
+	again   bool     // the acquire tries again: its contention was reported
 	prepare []string // statements to prepare on the backend first
 }
 

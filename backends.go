@@ -88,6 +88,10 @@ const (
 	maxPollInterval  = 100 * time.Millisecond
 	minRetryInterval = 50 * time.Millisecond
 	maxRetryInterval = time.Second
+
+	// maxRoutes bounds how often in a row an acquire picks another backend
+	// at once before it pauses like a poll.
+	maxRoutes = 8
 )
 
 // Stat is a snapshot of a Client's use of the server, like pgxpool.Stat.
@@ -96,7 +100,7 @@ type Stat struct {
 	Sessions    int // connections of Sessions from NewSession
 	Connecting  int // connections being opened
 	Waits       int // blocking acquires waiting on the server
-	QueuedWaits int // blocking acquires pausing before they try again: no backend to wait on, or the server unreachable
+	QueuedWaits int // blocking acquires that found no backend to wait on, or could not reach the server, and try again until they can
 	Locks       int // live Lock handles, on backends and Sessions
 
 	DroppedHookEvents int64 // events not delivered to WithHooks' hooks because too many were pending
@@ -171,9 +175,17 @@ var (
 // fails fast.
 func (c *Client) take(ctx context.Context, r request) (*Lock, error) {
 	poll, retry := minPollInterval, minRetryInterval
-	var last error // the last connection error, for a blocking acquire
-	for lost := 0; ; {
-		l, err := c.takeOnce(ctx, r)
+	var last error  // the last connection error, for a blocking acquire
+	queued := false // counted in Stat's QueuedWaits
+	dequeue := func() {
+		if queued {
+			queued = false
+			c.queuedWaits.Add(-1)
+		}
+	}
+	defer dequeue()
+	for lost, routed := 0, 0; ; r.again = true {
+		l, err := c.takeOnce(ctx, r, dequeue)
 		var wait time.Duration
 		switch {
 		case err == nil:
@@ -183,9 +195,11 @@ func (c *Client) take(ctx context.Context, r request) (*Lock, error) {
 				err = errorf("%w (last connection error: %w)", err, last)
 			}
 			return nil, err
-		case errors.Is(err, errRoute):
+		case errors.Is(err, errRoute) && routed < maxRoutes:
+			routed++
 			continue
-		case errors.Is(err, errNoWaitBackend):
+		case errors.Is(err, errRoute) || errors.Is(err, errNoWaitBackend):
+			routed = 0
 			wait, poll = poll, min(2*poll, maxPollInterval)
 		case !connectionTrouble(err):
 			return nil, err
@@ -197,6 +211,10 @@ func (c *Client) take(ctx context.Context, r request) (*Lock, error) {
 		default:
 			last = err
 			wait, retry = retry, min(2*retry, maxRetryInterval)
+		}
+		if !queued {
+			queued = true
+			c.queuedWaits.Add(1)
 		}
 		if err := c.pause(ctx, wait); err != nil {
 			if last != nil {
@@ -218,8 +236,6 @@ func (c *Client) pause(ctx context.Context, d time.Duration) error {
 	freed := c.freedSignal()
 	t := time.NewTimer(d)
 	defer t.Stop()
-	c.queuedWaits.Add(1)
-	defer c.queuedWaits.Add(-1)
 	select {
 	case <-t.C:
 		return nil
@@ -251,7 +267,9 @@ func (c *Client) backendFreed() {
 	}
 }
 
-func (c *Client) takeOnce(ctx context.Context, r request) (*Lock, error) {
+// takeOnce is one attempt of take; waiting is called when it has a
+// backend to wait on.
+func (c *Client) takeOnce(ctx context.Context, r request, waiting func()) (*Lock, error) {
 	tr := r
 	tr.try = true
 	b, err := c.route(ctx, r)
@@ -266,7 +284,7 @@ func (c *Client) takeOnce(ctx context.Context, r request) (*Lock, error) {
 		if r.try || !errors.Is(err, ErrLocked) {
 			return l, err
 		}
-		if c.observed() {
+		if !r.again && c.observed() {
 			c.contended(r, false)
 		}
 	}
@@ -275,6 +293,7 @@ func (c *Client) takeOnce(ctx context.Context, r request) (*Lock, error) {
 		return nil, err
 	}
 	defer done()
+	waiting()
 	if err := b.prepare(ctx, r.prepare); err != nil {
 		return nil, err
 	}
@@ -310,14 +329,17 @@ func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 			}
 			busy := len(b.use) != 0
 			b.state.Unlock()
+			if joinable {
+				// Joining sends no statement: a waiting backend takes
+				// joiners of the shared key it waits for.
+				c.mu.Unlock()
+				return b, nil
+			}
 			if waiting {
 				continue
 			}
 			n++
 			switch {
-			case joinable:
-				c.mu.Unlock()
-				return b, nil
 			case held:
 				holder = b
 			case pick == nil || !busy && len(pick.use) != 0:

@@ -110,8 +110,14 @@ func TestWaitsBounded(t *testing.T) {
 	for i := range results {
 		results[i] = goLock(func() (*Lock, error) { return c.Lock(ctx, Int64Key(int64(1000+i))) })
 	}
+	var st Stat
+	defer func() {
+		if t.Failed() {
+			t.Logf("last Stat: %+v", st)
+		}
+	}()
 	pgtest.Eventually(t, testTimeout, "all waits in flight or queued", func() bool {
-		st := c.Stat()
+		st = c.Stat()
 		return st.Waits == DefaultMaxWaits && st.QueuedWaits == n-DefaultMaxWaits
 	})
 	bound := DefaultSharedBackends + DefaultMaxWaits

@@ -194,7 +194,18 @@ type blockingStatement struct {
 	// undo releases, on the same connection, whatever a slice that ended
 	// without success may have taken; nil if such a slice takes nothing.
 	undo func(ctx context.Context, conn *pgx.Conn) error
+	// quick marks a statement that rarely waits (for a row that a
+	// transaction holds): it takes the connection in turn like any other
+	// statement, and lets others interrupt it only once it has run
+	// yieldAfter, so a busy backend cannot keep it from running. A lock
+	// wait, which usually waits, lets the statements that want the
+	// connection go first, and they interrupt it at once.
+	quick bool
 }
+
+// yieldAfter is how long a quick blocking statement runs before another
+// statement may interrupt it.
+const yieldAfter = 10 * time.Millisecond
 
 // lockStatement takes keys (at most one chunk), waiting until they are
 // free. A slice that ends without them may still have taken some (the
@@ -271,11 +282,21 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 			cancel(context.Cause(ctx))
 		})
 		cut := time.AfterFunc(slice+deadlineGrace, func() { cancel(errSliceOver) })
-		if err := s.grabForWait(ctx, cancel); err != nil {
+		if err := s.grabForWait(ctx, cancel, st.quick); err != nil {
 			stop()
 			cut.Stop()
 			cancel(nil)
 			return err
+		}
+		arm := func() bool { return true }
+		if st.quick {
+			arm = time.AfterFunc(yieldAfter, func() {
+				s.state.Lock()
+				if s.pending > 0 && s.interrupt != nil {
+					s.interrupt(errYield)
+				}
+				s.state.Unlock()
+			}).Stop
 		}
 		err := s.exec(sctx, func(ctx context.Context, conn *pgx.Conn) error {
 			return st.run(ctx, conn, st.sql, st.args)
@@ -283,6 +304,7 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 		s.state.Lock()
 		s.interrupt = nil
 		s.state.Unlock()
+		arm()
 		stop()
 		cut.Stop()
 		cause := context.Cause(sctx)
@@ -320,9 +342,10 @@ const deadlineGrace = 50 * time.Millisecond
 // errSliceOver cancels a slice that has run its time (see block).
 var errSliceOver = errors.New("pgcoord: wait slice over")
 
-// grabForWait takes the connection for one slice of a blocking acquire,
-// after any statement that is waiting for it, and installs interrupt.
-func (s *Session) grabForWait(ctx context.Context, interrupt func(error)) error {
+// grabForWait takes the connection for one slice of a blocking statement,
+// after any statement that is waiting for it unless the statement is
+// quick, and installs interrupt.
+func (s *Session) grabForWait(ctx context.Context, interrupt func(error), quick bool) error {
 	for {
 		select {
 		case s.use <- struct{}{}:
@@ -337,8 +360,12 @@ func (s *Session) grabForWait(ctx context.Context, interrupt func(error)) error 
 			<-s.use
 			return s.Err()
 		}
-		if s.pending == 0 {
+		if s.pending == 0 || quick {
 			s.interrupt = interrupt
+			s.interruptAt = time.Time{}
+			if quick {
+				s.interruptAt = time.Now().Add(yieldAfter)
+			}
 			s.state.Unlock()
 			return nil
 		}
@@ -514,6 +541,7 @@ func (s *Session) issueFence(ctx context.Context, l *Lock) error {
 		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 			return conn.QueryRow(ctx, sql, args...).Scan(&l.fence)
 		},
+		quick: true,
 	})
 	if err != nil {
 		return notMigrated(s.c.cfg, "issue fence for key "+l.keys[0].String(), err)

@@ -425,6 +425,7 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, error)
 		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 			return conn.QueryRow(ctx, sql, args...).Scan(&term, &since, new(bool))
 		},
+		quick: true,
 	})
 	if err != nil {
 		return Term(term), time.Time{}, err

@@ -32,19 +32,20 @@ type Session struct {
 	use      chan struct{} // holds a token while a statement runs on conn
 	waitTurn chan struct{} // holds a token while a blocking acquire is in flight
 
-	state     sync.Mutex
-	lastOK    time.Time          // start of the last statement the server answered
-	keys      map[Key]*keyHold   // what this backend holds, by key
-	locks     map[*Lock]struct{} // live handles
-	err       error              // why the session ended; nil while open
-	pending   int                // callers waiting for conn, other than a blocking acquire
-	noPending chan struct{}      // closed when pending drops to 0; made by whoever waits for that
-	interrupt func(error)        // ends the lock wait on conn; nil if none
-	done      chan struct{}
-	lease     *time.Timer
-	stopHB    chan struct{}
-	hbDone    chan struct{}
-	cleaned   chan struct{} // closed when the connection is closed and the heartbeat has stopped
+	state       sync.Mutex
+	lastOK      time.Time          // start of the last statement the server answered
+	keys        map[Key]*keyHold   // what this backend holds, by key
+	locks       map[*Lock]struct{} // live handles
+	err         error              // why the session ended; nil while open
+	pending     int                // callers waiting for conn, other than a blocking acquire
+	noPending   chan struct{}      // closed when pending drops to 0; made by whoever waits for that
+	interrupt   func(error)        // ends the blocking statement on conn; nil if none
+	interruptAt time.Time          // not before then
+	done        chan struct{}
+	lease       *time.Timer
+	stopHB      chan struct{}
+	hbDone      chan struct{}
+	cleaned     chan struct{} // closed when the connection is closed and the heartbeat has stopped
 
 	waiting bool // a blocking acquire of the Client's has this backend (see waitBackend)
 }
@@ -244,7 +245,7 @@ func (s *Session) grab(ctx context.Context) error {
 		return s.err
 	}
 	s.pending++
-	if s.interrupt != nil {
+	if s.interrupt != nil && !time.Now().Before(s.interruptAt) {
 		s.interrupt(errYield)
 	}
 	s.state.Unlock()
