@@ -452,6 +452,13 @@ func (e *Election) takeGuard(ctx context.Context) (*Lock, error) {
 		if errors.Is(err, ErrLocked) {
 			wctx, cancel := context.WithTimeout(ctx, c.cfg.lossDeadline)
 			g, err = s.Lock(wctx, e.guard)
+			for errors.Is(err, ErrDeadlock) && wctx.Err() == nil {
+				// The guard session holds other leaderships' guards, so
+				// two Clients that take over from each other at once can
+				// wait for each other's guards: the old leader frees its
+				// guard once it notices its loss, so wait on.
+				g, err = s.Lock(wctx, e.guard)
+			}
 			// The wait's deadline may have passed by the clock a moment
 			// before wctx reports it.
 			expired := ctx.Err() == nil && (wctx.Err() != nil || errors.Is(err, context.DeadlineExceeded))
