@@ -52,3 +52,7 @@ func runExampleCleanups() {
 		fs[i]()
 	}
 }
+
+// lockBackendPID returns the pid of the backend that holds l, as pg_locks
+// shows it, for tests that compare a Lock with pg_locks.
+func lockBackendPID(l *Lock) int32 { return l.s.PID() }

@@ -34,7 +34,7 @@ import (
 
 // Environment of a child process of the fault tests.
 const (
-	faultChildEnv  = "PGCOORD_FAULT_CHILD"  // the child's role: "holder", "candidate" or "soak"
+	faultChildEnv  = "PGCOORD_FAULT_CHILD"  // the child's role: "holder", "candidate", "soak" or "lockcore"
 	faultDSNEnv    = "PGCOORD_FAULT_DSN"    // the database
 	faultTargetEnv = "PGCOORD_FAULT_TARGET" // what to hold, as faultTarget.String gives it
 	faultOptsEnv   = "PGCOORD_FAULT_OPTS"   // Client options, as "loss=5s,beat=1s"
@@ -369,6 +369,8 @@ func faultChildMain(role string) int {
 		err = runCandidateChild(out)
 	case "soak":
 		err = runSoakChild(out)
+	case "lockcore":
+		err = runLockCoreChild(out)
 	default:
 		err = fmt.Errorf("unknown role %q", role)
 	}
