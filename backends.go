@@ -307,8 +307,8 @@ func (c *Client) takeOnce(ctx context.Context, r request, waiting func()) (*Lock
 // busy and fewer than the shared count are open, and waits for a
 // connection only when there is none. When every backend holds one of r's
 // keys (shared holds that take no more joiners) and no other may be
-// opened, it returns nil for a blocking acquire, which then waits, and any
-// holder for a try, which joins there.
+// opened, it returns nil for a blocking acquire, which then waits, and
+// ErrLocked for a try.
 func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 	for {
 		c.mu.Lock()
@@ -355,11 +355,13 @@ func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 		case pick != nil:
 			c.mu.Unlock()
 			return pick, nil
-		case holder != nil && r.try:
-			c.mu.Unlock()
-			return holder, nil
 		case holder != nil && c.opening == 0 && len(c.backends) >= c.cfg.sharedBackends+c.cfg.maxWaits:
 			c.mu.Unlock()
+			if r.try {
+				// Joining would not ask the server, which may have a
+				// writer queued for the key.
+				return nil, errorf("%w: every connection of this Client holds the key shared already, past the bounds in which readers join a hold", ErrLocked)
+			}
 			return nil, nil
 		case holder != nil && !started && len(c.backends)+c.opening < c.cfg.sharedBackends+c.cfg.maxWaits:
 			c.startConnect()

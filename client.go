@@ -132,10 +132,14 @@ func (c *Client) Close() error {
 	c.mu.Unlock()
 	c.stop(ErrClosed)
 
-	var errs []error
-	for _, s := range all {
-		errs = append(errs, s.close(context.Background()))
+	// Release every connection at once: each is bounded by the loss
+	// deadline, and so is Close.
+	errs := make([]error, len(all))
+	var closing sync.WaitGroup
+	for i, s := range all {
+		closing.Go(func() { errs[i] = s.close(context.Background()) })
 	}
+	closing.Wait()
 	for _, s := range all {
 		<-s.cleaned
 	}

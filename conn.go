@@ -56,7 +56,10 @@ func (c *Client) newSession(ctx context.Context, managed bool) (*Session, error)
 		hbDone:   make(chan struct{}),
 		cleaned:  make(chan struct{}),
 	}
+	// The lease's callback reads s.lease under s.state.
+	s.state.Lock()
 	s.lease = time.AfterFunc(c.cfg.lossDeadline, s.checkLease)
+	s.state.Unlock()
 	go s.heartbeat()
 	return s, nil
 }

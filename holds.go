@@ -68,8 +68,8 @@ func (s *Session) take(ctx context.Context, r request) (*Lock, error) {
 //
 // On a backend of the Client's, reserve enforces the routing rule (see
 // backends.go): it returns errRoute, reserving nothing, when the backend
-// waits for another acquire and r would send a statement, or when a
-// blocking shared acquire would join a hold that takes no more joiners.
+// waits for another acquire and r would send a statement, or when a shared
+// acquire would join a hold that takes no more joiners.
 func (s *Session) reserve(ctx context.Context, r request) ([]Key, error) {
 	for {
 		s.state.Lock()
@@ -124,7 +124,7 @@ func (s *Session) needs(r request) ([]Key, error) {
 			need = append(need, k)
 		case !r.shared || !h.shared:
 			return nil, errorf("%s is already held on this backend in another mode", k)
-		case s.managed && !r.try && !s.c.joinable(h):
+		case s.managed && !s.c.joinable(h):
 			return nil, errRoute
 		}
 	}
@@ -181,6 +181,11 @@ func (s *Session) tryKeys(ctx context.Context, chunk []Key, shared bool) (bool, 
 		}
 		return s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(&failed))
 	})
+	if err == nil && ctx.Err() != nil {
+		// The answer came after ctx ended: the caller releases what it
+		// took.
+		return false, context.Cause(ctx)
+	}
 	return err == nil && failed == 0, err
 }
 
@@ -194,6 +199,9 @@ type blockingStatement struct {
 	// undo releases, on the same connection, whatever a slice that ended
 	// without success may have taken; nil if such a slice takes nothing.
 	undo func(ctx context.Context, conn *pgx.Conn) error
+	// locks is how many locks the statement may wait for, one after
+	// another (0 counts as 1): each gets an equal share of the slice.
+	locks int
 	// quick marks a statement that rarely waits (for a row that a
 	// transaction holds): it takes the connection in turn like any other
 	// statement, and lets others interrupt it only once it has run
@@ -217,8 +225,9 @@ const yieldAfter = 10 * time.Millisecond
 func (s *Session) lockStatement(keys []Key, shared bool) blockingStatement {
 	sql, args := waitSQL(lockFunc(shared, false), keys, s.pid)
 	return blockingStatement{
-		sql:  sql,
-		args: args,
+		sql:   sql,
+		args:  args,
+		locks: len(keys),
 		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 			tag, err := conn.Exec(ctx, sql, args...)
 			if err == nil && tag.RowsAffected() == 0 {
@@ -234,10 +243,11 @@ func (s *Session) lockStatement(keys []Key, shared bool) blockingStatement {
 
 // block runs a blocking statement in slices, so that the server answers at
 // least every slice, which proves the connection alive (and with it every
-// lock of the backend) while the wait goes on. Each slice waits at most
-// the slice for each lock (lock_timeout, for that statement only) and is
-// cancelled when it has run a slice and a grace, which bounds a statement
-// that waits for several locks. Another statement that needs the
+// lock of the backend) while the wait goes on. A statement that may wait
+// for n locks one after another waits at most 1/n of the slice for each
+// (lock_timeout, for that statement only), so the server ends it within
+// the slice; a cancel request ends it should the server not answer half a
+// heartbeat after that. Another statement that needs the
 // connection interrupts the slice, runs, and the wait resumes. A slice that
 // ends without success is undone (st.undo) before the next one. Blocking
 // statements on one session run one at a time.
@@ -269,7 +279,8 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 				slice, byDeadline = left, true
 			}
 		}
-		st.args[last] = strconv.FormatInt((slice + time.Millisecond - 1).Milliseconds(), 10)
+		each := slice / time.Duration(max(st.locks, 1))
+		st.args[last] = strconv.FormatInt(max((each+time.Millisecond-1).Milliseconds(), 1), 10)
 		sctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 		stop := context.AfterFunc(ctx, func() {
 			if byDeadline && ctx.Err() == context.DeadlineExceeded {
@@ -281,7 +292,11 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 			}
 			cancel(context.Cause(ctx))
 		})
-		cut := time.AfterFunc(slice+deadlineGrace, func() { cancel(errSliceOver) })
+		// The server ends the statement within the slice; should it not
+		// answer (a loaded server, a lock it waits for that lock_timeout
+		// does not cover), a cancel request does, early enough to leave
+		// time for the answer within the lease.
+		cut := time.AfterFunc(slice+s.c.cfg.heartbeat/2, func() { cancel(errSliceOver) })
 		if err := s.grabForWait(ctx, cancel, st.quick); err != nil {
 			stop()
 			cut.Stop()
@@ -315,7 +330,7 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 		yielded := errors.Is(cause, errYield)
 		interrupted := (yielded || errors.Is(cause, errSliceOver)) &&
 			(pgCode(err) == "57014" || errors.Is(err, context.Canceled) && !s.conn.IsClosed())
-		sliceEnded := interrupted || pgCode(err) == "55P03" && !byDeadline
+		sliceEnded := interrupted || pgCode(err) == "55P03"
 		if err == nil || ctx.Err() != nil || s.Err() != nil || !sliceEnded {
 			s.release()
 			return err

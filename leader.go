@@ -420,8 +420,9 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, error)
 	// checked the previous term is open: in slices, like a lock wait, so
 	// that the backend's other locks keep proving themselves alive.
 	err := l.s.block(ctx, blockingStatement{
-		sql:  recordSQL(c.cfg),
-		args: []any{space, fkey, e.name, k, e.identity, l.s.pid, leaderChannel, ""},
+		sql:   recordSQL(c.cfg),
+		args:  []any{space, fkey, e.name, k, e.identity, l.s.pid, leaderChannel, ""},
+		locks: 2, // the fences row, then the leaders row
 		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 			return conn.QueryRow(ctx, sql, args...).Scan(&term, &since, new(bool))
 		},

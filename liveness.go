@@ -44,8 +44,12 @@ func sessionSettings(c *config, major int) map[string]string {
 		// application or a dead network.
 		"idle_in_transaction_session_timeout": "0",
 		"statement_timeout":                   "0",
-		"lock_timeout":                        "0",
-		"application_name":                    c.appName,
+		// No statement on a lock connection waits for a lock longer than
+		// a slice (see Session.block), not even for a table that a
+		// migration or VACUUM FULL holds while a statement is parsed:
+		// the connection must answer within its lease whatever runs on it.
+		"lock_timeout":     strconv.FormatInt(c.waitSlice().Milliseconds(), 10),
+		"application_name": c.appName,
 	}
 	if major >= 14 {
 		// A backend that is waiting for a lock notices a closed client

@@ -25,7 +25,7 @@ func TestSessionAppliesServerLiveness(t *testing.T) {
 		"client_connection_check_interval": "1s",
 		"idle_session_timeout":             "0",
 		"statement_timeout":                "0",
-		"lock_timeout":                     "0",
+		"lock_timeout":                     "1500ms", // a wait slice: (L - H) / 2
 		"application_name":                 "liveness-test",
 	}
 	err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {

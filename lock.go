@@ -68,17 +68,19 @@ func (l *Lock) Err() error {
 func (l *Lock) finish(why error) bool { return l.finishThen(why, nil) }
 
 // finishThen is finish that runs then, if this call ends the lock, before
-// Done closes.
-func (l *Lock) finishThen(why error, then func()) bool {
+// Done closes; then learns whether the lock owned its keys' gates when it
+// ended (see claimGates).
+func (l *Lock) finishThen(why error, then func(gated bool)) bool {
 	l.mu.Lock()
 	if l.err != nil {
 		l.mu.Unlock()
 		return false
 	}
 	l.err = why
+	gated := l.gated
 	l.mu.Unlock()
 	if then != nil {
-		then()
+		then(gated)
 	}
 	close(l.done)
 	return true
@@ -90,8 +92,8 @@ func (l *Lock) finishThen(why error, then func()) bool {
 // ends before its acquire has handed it over (claimGates) leaves the gates
 // to the acquire.
 func (l *Lock) end(why error) {
-	l.finishThen(why, func() {
-		if !l.gated {
+	l.finishThen(why, func(gated bool) {
+		if !gated {
 			return
 		}
 		for _, k := range l.keys {

@@ -119,7 +119,10 @@ func (s *Session) close(ctx context.Context) error {
 	var err error
 	select {
 	case s.use <- struct{}{}:
-		// The connection is ours: nothing else runs on it any more.
+		// The connection is ours: nothing else runs on it any more. ctx
+		// bounds the release: when it ends, the socket is cut.
+		stop := context.AfterFunc(ctx, func() { _ = s.conn.PgConn().Conn().SetDeadline(time.Now()) })
+		defer stop()
 		if _, err = s.conn.Exec(ctx, "SELECT pg_advisory_unlock_all()"); err == nil {
 			err = s.conn.Close(ctx)
 		} else if backendEnded(err) {
@@ -177,8 +180,8 @@ func (s *Session) end(why error) bool {
 	locks := s.locks
 	s.locks = nil
 	interrupt := s.interrupt
-	s.state.Unlock()
 	s.lease.Stop()
+	s.state.Unlock()
 	close(s.stopHB)
 	close(s.done)
 	if interrupt != nil {
@@ -285,6 +288,11 @@ func (s *Session) prepare(ctx context.Context, sqls []string) error {
 	return s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 		for _, sql := range sqls {
 			if _, err := conn.Prepare(ctx, sql, sql); err != nil {
+				if pgCode(err) == "55P03" {
+					// A table is locked (a migration, VACUUM FULL): the
+					// statement is prepared when it first runs instead.
+					return nil
+				}
 				return notMigrated(s.c.cfg, "prepare statements", err)
 			}
 		}
@@ -292,13 +300,19 @@ func (s *Session) prepare(ctx context.Context, sqls []string) error {
 	})
 }
 
-// run executes one statement on the session's connection.
+// run executes one statement that does not wait (a try, an unlock) on the
+// session's connection. ctx bounds the wait for the connection, not the
+// statement: the server answers it in one round trip, and a cancel request
+// would cost more than the answer (on a loaded server, far more, with the
+// connection, and every lock on it, held meanwhile). The lease bounds the
+// statement: with no answer for the loss deadline, the session is lost and
+// its connection closed, which ends the statement.
 func (s *Session) run(ctx context.Context, f func(ctx context.Context, conn *pgx.Conn) error) error {
 	if err := s.grab(ctx); err != nil {
 		return err
 	}
 	defer s.release()
-	return s.exec(ctx, f)
+	return s.exec(context.WithoutCancel(ctx), f)
 }
 
 // exec runs f while the caller holds the connection. An answer from the
