@@ -56,3 +56,23 @@ func runExampleCleanups() {
 // lockBackendPID returns the pid of the backend that holds l, as pg_locks
 // shows it, for tests that compare a Lock with pg_locks.
 func lockBackendPID(l *Lock) int32 { return l.s.PID() }
+
+// gateWaiters returns how many goroutines of c wait at the in-process gate
+// of k.
+func gateWaiters(c *Client, k Key) int {
+	c.gates.mu.Lock()
+	defer c.gates.mu.Unlock()
+	if g := c.gates.m[k]; g != nil {
+		return len(g.queue)
+	}
+	return 0
+}
+
+// gatePassedExclusive reports whether a goroutine of c has passed the
+// in-process gate of k for an exclusive hold.
+func gatePassedExclusive(c *Client, k Key) bool {
+	c.gates.mu.Lock()
+	defer c.gates.mu.Unlock()
+	g := c.gates.m[k]
+	return g != nil && g.writer
+}
