@@ -1,0 +1,445 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// waitsNotGranted reports how many lock requests of backend pid wait (not
+// granted) in pg_locks, of the given locktype ("" for any).
+func waitsNotGranted(t testing.TB, conn *pgx.Conn, pid int32, locktype string) int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var n int
+	err := conn.QueryRow(ctx, `SELECT count(*) FROM pg_locks
+		WHERE pid = $1 AND NOT granted AND ($2 = '' OR locktype = $2)`, pid, locktype).Scan(&n)
+	if err != nil {
+		t.Fatalf("read pg_locks: %v", err)
+	}
+	return n
+}
+
+// keyFreeOnServer reports whether another connection can take k at once
+// (and gives it back), as pg_try_advisory_lock sees it.
+func keyFreeOnServer(t testing.TB, conn *pgx.Conn, k Key) bool {
+	t.Helper()
+	v, ok := k.Int64()
+	if !ok {
+		t.Fatalf("keyFreeOnServer needs an Int64Key, got %v", k)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var got bool
+	if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1)", v).Scan(&got); err != nil {
+		t.Fatalf("pg_try_advisory_lock: %v", err)
+	}
+	if got {
+		if _, err := conn.Exec(ctx, "SELECT pg_advisory_unlock($1)", v); err != nil {
+			t.Fatalf("pg_advisory_unlock: %v", err)
+		}
+	}
+	return got
+}
+
+type errResult struct {
+	err error
+	at  time.Time
+}
+
+// Promise (doc.go, "Locks that live as long as a connection"; backends.go):
+// no goroutine sees ErrDeadlock unless its application has a lock cycle.
+//
+// Here there is none: goroutine A holds X; the application's write
+// transaction T checked Y's fence (it holds the fence row) and then wants X,
+// so it waits for A; goroutine C takes Y with WithFence, so its fence waits
+// for T. A waits for nothing, so everybody gets through once A unlocks. But
+// C's fence runs on the shared backend that holds A's X, and to PostgreSQL
+// that backend holds X and waits for T, which waits for X: a cycle.
+func TestFenceWaitSeesNoDeadlockWithoutCycle(t *testing.T) {
+	ctx := testCtx(t)
+	dsn, pool := migratedPool(t, ctx, DefaultSchema)
+	c := newTestClientOn(t, pool, WithSharedBackends(1))
+	x, y := Int64Key(7001), Int64Key(7002)
+
+	// A fence exists for Y: an earlier holder took it with a fence.
+	first, err := c.Lock(ctx, y, WithFence())
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldFence := first.Fence()
+	mustUnlock(t, first)
+
+	// Goroutine A holds X.
+	lx, err := c.Lock(ctx, x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b1 := lx.s.PID()
+
+	// The application's write transaction checks Y's fence.
+	obs := pgtest.Conn(t, dsn)
+	tconn := pgtest.Conn(t, dsn)
+	tx, err := tconn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// T's statements run on one goroutine at a time: the cleanup lets A's
+	// X go, waits for T's XactLock to return, then rolls T back.
+	tch := make(chan errResult, 1)
+	tStarted := false
+	t.Cleanup(func() {
+		if tStarted {
+			if lx.Err() == nil {
+				_ = lx.Unlock(context.Background())
+			}
+			select {
+			case r := <-tch:
+				tch <- r
+			case <-time.After(testTimeout):
+			}
+		}
+		_ = tx.Rollback(context.Background())
+	})
+	if err := CheckFence(ctx, tx, y, oldFence); err != nil {
+		t.Fatal(err)
+	}
+
+	// Goroutine C takes Y with a fence: the fence waits for T.
+	cch := make(chan result, 1)
+	go func() {
+		l, err := c.Lock(ctx, y, WithFence())
+		cch <- result{l, err}
+	}()
+	pgtest.Eventually(t, 10*time.Second, "C's fence to wait for T on the shared backend", func() bool {
+		return waitsNotGranted(t, obs, b1, "") > 0
+	})
+
+	// T now wants X, which A holds: T waits for A.
+	tStarted = true
+	go func() {
+		err := XactLock(ctx, tx, x)
+		tch <- errResult{err, time.Now()}
+	}()
+	pgtest.Eventually(t, 10*time.Second, "T to wait for X", func() bool {
+		return waitingOn(t, dsn, x) == 1
+	})
+
+	// Nobody may see a deadlock. Wait three deadlock_timeouts (1s each by
+	// default) for an error that must not come.
+	var cRes *result
+	var tRes *errResult
+	select {
+	case r := <-cch:
+		cRes = &r
+	case r := <-tch:
+		tRes = &r
+	case <-time.After(3 * time.Second):
+	}
+	if cRes != nil && cRes.err != nil {
+		t.Fatalf("broken promise: goroutine C's Lock(Y, WithFence) failed with %v (ErrDeadlock: %v) although no goroutine or transaction has a lock cycle: "+
+			"C waits for T, T waits for A, A waits for nothing. C's fence ran on the shared backend %d that holds A's X, so the server saw that backend hold X and wait for T, and T wait for X",
+			cRes.err, errors.Is(cRes.err, ErrDeadlock), b1)
+	}
+	if tRes != nil && tRes.err != nil {
+		t.Fatalf("broken promise: the application's XactLock(X) in T failed with %v (ErrDeadlock: %v) although nobody has a lock cycle: "+
+			"C's fence ran on the shared backend %d that holds A's X, so the server saw that backend hold X and wait for T",
+			tRes.err, errors.Is(tRes.err, ErrDeadlock), b1)
+	}
+	if cRes != nil {
+		t.Fatalf("C got Y before T ended: %+v", cRes)
+	}
+
+	// No deadlock: A unlocks, T gets X and commits, C gets its fence.
+	mustUnlock(t, lx)
+	var tr errResult
+	if tRes != nil {
+		tr = *tRes
+	} else {
+		select {
+		case tr = <-tch:
+		case <-time.After(testTimeout):
+			t.Fatal("T did not get X after A unlocked it")
+		}
+	}
+	if tr.err != nil {
+		t.Fatalf("T's XactLock: %v", tr.err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	cr := receive(t, cch)
+	if cr.err != nil {
+		t.Fatalf("C's Lock: %v", cr.err)
+	}
+	if cr.l.Fence() <= oldFence {
+		t.Fatalf("C's fence %d is not newer than %d", cr.l.Fence(), oldFence)
+	}
+	mustUnlock(t, cr.l)
+}
+
+// campaignBlockedByTableLock holds X on the only shared backend of a
+// Client and starts a campaign of an election on the same Client while a
+// transaction holds pgcoord's tables in ACCESS EXCLUSIVE mode (a migration,
+// a VACUUM FULL, an operator's LOCK TABLE). It returns once the campaign's
+// statement waits on that backend.
+func campaignBlockedByTableLock(t *testing.T, ctx context.Context, opts ...Option) (c *Client, lx *Lock, obs *pgx.Conn, release func()) {
+	t.Helper()
+	dsn, pool := migratedPool(t, ctx, DefaultSchema)
+	c = newTestClientOn(t, pool, append([]Option{WithSharedBackends(1)}, opts...)...)
+	x := Int64Key(7101)
+	lx, err := c.Lock(ctx, x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b1 := lx.s.PID()
+	obs = pgtest.Conn(t, dsn)
+
+	locker := pgtest.Conn(t, dsn)
+	tx, err := locker.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, `LOCK TABLE pgcoord.fences, pgcoord.leaders IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	unlockTables := func() { once.Do(func() { _ = tx.Rollback(context.Background()) }) }
+	t.Cleanup(unlockTables)
+
+	cctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		ld, err := c.Election("break").Campaign(cctx)
+		if err == nil {
+			_ = ld.Resign(context.Background())
+		}
+	}()
+	release = func() {
+		cancel()
+		unlockTables()
+		select {
+		case <-done:
+		case <-time.After(testTimeout):
+			t.Error("campaign did not end")
+		}
+	}
+	t.Cleanup(release)
+	pgtest.Eventually(t, 10*time.Second, "the campaign's statement to wait for the table lock on the shared backend", func() bool {
+		return waitsNotGranted(t, obs, b1, "relation") > 0
+	})
+	return c, lx, obs, release
+}
+
+// Promise (backends.go): every blocking statement, on any backend, runs in
+// slices, so a backend that holds locks answers within its wait slice and
+// another statement that needs it (an Unlock) runs first.
+//
+// A campaign prepares its statement on the shared backend (withPrepared,
+// Session.prepare) in one plain statement, not in slices: when pgcoord's
+// tables are locked, it waits there with lock_timeout 0, and the Unlock of
+// another goroutine's lock on that backend waits behind it.
+func TestUnlockAnswersWithinSliceWhileCampaignPrepareWaits(t *testing.T) {
+	ctx := testCtx(t)
+	c, lx, _, release := campaignBlockedByTableLock(t, ctx, WithLossDeadline(2*time.Second), WithHeartbeat(500*time.Millisecond))
+	slice := c.cfg.waitSlice()
+	start := time.Now()
+	err := lx.Unlock(ctx)
+	took := time.Since(start)
+	release()
+	bound := slice + 500*time.Millisecond
+	if err != nil || took > bound {
+		t.Fatalf("broken promise: Unlock of a lock on a backend where a campaign's statement waits took %v (bound: the wait slice %v + 500ms) and returned %v; "+
+			"the campaign's Session.prepare runs as one unsliced statement on the shared backend while pgcoord's tables are locked", took.Round(time.Millisecond), slice, err)
+	}
+}
+
+// Promise (doc.go, backends.go): no goroutine's lock is lost because of
+// another's wait; a backend's locks keep their loss deadline while another
+// statement waits on it.
+//
+// The campaign's unsliced prepare on the shared backend keeps it from
+// answering for longer than the loss deadline, so the session declares
+// every lock on it lost.
+func TestLockSurvivesCampaignPrepareWaitingOnSameBackend(t *testing.T) {
+	ctx := testCtx(t)
+	const loss, hb = 2 * time.Second, 500 * time.Millisecond
+	_, lx, _, _ := campaignBlockedByTableLock(t, ctx, WithLossDeadline(loss), WithHeartbeat(hb))
+	// Two campaign rounds (each L long): a lock that survives them survives.
+	select {
+	case <-lx.Done():
+		t.Fatalf("broken promise: goroutine A's lock on the shared backend was lost (%v) while another goroutine's campaign waited on the same backend: "+
+			"Session.prepare runs unsliced with lock_timeout 0, so the backend answers nothing for longer than the loss deadline %v", lx.Err(), loss)
+	case <-time.After(2*loss + 2*hb):
+	}
+	mustUnlock(t, lx)
+}
+
+// Promise (RLock's doc): a waiting writer is not starved; readers of one
+// Client join each other's hold without asking the server only for a
+// short while after it was taken (the bounds of WithHandoff).
+//
+// TryRLock readers of a Client with one shared backend join its hold of the
+// key whatever its age (route returns the holder for a try, and needs skips
+// the joinable check for tries), so overlapping readers keep the key on
+// the server forever and a writer of another process never gets it.
+func TestTryRLockReadersDoNotStarveWaitingWriter(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	c := newTestClient(t, dsn, WithSharedBackends(1))
+	k := Int64Key(7201)
+	kv, _ := k.Int64()
+
+	cur, err := c.TryRLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A writer of another process waits for the key.
+	wconn := pgtest.Conn(t, dsn)
+	wctx, wcancel := context.WithTimeout(ctx, 10*time.Second)
+	defer wcancel()
+	wch := make(chan errResult, 1)
+	go func() {
+		_, err := wconn.Exec(wctx, "SELECT pg_advisory_lock($1)", kv)
+		wch <- errResult{err, time.Now()}
+	}()
+	pgtest.Eventually(t, 10*time.Second, "writer waits", func() bool { return waitingOn(t, dsn, k) == 1 })
+	queued := time.Now()
+
+	// Readers keep coming, each overlapping the one before it.
+	const stream = 3 * time.Second
+	reads, refused := 0, false
+	var writer *errResult
+	for time.Since(queued) < stream && writer == nil {
+		next, err := c.TryRLock(ctx, k)
+		if errors.Is(err, ErrLocked) {
+			refused = true
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		reads++
+		mustUnlock(t, cur)
+		cur = next
+		select {
+		case r := <-wch:
+			writer = &r
+		default:
+		}
+	}
+	stillWaiting := writer == nil && waitingOn(t, dsn, k) == 1
+	mustUnlock(t, cur)
+	var w errResult
+	if writer != nil {
+		w = *writer
+	} else {
+		w = <-wch
+	}
+	if w.err == nil {
+		if _, err := wconn.Exec(ctx, "SELECT pg_advisory_unlock($1)", kv); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if stillWaiting && !refused {
+		t.Fatalf("broken promise: a writer waited %v behind %d TryRLock readers of one Client that arrived after it (the first was taken long before the handoff window %v): "+
+			"each joined the backend's shared hold without asking the server, so the key never became free for the writer",
+			stream, reads, c.cfg.handoffWindow)
+	}
+	t.Logf("%d reads after the writer queued; refused: %v", reads, refused)
+}
+
+// Promise (Session.Close): ctx bounds Close; if ctx ends first, Close closes
+// the socket instead and returns an error.
+//
+// On a silent network, Close's pg_advisory_unlock_all() is cut by ctx only
+// through the cancel handler, which waits the loss deadline after the
+// cancel before the socket's deadline ends the statement.
+func TestSessionCloseBoundedByCtxOnSilentNetwork(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	proxy := pgtest.NewProxy(t, dsn)
+	const loss, hb = 4 * time.Second, 2 * time.Second
+	c := newTestClientOn(t, pgtest.Pool(t, dsn, proxy.Route), WithLossDeadline(loss), WithHeartbeat(hb))
+	s, err := c.NewSession(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := Int64Key(7301)
+	if _, err := s.Lock(ctx, k); err != nil {
+		t.Fatal(err)
+	}
+	// Right after a heartbeat was answered, so that none is in flight.
+	s.state.Lock()
+	last := s.lastOK
+	s.state.Unlock()
+	pgtest.Eventually(t, 10*time.Second, "a heartbeat", func() bool {
+		s.state.Lock()
+		defer s.state.Unlock()
+		return s.lastOK.After(last)
+	})
+	proxy.Blackhole()
+	const bound = 200 * time.Millisecond
+	cctx, cancel := context.WithTimeout(context.Background(), bound)
+	defer cancel()
+	start := time.Now()
+	err = s.Close(cctx)
+	took := time.Since(start)
+	if took > bound+time.Second {
+		t.Fatalf("broken promise: Session.Close with a %v ctx on a silent network took %v (err %v): "+
+			"ctx ended the unlock_all statement only through cancelHandler, whose socket deadline comes the loss deadline %v after the cancel",
+			bound, took.Round(time.Millisecond), err, loss)
+	}
+	if err == nil {
+		t.Fatal("Close returned nil without confirming the release")
+	}
+}
+
+// Promise (Client.Close): each connection's release is bounded by the loss
+// deadline; one that cannot be released cleanly in that time is closed.
+func TestClientCloseReleaseBoundedByLossDeadlineOnSilentNetwork(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	proxy := pgtest.NewProxy(t, dsn)
+	const loss, hb = 2 * time.Second, time.Second
+	c, err := New(pgtest.Pool(t, dsn, proxy.Route), WithLossDeadline(loss), WithHeartbeat(hb), WithSharedBackends(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := false
+	t.Cleanup(func() {
+		if !closed {
+			_ = c.Close()
+		}
+	})
+	l, err := c.Lock(ctx, Int64Key(7401))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := l.s
+	s.state.Lock()
+	last := s.lastOK
+	s.state.Unlock()
+	pgtest.Eventually(t, 10*time.Second, "a heartbeat", func() bool {
+		s.state.Lock()
+		defer s.state.Unlock()
+		return s.lastOK.After(last)
+	})
+	proxy.Blackhole()
+	start := time.Now()
+	err = c.Close()
+	closed = true
+	took := time.Since(start)
+	if took > loss+500*time.Millisecond {
+		t.Fatalf("broken promise: Client.Close of one connection on a silent network took %v (err %v), more than the loss deadline %v that bounds each connection's release: "+
+			"Session.close's statement is cut only by cancelHandler, whose socket deadline comes another loss deadline after the cancel",
+			took.Round(time.Millisecond), err, loss)
+	}
+}
