@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
+	"go.uber.org/goleak"
 )
 
 // waitsNotGranted reports how many lock requests of backend pid wait (not
@@ -442,4 +443,244 @@ func TestClientCloseReleaseBoundedByLossDeadlineOnSilentNetwork(t *testing.T) {
 			"Session.close's statement is cut only by cancelHandler, whose socket deadline comes another loss deadline after the cancel",
 			took.Round(time.Millisecond), err, loss)
 	}
+}
+
+// Promises (Client.Close, lock.go): Close during a burst of acquires ends
+// every lock and makes every acquire return, leaves no goroutine behind and
+// returns within the loss deadline per connection; the Lock's bookkeeping of
+// its in-process gates is decided once, under its mutex (claimGates against
+// end), so the race detector sees no unsynchronised access.
+func TestClientCloseDuringAcquiresLeavesNothing(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	ignore := goleak.IgnoreCurrent()
+	const rounds, workers = 15, 8
+	for round := range rounds {
+		pool := pgtest.Pool(t, dsn)
+		c, err := New(pool, WithSharedBackends(1), WithMaxWaits(1), WithLossDeadline(time.Second), WithHeartbeat(250*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		locked := 0
+		enough := make(chan struct{})
+		for w := range workers {
+			k := Int64Key(int64(7500 + w))
+			wg.Go(func() {
+				for {
+					l, err := c.Lock(ctx, k)
+					if err != nil {
+						if !errors.Is(err, ErrClosed) {
+							t.Errorf("Lock during Close: %v, want ErrClosed", err)
+						}
+						return
+					}
+					mu.Lock()
+					if locked++; locked == 4*workers {
+						close(enough)
+					}
+					mu.Unlock()
+					if err := l.Unlock(ctx); err != nil && !errors.Is(err, ErrClosed) && !errors.Is(err, ErrNotHeld) {
+						t.Errorf("Unlock during Close: %v", err)
+						return
+					}
+				}
+			})
+		}
+		select {
+		case <-enough:
+		case <-time.After(testTimeout):
+			t.Fatal("no locks taken")
+		}
+		start := time.Now()
+		if err := c.Close(); err != nil {
+			t.Errorf("round %d: Close: %v", round, err)
+		}
+		if took := time.Since(start); took > time.Second+500*time.Millisecond {
+			t.Errorf("round %d: Close took %v, more than the loss deadline", round, took)
+		}
+		wg.Wait()
+		pool.Close()
+		for w := range workers {
+			notHeld(t, dsn, Int64Key(int64(7500+w)))
+		}
+		if t.Failed() {
+			return
+		}
+	}
+	if err := goleak.Find(ignore); err != nil {
+		t.Fatalf("broken promise: goroutines left after Client.Close: %v", err)
+	}
+}
+
+// Promises (backends.go, WithMaxWaits): a Client uses at most
+// WithSharedBackends + WithMaxWaits connections, and its limits never
+// deadlock goroutines whose lock order is consistent, even when LockAll
+// calls with overlapping keys and single-key Locks of the same keys wait
+// for a holder in another process and outnumber the backends.
+func TestLimitsHoldConnectionsAndNeverDeadlockOverlappingLockAll(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	const app = "brk-limits"
+	c := newTestClient(t, dsn, WithSharedBackends(1), WithMaxWaits(1), WithApplicationName(app))
+	keys := []Key{Int64Key(7601), Int64Key(7602), Int64Key(7603), Int64Key(7604)}
+	holder := pgtest.Conn(t, dsn)
+	for _, k := range keys {
+		v, _ := k.Int64()
+		if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	obs := pgtest.Conn(t, dsn)
+	count := func() int {
+		var n int
+		if err := obs.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", app).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	sets := [][]Key{{keys[0], keys[1]}, {keys[1], keys[2]}, {keys[2], keys[3]}, {keys[0], keys[3]}, {keys[0]}, {keys[1]}, {keys[2]}, {keys[3]}}
+	errs := make(chan error, len(sets))
+	var wg sync.WaitGroup
+	for _, set := range sets {
+		wg.Go(func() {
+			for range 5 {
+				l, err := c.LockAll(ctx, set...)
+				if err != nil {
+					errs <- err
+					return
+				}
+				if err := l.Unlock(ctx); err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	maxSeen := 0
+	observe := func() {
+		if n := count(); n > maxSeen {
+			maxSeen = n
+		}
+	}
+	// The acquires queue: one waits on the server, the rest poll.
+	pgtest.Eventually(t, 10*time.Second, "an acquire to wait on the server", func() bool {
+		observe()
+		return len(lockState(t, dsn)[keys[0]])+len(lockState(t, dsn)[keys[1]])+len(lockState(t, dsn)[keys[2]])+len(lockState(t, dsn)[keys[3]]) > 4
+	})
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock_all()"); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.After(testTimeout)
+	for finished := false; !finished; {
+		observe()
+		select {
+		case <-done:
+			finished = true
+		case <-deadline:
+			t.Fatalf("broken promise: acquires with a consistent order did not finish within %v under WithSharedBackends(1), WithMaxWaits(1): %+v", testTimeout, c.Stat())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	close(errs)
+	for err := range errs {
+		t.Errorf("broken promise: acquire failed: %v (ErrDeadlock: %v)", err, errors.Is(err, ErrDeadlock))
+	}
+	if maxSeen > 2 {
+		t.Fatalf("broken promise: pg_stat_activity showed %d connections of the Client, more than WithSharedBackends(1) + WithMaxWaits(1)", maxSeen)
+	}
+	for _, k := range keys {
+		notHeld(t, dsn, k)
+	}
+	t.Logf("at most %d connections", maxSeen)
+}
+
+// Promise (doc.go, the lease): a database's defaults (lock_timeout,
+// statement_timeout, idle_in_transaction_session_timeout,
+// default_transaction_isolation = serializable) cannot end a holder or a
+// long wait: a wait over several slices, then a fence that waits for a
+// transaction that checked the old one, succeed, and the holder's other
+// lock on the same Client lives throughout.
+func TestDatabaseDefaultsDoNotEndWaitsOrFences(t *testing.T) {
+	ctx := testCtx(t)
+	dsn, pool := migratedPool(t, ctx, DefaultSchema)
+	admin := pgtest.Conn(t, dsn)
+	var db string
+	if err := admin.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
+		t.Fatal(err)
+	}
+	ident := pgx.Identifier{db}.Sanitize()
+	for _, set := range []string{"lock_timeout = '50ms'", "statement_timeout = '100ms'", "idle_in_transaction_session_timeout = '200ms'", "default_transaction_isolation = 'serializable'", "deadlock_timeout = '10ms'"} {
+		if _, err := admin.Exec(ctx, "ALTER DATABASE "+ident+" SET "+set); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const loss, hb = 2 * time.Second, 500 * time.Millisecond
+	c := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(hb))
+	_ = pool
+	k, other := Int64Key(7701), Int64Key(7702)
+	first, err := c.Lock(ctx, k, WithFence())
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldFence := first.Fence()
+	mustUnlock(t, first)
+	lo, err := c.Lock(ctx, other)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	holder := pgtest.Conn(t, dsn)
+	kv, _ := k.Int64()
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", kv); err != nil {
+		t.Fatal(err)
+	}
+	ch := goLock(func() (*Lock, error) { return c.Lock(ctx, k, WithFence()) })
+	began := time.Now()
+	slice := c.cfg.waitSlice()
+	// The wait goes on over several slices.
+	pgtest.Eventually(t, 10*time.Second, "the wait to last three slices", func() bool {
+		stillWaiting(t, ch)
+		return time.Since(began) > 3*slice && waitingOn(t, dsn, k) == 1
+	})
+	// A transaction checks the old fence, so the new fence must wait for it.
+	tconn := pgtest.Conn(t, dsn)
+	if _, err := tconn.Exec(ctx, "SET idle_in_transaction_session_timeout = 0"); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := tconn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := CheckFence(ctx, tx, k, oldFence); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1)", kv); err != nil {
+		t.Fatal(err)
+	}
+	fenceWaitFrom := time.Now()
+	pgtest.Eventually(t, 10*time.Second, "the fence to wait over three slices", func() bool {
+		stillWaiting(t, ch)
+		return time.Since(fenceWaitFrom) > 3*slice
+	})
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	res := receive(t, ch)
+	if res.err != nil {
+		t.Fatalf("broken promise: a wait and a fence under the database's defaults failed: %v", res.err)
+	}
+	if res.l.Fence() <= oldFence {
+		t.Fatalf("fence %d not newer than %d", res.l.Fence(), oldFence)
+	}
+	if lo.Err() != nil {
+		t.Fatalf("broken promise: the other lock was lost: %v", lo.Err())
+	}
+	heldOnlyBy(t, dsn, k, res.l.s.PID())
+	mustUnlock(t, res.l)
+	mustUnlock(t, lo)
+	notHeld(t, dsn, k)
 }
