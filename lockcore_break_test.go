@@ -387,6 +387,7 @@ func TestSessionCloseBoundedByCtxOnSilentNetwork(t *testing.T) {
 		return s.lastOK.After(last)
 	})
 	proxy.Blackhole()
+	t.Cleanup(proxy.CloseAll) // end the partition before the Client's and the database's cleanup
 	const bound = 200 * time.Millisecond
 	cctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
@@ -434,6 +435,7 @@ func TestClientCloseReleaseBoundedByLossDeadlineOnSilentNetwork(t *testing.T) {
 		return s.lastOK.After(last)
 	})
 	proxy.Blackhole()
+	t.Cleanup(proxy.CloseAll) // end the partition before the database's cleanup
 	start := time.Now()
 	err = c.Close()
 	closed = true
