@@ -253,6 +253,7 @@ func TestBinary(t *testing.T) {
 			{[]string{"key", "--json", "a", "b"}, 2},
 			{[]string{"locks", "--json"}, 3},
 			{[]string{"leader", "--json", "jsonlines"}, 1},
+			{[]string{"elections", "--json"}, 1},
 			{[]string{"semaphores", "--json", "--holders"}, 1},
 			{[]string{"migrate", "--json"}, 1},
 			{[]string{"release", "--json", "--force", "--pid", pid}, 1},
@@ -279,6 +280,56 @@ func TestBinary(t *testing.T) {
 					t.Errorf("release --json: %v", lines[0])
 				}
 			}
+		}
+	})
+
+	// "pgcoord elections" lists every election of the leaders table, and
+	// whether its leader still holds the election's lock.
+	t.Run("Elections", func(t *testing.T) {
+		edb := pgtest.DB(t)
+		env := []string{"DATABASE_URL=" + edb}
+		if r := exe(t, bin, env, "elections"); r.code != exitFailure || !strings.Contains(r.stderr, "pgcoord migrate") {
+			t.Fatalf("elections before migrate: exit %d, %q", r.code, r.stderr)
+		}
+		if r := exe(t, bin, env, "migrate"); r.code != exitOK {
+			t.Fatal(r.stderr)
+		}
+		if r := exe(t, bin, env, "elections"); r.code != exitOK || !strings.Contains(r.stdout, "no elections") {
+			t.Fatalf("no elections: exit %d, %q, %q", r.code, r.stdout, r.stderr)
+		}
+		ctx := context.Background()
+		c := newClient(t, edb)
+		live := campaign(t, c, "alpha", "pod-a")
+		ended := campaign(t, c, "beta", "pod-b")
+		if err := ended.Resign(ctx); err != nil {
+			t.Fatal(err)
+		}
+		info, err := c.Election("alpha").Leader(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if h := holdersOf(t, edb, c.Election("alpha").Key()); len(h) != 1 || h[0] != info.Pid {
+			t.Fatalf("alpha's lock held by %v, Leader says %d", h, info.Pid)
+		}
+		if h := holdersOf(t, edb, c.Election("beta").Key()); len(h) != 0 {
+			t.Fatalf("beta's lock held by %v after the resign", h)
+		}
+		r := exe(t, bin, env, "elections", "--json")
+		lines := jsonLines(t, r.stdout)
+		if r.code != exitOK || len(lines) != 2 {
+			t.Fatalf("elections --json: exit %d, %q, %q", r.code, r.stdout, r.stderr)
+		}
+		a, b := lines[0], lines[1]
+		if a["election"] != "alpha" || a["identity"] != "pod-a" || a["leading"] != true || a["pid"] != float64(info.Pid) || a["term"] != float64(live.Term()) {
+			t.Errorf("alpha: %v; want pod-a leading, pid %d, term %d", a, info.Pid, live.Term())
+		}
+		if b["election"] != "beta" || b["identity"] != "pod-b" || b["leading"] != false || b["term"] != float64(ended.Term()) {
+			t.Errorf("beta: %v; want pod-b not leading, term %d", b, ended.Term())
+		}
+		r = exe(t, bin, env, "elections")
+		if r.code != exitOK || !regexp.MustCompile(`(?m)^alpha +yes +pod-a +`+strconv.Itoa(int(live.Term()))+` `).MatchString(r.stdout) ||
+			!regexp.MustCompile(`(?m)^beta +no \(ended\) +pod-b `).MatchString(r.stdout) {
+			t.Fatalf("elections: exit %d:\n%s%s", r.code, r.stdout, r.stderr)
 		}
 	})
 

@@ -450,3 +450,76 @@ func semaphoresCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error
 		return tw.Flush()
 	}
 }
+
+// electionJSON is one election as "pgcoord elections" shows it, and a line
+// of its --json output.
+type electionJSON struct {
+	Election string    `json:"election"`
+	Identity string    `json:"identity"` // of the latest leader
+	Term     int64     `json:"term"`
+	Since    time.Time `json:"since"`
+	PID      int32     `json:"pid"`
+	Leading  bool      `json:"leading"` // PID still holds the election's lock
+}
+
+// electionsSQL lists the leaders table, and for each row whether its
+// backend still holds the election's lock, as Election.Leader checks it.
+const electionsSQL = `SELECT l.name, l.identity, l.term, l.since, l.pid,
+	EXISTS (SELECT 1 FROM pg_locks AS k
+		WHERE k.locktype = 'advisory' AND k.granted AND k.pid = l.pid
+		AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+		AND k.classid::bigint = (l.lock_key >> 32) & 4294967295
+		AND k.objid::bigint = l.lock_key & 4294967295 AND k.objsubid = 1)
+FROM %s AS l ORDER BY l.name`
+
+func electionsCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+	schema := fs.String("schema", pgcoord.DefaultSchema, "the `NAME` of the schema of pgcoord's tables (WithSchema)")
+	asJSON := fs.Bool("json", false, "print one JSON object per election instead of a table")
+	return func(ctx context.Context, e *env, args []string) error {
+		if len(args) > 0 {
+			return usagef("elections takes no arguments (for one election: pgcoord leader ELECTION)")
+		}
+		pool, err := openPool(ctx, e)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		rows, err := pool.Query(ctx, fmt.Sprintf(electionsSQL, pgx.Identifier{*schema, "leaders"}.Sanitize()))
+		if err != nil {
+			return fmt.Errorf("read elections (run \"pgcoord migrate\" first?): %w", err)
+		}
+		els, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (electionJSON, error) {
+			var el electionJSON
+			err := r.Scan(&el.Election, &el.Identity, &el.Term, &el.Since, &el.PID, &el.Leading)
+			return el, err
+		})
+		if err != nil {
+			return fmt.Errorf("read elections: %w", err)
+		}
+		if *asJSON {
+			enc := json.NewEncoder(e.stdout)
+			for _, el := range els {
+				if err := enc.Encode(el); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+		if len(els) == 0 {
+			fmt.Fprintf(e.stdout, "no elections in schema %s\n", pgx.Identifier{*schema}.Sanitize())
+			return nil
+		}
+		now := time.Now()
+		tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "ELECTION\tLEADING\tIDENTITY\tTERM\tSINCE\tFOR\tPID")
+		for _, el := range els {
+			leading, since := "yes", duration(now.Sub(el.Since))
+			if !el.Leading {
+				leading, since = "no (ended)", "-"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%d\n", el.Election, leading, el.Identity, el.Term,
+				el.Since.Format(time.RFC3339), since, el.PID)
+		}
+		return tw.Flush()
+	}
+}

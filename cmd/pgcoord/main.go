@@ -1,6 +1,6 @@
 // Command pgcoord is the operator's view of pgcoord's advisory locks: who
 // holds and who waits for which key, how a name maps to a key in pg_locks,
-// who leads an election, how full each semaphore is, how to force-release
+// who leads which election, how full each semaphore is, how to force-release
 // a stuck lock, and how to apply pgcoord's migrations.
 //
 // Usage:
@@ -82,6 +82,11 @@ var commands = []command{
 		summary: "force-release the locks of a backend by terminating it"},
 	{name: "leader", args: "[--schema NAME] [--json] [--resign] ELECTION", flags: leaderCmd,
 		summary: "show who leads an election (identity, term, since, backend pid); --resign asks it to step down"},
+	{name: "elections", args: "[--schema NAME] [--json]", flags: electionsCmd,
+		summary: "list every election with its latest leader, and whether that leader still holds the election",
+		details: `An election whose latest leader no longer holds the election's lock (its
+backend has ended, or it resigned) shows as not leading; its row stays
+until the next leader replaces it.`},
 	{name: "semaphores", args: "[--schema NAME] [--json] [--holders]", flags: semaphoresCmd,
 		summary: "list the semaphores: limit, permits held, processes queued; --holders lists each holder"},
 	{name: "migrate", args: "[--schema NAME] [--json]", flags: migrateCmd,
@@ -312,9 +317,9 @@ HashKey("invoice", "42")). "pgcoord locks" shows the names given with
 --name, and those of "pgcoord demo", instead of numbers.
 
 JSON: with --json (every command but demo) pgcoord prints JSON Lines: one
-JSON object per line (one per lock, key or semaphore; a single one for
-leader, release and migrate), keys in snake_case, times in RFC 3339, and
-nothing else on stdout. No line at all means nothing to list.
+JSON object per line (one per lock, key, election or semaphore; a single
+one for leader, release and migrate), keys in snake_case, times in
+RFC 3339, and nothing else on stdout. No line at all means nothing to list.
 
 Exit codes:
   0  success
