@@ -57,9 +57,21 @@
 // [Client.Locks] lists every holder and waiter of an advisory lock in the
 // database, from any process, with backend, application name and times;
 // [WithKeyNames] gives keys readable names. [Client.Terminate] force-releases
-// a stuck pgcoord backend's locks. The command cmd/pgcoord does both from a
-// shell ("pgcoord locks", "pgcoord release --pid N"), and maps names to
-// keys and to their pg_locks columns ("pgcoord key NAME").
+// a stuck pgcoord backend's locks.
+//
+// The command cmd/pgcoord does this, and more, from a shell, reading
+// DATABASE_URL or the libpq environment, with --json for scripts:
+//
+//   - pgcoord locks: holders and waiters, by key or name;
+//   - pgcoord key NAME: the key of a name and its pg_locks columns;
+//   - pgcoord release --pid N: terminate a backend to free its locks;
+//   - pgcoord leader ELECTION: who leads, with term, since and backend pid
+//     (--resign asks the leader to step down);
+//   - pgcoord elections: every election and whether its leader still leads;
+//   - pgcoord semaphores: each semaphore's limit, permits held and queue
+//     (--holders lists the holders);
+//   - pgcoord migrate: apply [Migrate] to a schema;
+//   - pgcoord demo: hold a few locks until interrupted, to look at.
 //
 // [WithHooks] calls functions of the application on every acquire,
 // release, contention and loss (for metrics; examples/metrics shows

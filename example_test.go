@@ -4,15 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
+	"os"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord"
 )
 
-// The examples below run as tests against a throwaway database; in a
-// program, databaseURL is your connection string, such as
-// os.Getenv("DATABASE_URL"). See example_helpers_test.go.
+// The examples read DATABASE_URL, as a program would. As tests they run
+// against a throwaway database that example_helpers_test.go creates and
+// sets DATABASE_URL to.
 
 func ExampleHashKey() {
 	k := pgcoord.HashKey("invoice", "42")
@@ -39,7 +41,7 @@ func ExampleParseKey() {
 // lock is held until Unlock or until it is lost, which Done reports.
 func ExampleClient_Lock() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, databaseURL("ExampleClient_Lock"))
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
 		panic(err)
 	}
@@ -75,7 +77,7 @@ func ExampleClient_Lock() {
 // makes it fail with ErrLocked.
 func ExampleClient_TryLock() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, databaseURL("ExampleClient_TryLock"))
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
 		panic(err)
 	}
@@ -115,7 +117,7 @@ func ExampleClient_TryLock() {
 // through LockFromContext.
 func ExampleClient_Do() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, databaseURL("ExampleClient_Do"))
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
 		panic(err)
 	}
@@ -150,7 +152,7 @@ func ExampleClient_Do() {
 // callers that lock overlapping sets never deadlock.
 func ExampleClient_LockAll() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, databaseURL("ExampleClient_LockAll"))
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
 		panic(err)
 	}
@@ -177,7 +179,7 @@ func ExampleClient_LockAll() {
 // took it, and works behind PgBouncer's transaction pooling.
 func ExampleXactLock() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, databaseURL("ExampleXactLock"))
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
 		panic(err)
 	}
@@ -206,7 +208,7 @@ func ExampleXactLock() {
 // transfers never deadlock.
 func ExampleInTx() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, databaseURL("ExampleInTx"))
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
 		panic(err)
 	}
@@ -240,7 +242,7 @@ func ExampleInTx() {
 // while paused cannot write with its old fence.
 func ExampleCheckFence() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, databaseURL("ExampleCheckFence"))
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
 		panic(err)
 	}
@@ -294,7 +296,7 @@ func ExampleCheckFence() {
 // from any process, by name where one was given.
 func ExampleClient_Locks() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, databaseURL("ExampleClient_Locks"))
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
 		panic(err)
 	}
@@ -331,7 +333,7 @@ func ExampleClient_Locks() {
 
 func ExampleElection_Run() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, databaseURL("ExampleElection_Run"))
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
 		panic(err)
 	}
@@ -364,4 +366,224 @@ func ExampleElection_Run() {
 	// pod-a leads with term 1
 	// Run returned: true
 	// leader after Run: pgcoord: election "scheduler": no leader
+}
+
+// Open makes the pool itself, from a connection string, and checks that
+// the server can hold session locks (a primary, reached without a
+// transaction pooler); Close closes the pool too.
+func ExampleOpen() {
+	ctx := context.Background()
+	c, err := pgcoord.Open(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		panic(err) // unreachable server, standby (ErrReadOnly), transaction pooler (ErrTransactionPooling), ...
+	}
+	defer c.Close()
+
+	l, err := c.TryLock(ctx, pgcoord.HashKey("open", "example"))
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("holding", l.Key())
+	if err := l.Unlock(ctx); err != nil {
+		panic(err)
+	}
+	// Output:
+	// holding int64:8638469224066336235
+}
+
+// Readers share a key; a writer excludes them, and they exclude it.
+func ExampleClient_RLock() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	readers, err := pgcoord.New(pool)
+	if err != nil {
+		panic(err)
+	}
+	defer readers.Close()
+	writer, err := pgcoord.New(pool)
+	if err != nil {
+		panic(err)
+	}
+	defer writer.Close()
+
+	config := pgcoord.HashKey("config")
+	r1, err := readers.RLock(ctx, config)
+	if err != nil {
+		panic(err)
+	}
+	r2, err := readers.TryRLock(ctx, config) // a second reader joins
+	fmt.Println("second reader:", err)
+	_, err = writer.TryLock(ctx, config)
+	fmt.Println("writer while read:", errors.Is(err, pgcoord.ErrLocked))
+
+	for _, r := range []*pgcoord.Lock{r1, r2} {
+		if err := r.Unlock(ctx); err != nil {
+			panic(err)
+		}
+	}
+	w, err := writer.TryLock(ctx, config)
+	fmt.Println("writer after the readers:", err)
+	if err := w.Unlock(ctx); err != nil {
+		panic(err)
+	}
+	// Output:
+	// second reader: <nil>
+	// writer while read: true
+	// writer after the readers: <nil>
+}
+
+// A Session is one connection of its own for many locks. Its locks end
+// together with it: when it is closed, or lost (Done, Err).
+func ExampleSession() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	c, err := pgcoord.New(pool)
+	if err != nil {
+		panic(err)
+	}
+	defer c.Close()
+
+	s, err := c.NewSession(ctx)
+	if err != nil {
+		panic(err)
+	}
+	a, err := s.Lock(ctx, pgcoord.Int64Key(1001))
+	if err != nil {
+		panic(err)
+	}
+	b, err := s.TryRLock(ctx, pgcoord.PairKey(7, 1))
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("holding", a.Key(), "and", b.Key(), "on one backend:", s.PID() != 0)
+
+	if err := s.Close(ctx); err != nil { // frees every lock of the session
+		panic(err)
+	}
+	<-a.Done()
+	fmt.Println("after Close:", errors.Is(a.Err(), pgcoord.ErrClosed), errors.Is(b.Err(), pgcoord.ErrClosed))
+	// Output:
+	// holding int64:1001 and pair:7,1 on one backend: true
+	// after Close: true true
+}
+
+// A semaphore lets at most limit holders in at once, across every process.
+func ExampleSemaphore() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	if err := pgcoord.Migrate(ctx, pool); err != nil { // semaphores need their tables
+		panic(err)
+	}
+	c, err := pgcoord.New(pool)
+	if err != nil {
+		panic(err)
+	}
+	defer c.Close()
+
+	sem := c.Semaphore("exports", 2, pgcoord.WithHolderIdentity("worker-1"))
+	p1, err := sem.Acquire(ctx) // waits in line while 2 permits are held
+	if err != nil {
+		panic(err)
+	}
+	p2, err := sem.Acquire(ctx)
+	if err != nil {
+		panic(err)
+	}
+	_, err = sem.TryAcquire(ctx)
+	fmt.Println("third:", errors.Is(err, pgcoord.ErrNoPermit))
+	hs, err := sem.Holders(ctx)
+	if err != nil {
+		panic(err)
+	}
+	for _, h := range hs {
+		fmt.Println("held by", h.Identity)
+	}
+
+	for _, p := range []*pgcoord.Permit{p1, p2} {
+		if err := p.Release(ctx); err != nil {
+			panic(err)
+		}
+	}
+	p3, err := sem.TryAcquire(ctx)
+	fmt.Println("after the releases:", err)
+	_ = p3.Release(ctx)
+	// Output:
+	// third: true
+	// held by worker-1
+	// held by worker-1
+	// after the releases: <nil>
+}
+
+// Observe delivers the election's leaders as they change: first the
+// current one (the zero LeaderInfo when nobody leads), then each change.
+func ExampleElection_Observe() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	if err := pgcoord.Migrate(ctx, pool); err != nil { // elections need the leaders table
+		panic(err)
+	}
+	c, err := pgcoord.New(pool)
+	if err != nil {
+		panic(err)
+	}
+	defer c.Close()
+
+	e := c.Election("reports", pgcoord.WithIdentity("pod-b"))
+	observeCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	changes := e.Observe(observeCtx)
+	show := func(info pgcoord.LeaderInfo) {
+		if info.Identity == "" {
+			fmt.Println("no leader")
+			return
+		}
+		fmt.Printf("%s leads, term %d\n", info.Identity, info.Term)
+	}
+
+	show(<-changes)
+	ld, err := e.Campaign(ctx)
+	if err != nil {
+		panic(err)
+	}
+	show(<-changes)
+	if err := ld.Resign(ctx); err != nil {
+		panic(err)
+	}
+	show(<-changes)
+	// Output:
+	// no leader
+	// pod-b leads, term 1
+	// no leader
+}
+
+// Migrations returns the SQL files that Migrate applies, for a migration
+// tool of the application's own.
+func ExampleMigrations() {
+	ups, err := fs.Glob(pgcoord.Migrations(), "*.up.sql")
+	if err != nil {
+		panic(err)
+	}
+	for _, name := range ups {
+		fmt.Println(name)
+	}
+	// Output:
+	// 000001_fences.up.sql
+	// 000002_leaders.up.sql
+	// 000003_semaphores.up.sql
 }

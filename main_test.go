@@ -22,6 +22,7 @@ func TestMain(m *testing.M) {
 type leakChecked struct{ m *testing.M }
 
 func (l leakChecked) Run() int {
+	setExampleDB()
 	code := l.m.Run()
 	runExampleCleanups()
 	if code != 0 {

@@ -119,8 +119,8 @@ func loadMigrations(fsys fs.FS) ([]migration, error) {
 	return out, nil
 }
 
-// Migrate creates or upgrades pgcoord's tables, which fencing tokens
-// (and later leader election and semaphores) need; plain locks need none.
+// Migrate creates or upgrades pgcoord's tables, which fencing tokens,
+// leader election and semaphores need; plain locks need none.
 // It is safe to call at every start of every process: it applies only the
 // migrations the database does not have yet, so a second call changes
 // nothing.

@@ -34,11 +34,34 @@ func lockColumns(k pgcoord.Key) (classid, objid uint32, objsubid int16) {
 	return uint32(uint64(v) >> 32), uint32(v), 1
 }
 
+// keyJSON is one line of "pgcoord key --json".
+type keyJSON struct {
+	Name     string      `json:"name"`
+	Key      pgcoord.Key `json:"key"`
+	Value    int64       `json:"value"` // the bigint passed to pg_advisory_lock
+	ClassID  uint32      `json:"classid"`
+	ObjID    uint32      `json:"objid"`
+	ObjSubID int16       `json:"objsubid"`
+}
+
 func keyCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 	sep := fs.String("sep", "", "split each NAME into HashKey parts at `SEP`")
+	asJSON := fs.Bool("json", false, "print one JSON object per NAME instead of a table")
 	return func(_ context.Context, e *env, names []string) error {
 		if len(names) == 0 {
 			return usagef("key: give at least one NAME")
+		}
+		if *asJSON {
+			enc := json.NewEncoder(e.stdout)
+			for _, n := range names {
+				k := keyOf(n, *sep)
+				v, _ := k.Int64()
+				classid, objid, objsubid := lockColumns(k)
+				if err := enc.Encode(keyJSON{n, k, v, classid, objid, objsubid}); err != nil {
+					return err
+				}
+			}
+			return nil
 		}
 		tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "NAME\tKEY\tCLASSID\tOBJID\tOBJSUBID")
@@ -165,10 +188,25 @@ func duration(d time.Duration) string {
 	return d.Round(time.Millisecond).String()
 }
 
+// releaseJSON is the line of "pgcoord release --json".
+type releaseJSON struct {
+	PID      int32          `json:"pid"`      // the terminated backend
+	Released []releasedJSON `json:"released"` // the locks it held
+	Awaited  []releasedJSON `json:"awaited"`  // the locks it waited for
+}
+
+// releasedJSON is a lock of a terminated backend.
+type releasedJSON struct {
+	Key  pgcoord.Key `json:"key"`
+	Name string      `json:"name,omitempty"`
+	Mode string      `json:"mode"`
+}
+
 func releaseCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-	pid := fs.Int("pid", 0, "process ID of the backend, as 'pgcoord locks' shows it")
+	pid := fs.Int("pid", 0, "process ID `N` of the backend, as 'pgcoord locks' shows it (required)")
 	force := fs.Bool("force", false, "terminate the backend even if it is not pgcoord's")
-	app := fs.String("app", "pgcoord", "the application_name that marks pgcoord's backends (WithApplicationName)")
+	app := fs.String("app", "pgcoord", "the application_name `NAME` that marks pgcoord's backends (WithApplicationName)")
+	asJSON := fs.Bool("json", false, "print the result as one JSON object")
 	return func(ctx context.Context, e *env, args []string) error {
 		if len(args) > 0 {
 			return usagef("release takes no arguments (the backend goes with --pid)")
@@ -186,6 +224,7 @@ func releaseCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			return err
 		}
 		var held, awaited []string
+		res := releaseJSON{PID: int32(*pid), Released: []releasedJSON{}, Awaited: []releasedJSON{}}
 		for _, l := range all {
 			if l.PID != int32(*pid) {
 				continue
@@ -194,10 +233,13 @@ func releaseCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			if name == "" {
 				name = l.Key.String()
 			}
+			r := releasedJSON{Key: l.Key, Name: l.Name, Mode: l.Mode.String()}
 			if l.Granted {
 				held = append(held, name+" ("+l.Mode.String()+")")
+				res.Released = append(res.Released, r)
 			} else {
 				awaited = append(awaited, name)
+				res.Awaited = append(res.Awaited, r)
 			}
 		}
 		terminate := c.Terminate
@@ -211,6 +253,9 @@ func releaseCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 				return errors.New(msg + "; pass --force to terminate it anyway")
 			}
 			return err
+		}
+		if *asJSON {
+			return json.NewEncoder(e.stdout).Encode(res)
 		}
 		fmt.Fprintf(e.stdout, "terminated backend %d\n", *pid)
 		if len(held) > 0 {
@@ -227,7 +272,8 @@ func releaseCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 }
 
 func migrateCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-	schema := fs.String("schema", pgcoord.DefaultSchema, "the schema of pgcoord's tables (WithSchema)")
+	schema := fs.String("schema", pgcoord.DefaultSchema, "the `NAME` of the schema of pgcoord's tables (WithSchema)")
+	asJSON := fs.Bool("json", false, "print the schema and its version as one JSON object")
 	return func(ctx context.Context, e *env, args []string) error {
 		if len(args) > 0 {
 			return usagef("migrate takes no arguments")
@@ -245,14 +291,30 @@ func migrateCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		if err := pool.QueryRow(ctx, q).Scan(&version); err != nil {
 			return fmt.Errorf("read the schema version: %w", err)
 		}
+		if *asJSON {
+			return json.NewEncoder(e.stdout).Encode(struct {
+				Schema  string `json:"schema"`
+				Version int64  `json:"version"`
+			}{*schema, version})
+		}
 		fmt.Fprintf(e.stdout, "schema %s is at version %d\n", pgx.Identifier{*schema}.Sanitize(), version)
 		return nil
 	}
 }
 
+// leaderJSON is the line of "pgcoord leader --json".
+type leaderJSON struct {
+	Election        string    `json:"election"`
+	Identity        string    `json:"identity"`
+	Term            int64     `json:"term"`
+	Since           time.Time `json:"since"`
+	PID             int32     `json:"pid"`
+	ResignRequested bool      `json:"resign_requested"`
+}
+
 func leaderCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-	schema := fs.String("schema", pgcoord.DefaultSchema, "the schema of pgcoord's tables (WithSchema)")
-	asJSON := fs.Bool("json", false, "print the leader as JSON")
+	schema := fs.String("schema", pgcoord.DefaultSchema, "the `NAME` of the schema of pgcoord's tables (WithSchema)")
+	asJSON := fs.Bool("json", false, "print the leader as one JSON object")
 	resign := fs.Bool("resign", false, "ask the leader to step down (RequestResign); another candidate takes over")
 	return func(ctx context.Context, e *env, args []string) error {
 		if len(args) != 1 {
@@ -279,14 +341,7 @@ func leaderCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			}
 		}
 		if *asJSON {
-			return json.NewEncoder(e.stdout).Encode(struct {
-				Election string    `json:"election"`
-				Identity string    `json:"identity"`
-				Term     int64     `json:"term"`
-				Since    time.Time `json:"since"`
-				Pid      int32     `json:"pid"`
-				Resign   bool      `json:"resign_requested"`
-			}{args[0], info.Identity, int64(info.Term), info.Since, info.Pid, *resign})
+			return json.NewEncoder(e.stdout).Encode(leaderJSON{args[0], info.Identity, int64(info.Term), info.Since, info.Pid, *resign})
 		}
 		tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "ELECTION\tIDENTITY\tTERM\tSINCE\tLEADING FOR\tPID")
@@ -302,18 +357,27 @@ func leaderCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 	}
 }
 
-// semaphoreRow is one semaphore as "pgcoord semaphores" shows it.
+// semaphoreRow is one semaphore as "pgcoord semaphores" shows it, and a
+// line of its --json output.
 type semaphoreRow struct {
-	Name    string           `json:"name"`
-	Limit   int              `json:"limit"`
-	Held    int              `json:"held"`
-	Queued  int              `json:"queued"`
-	Holders []pgcoord.Holder `json:"holders,omitempty"`
+	Name    string       `json:"name"`
+	Limit   int          `json:"limit"`
+	Held    int          `json:"held"`
+	Queued  int          `json:"queued"`
+	Holders []holderJSON `json:"holders,omitempty"` // with --holders only
+}
+
+// holderJSON is a holder of a semaphore's permit.
+type holderJSON struct {
+	Slot     int       `json:"slot"`
+	Identity string    `json:"identity"`
+	Since    time.Time `json:"since"`
+	PID      int32     `json:"pid"`
 }
 
 func semaphoresCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-	schema := fs.String("schema", pgcoord.DefaultSchema, "the schema of pgcoord's tables (WithSchema)")
-	asJSON := fs.Bool("json", false, "print the semaphores as JSON")
+	schema := fs.String("schema", pgcoord.DefaultSchema, "the `NAME` of the schema of pgcoord's tables (WithSchema)")
+	asJSON := fs.Bool("json", false, "print one JSON object per semaphore instead of a table")
 	holders := fs.Bool("holders", false, "list each live holder: slot, identity, since, backend pid")
 	return func(ctx context.Context, e *env, args []string) error {
 		if len(args) > 0 {
@@ -352,24 +416,109 @@ func semaphoresCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error
 			}
 			defer c.Close()
 			for i := range sems {
-				if sems[i].Holders, err = c.Semaphore(sems[i].Name, 1).Holders(ctx); err != nil {
+				hs, err := c.Semaphore(sems[i].Name, 1).Holders(ctx)
+				if err != nil {
 					return err
+				}
+				sems[i].Holders = make([]holderJSON, len(hs))
+				for j, h := range hs {
+					sems[i].Holders[j] = holderJSON{h.Slot, h.Identity, h.Since, h.Pid}
 				}
 			}
 		}
 		if *asJSON {
-			if sems == nil {
-				sems = []semaphoreRow{}
+			enc := json.NewEncoder(e.stdout)
+			for _, s := range sems {
+				if err := enc.Encode(s); err != nil {
+					return err
+				}
 			}
-			return json.NewEncoder(e.stdout).Encode(sems)
+			return nil
+		}
+		if len(sems) == 0 {
+			fmt.Fprintf(e.stdout, "no semaphores in schema %s\n", pgx.Identifier{*schema}.Sanitize())
+			return nil
 		}
 		tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "SEMAPHORE\tLIMIT\tHELD\tQUEUED")
 		for _, s := range sems {
 			fmt.Fprintf(tw, "%s\t%d\t%d\t%d\n", s.Name, s.Limit, s.Held, s.Queued)
 			for _, h := range s.Holders {
-				fmt.Fprintf(tw, "  slot %d\t%s\tpid %d\tsince %s\n", h.Slot, h.Identity, h.Pid, h.Since.Format(time.RFC3339))
+				fmt.Fprintf(tw, "  slot %d\t%s\tpid %d\tsince %s\n", h.Slot, h.Identity, h.PID, h.Since.Format(time.RFC3339))
 			}
+		}
+		return tw.Flush()
+	}
+}
+
+// electionJSON is one election as "pgcoord elections" shows it, and a line
+// of its --json output.
+type electionJSON struct {
+	Election string    `json:"election"`
+	Identity string    `json:"identity"` // of the latest leader
+	Term     int64     `json:"term"`
+	Since    time.Time `json:"since"`
+	PID      int32     `json:"pid"`
+	Leading  bool      `json:"leading"` // PID still holds the election's lock
+}
+
+// electionsSQL lists the leaders table, and for each row whether its
+// backend still holds the election's lock, as Election.Leader checks it.
+const electionsSQL = `SELECT l.name, l.identity, l.term, l.since, l.pid,
+	EXISTS (SELECT 1 FROM pg_locks AS k
+		WHERE k.locktype = 'advisory' AND k.granted AND k.pid = l.pid
+		AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+		AND k.classid::bigint = (l.lock_key >> 32) & 4294967295
+		AND k.objid::bigint = l.lock_key & 4294967295 AND k.objsubid = 1)
+FROM %s AS l ORDER BY l.name`
+
+func electionsCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+	schema := fs.String("schema", pgcoord.DefaultSchema, "the `NAME` of the schema of pgcoord's tables (WithSchema)")
+	asJSON := fs.Bool("json", false, "print one JSON object per election instead of a table")
+	return func(ctx context.Context, e *env, args []string) error {
+		if len(args) > 0 {
+			return usagef("elections takes no arguments (for one election: pgcoord leader ELECTION)")
+		}
+		pool, err := openPool(ctx, e)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		rows, err := pool.Query(ctx, fmt.Sprintf(electionsSQL, pgx.Identifier{*schema, "leaders"}.Sanitize()))
+		if err != nil {
+			return fmt.Errorf("read elections (run \"pgcoord migrate\" first?): %w", err)
+		}
+		els, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (electionJSON, error) {
+			var el electionJSON
+			err := r.Scan(&el.Election, &el.Identity, &el.Term, &el.Since, &el.PID, &el.Leading)
+			return el, err
+		})
+		if err != nil {
+			return fmt.Errorf("read elections: %w", err)
+		}
+		if *asJSON {
+			enc := json.NewEncoder(e.stdout)
+			for _, el := range els {
+				if err := enc.Encode(el); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+		if len(els) == 0 {
+			fmt.Fprintf(e.stdout, "no elections in schema %s\n", pgx.Identifier{*schema}.Sanitize())
+			return nil
+		}
+		now := time.Now()
+		tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "ELECTION\tLEADING\tIDENTITY\tTERM\tSINCE\tFOR\tPID")
+		for _, el := range els {
+			leading, since := "yes", duration(now.Sub(el.Since))
+			if !el.Leading {
+				leading, since = "no (ended)", "-"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%d\n", el.Election, leading, el.Identity, el.Term,
+				el.Since.Format(time.RFC3339), since, el.PID)
 		}
 		return tw.Flush()
 	}

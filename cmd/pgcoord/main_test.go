@@ -109,8 +109,12 @@ func TestUsageAndHelp(t *testing.T) {
 		{[]string{"locks", "-h"}, "", exitOK, "--json", ""},
 		{[]string{"nope"}, "", exitUsage, "", `unknown command "nope"`},
 		{[]string{"--bogus"}, "", exitUsage, "", "bogus"},
-		{[]string{"locks"}, "", exitUsage, "", "no database: set DATABASE_URL or pass --db"},
-		{[]string{"locks", "--bogus"}, "", exitUsage, "", "locks: flag provided but not defined"},
+		{[]string{"locks", "--bogus"}, "", exitUsage, "", "locks: flag provided but not defined: --bogus"},
+		{[]string{"locks", "--json", "extra", "--name", "x"}, "postgres://x", exitUsage, "", "takes no arguments"},
+		{[]string{"help", "nope"}, "", exitUsage, "", `unknown command "nope"`},
+		{[]string{"help", "locks"}, "", exitOK, "Usage: pgcoord locks", ""},
+		{[]string{"key", "--sep"}, "", exitUsage, "", "flag needs an argument: --sep"},
+		{[]string{"locks", "--json=maybe"}, "", exitUsage, "", "invalid value"},
 		{[]string{"locks", "extra"}, "postgres://x", exitUsage, "", "takes no arguments"},
 		{[]string{"release"}, "postgres://x", exitUsage, "", "--pid"},
 		{[]string{"release", "--pid", "x"}, "postgres://x", exitUsage, "", "invalid value"},
@@ -423,15 +427,19 @@ func TestSemaphoresCommand(t *testing.T) {
 		t.Fatalf("semaphores --json: exit %d: %s", code, stderr)
 	}
 	var got []semaphoreRow
-	if err := json.Unmarshal([]byte(stdout), &got); err != nil {
-		t.Fatalf("semaphores --json output %q: %v", stdout, err)
+	for _, line := range strings.Split(strings.TrimSpace(stdout), "\n") {
+		var s semaphoreRow
+		if err := json.Unmarshal([]byte(line), &s); err != nil {
+			t.Fatalf("semaphores --json line %q: %v", line, err)
+		}
+		got = append(got, s)
 	}
 	hs, err := sem.Holders(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(got) != 2 || got[0].Name != "exports" || got[0].Limit != 2 || got[0].Held != 1 || got[0].Queued != 0 ||
-		len(got[0].Holders) != 1 || got[0].Holders[0].Identity != "worker-1" || got[0].Holders[0].Pid != hs[0].Pid ||
+		len(got[0].Holders) != 1 || got[0].Holders[0].Identity != "worker-1" || got[0].Holders[0].PID != hs[0].Pid ||
 		got[1].Name != "idle" || got[1].Limit != 5 || got[1].Held != 0 {
 		t.Fatalf("semaphores --json = %+v", got)
 	}

@@ -16,7 +16,6 @@ package main
 import (
 	"bufio"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -82,7 +81,13 @@ func candidate(name string) error {
 		fmt.Printf("end %d %d %v\n", term, time.Now().UnixNano(), context.Cause(ctx))
 		return nil
 	})
-	if errors.Is(err, context.Canceled) {
+	// The parent asks a candidate to stop by closing its stdin, which
+	// cancels ctx: whatever Run returns after that is the stop, not a
+	// failure. Usually that is ctx's error; but when the stop comes while
+	// this candidate is just taking over, Run can return the error of the
+	// statement that the cancel interrupted (a cancelled statement, not
+	// context.Canceled), so test ctx rather than the error.
+	if ctx.Err() != nil {
 		return nil
 	}
 	return err
@@ -169,6 +174,30 @@ func run() error {
 			}
 		}
 	}
+	// handover waits for a leader's "end" and the next leader's "lead".
+	// They come from two processes through two pipes, so the "lead" line
+	// can arrive first even though the new leader started after the old
+	// one ended (the times in the lines say so).
+	handover := func() (end, lead event, err error) {
+		timer := time.NewTimer(waitLimit)
+		defer timer.Stop()
+		for end.kind == "" || lead.kind == "" {
+			select {
+			case ev := <-events:
+				switch {
+				case ev.kind == "end" && end.kind == "":
+					end = ev
+				case ev.kind == "lead" && lead.kind == "":
+					lead = ev
+				}
+			case <-timer.C:
+				return end, lead, fmt.Errorf("no leader ended and another started within %v", waitLimit)
+			case <-ctx.Done():
+				return end, lead, ctx.Err()
+			}
+		}
+		return end, lead, nil
+	}
 
 	fmt.Println("\n1. three candidate processes campaign for election", strconv.Quote(election))
 	for _, name := range []string{"pod-a", "pod-b", "pod-c"} {
@@ -252,11 +281,7 @@ func run() error {
 	if err := e.RequestResign(ctx); err != nil {
 		return err
 	}
-	end, err := next("end")
-	if err != nil {
-		return err
-	}
-	ev, err := next("lead")
+	end, ev, err := handover()
 	if err != nil {
 		return err
 	}
@@ -271,11 +296,7 @@ func run() error {
 	if _, err := pool.Exec(ctx, "SELECT pg_terminate_backend($1)", before.Pid); err != nil {
 		return err
 	}
-	end, err = next("end")
-	if err != nil {
-		return err
-	}
-	ev, err = next("lead")
+	end, ev, err = handover()
 	if err != nil {
 		return err
 	}

