@@ -279,7 +279,11 @@ func (c *Client) acquireGated(ctx context.Context, s *Session, r request, observ
 			continue
 		}
 		if r.fence {
-			if err := handed.s.issueFence(ctx, handed); err != nil {
+			err := handed.s.issueFence(ctx, handed)
+			if e := handed.Err(); e != nil {
+				err = e // lost while its fence was issued
+			}
+			if err != nil {
 				handed.unreported.Store(true) // the acquire fails: no release to report
 				_ = handed.Unlock(ctx)
 				if errorIsLoss(err) && ctx.Err() == nil {

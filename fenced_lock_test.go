@@ -175,20 +175,24 @@ func TestFencedAcquireWaitsForCheckedTransaction(t *testing.T) {
 	mustUnlock(t, r.l)
 }
 
-// awaitIssuingFence waits until one backend holds k and waits for a row
-// lock (the fence row, share-locked by a transaction that checked the
-// fence), and returns that backend.
+// awaitIssuingFence waits until one backend holds k and a backend of
+// pgcoord waits for a row lock (the fence row, share-locked by a
+// transaction that checked the fence), and returns the backend that holds
+// k. (The fence may wait on another backend of the Client than the one
+// that holds the key.)
 func awaitIssuingFence(t *testing.T, pool *pgxpool.Pool, dsn string, k Key) int32 {
 	t.Helper()
 	ctx := testCtx(t)
 	var pid int32
-	pgtest.Eventually(t, testTimeout, "a backend holds the key and waits to issue its fence", func() bool {
+	pgtest.Eventually(t, testTimeout, "a backend holds the key and a fence waits to be issued", func() bool {
 		pids := grantedTo(t, dsn, k)
 		if len(pids) != 1 {
 			return false
 		}
 		var waiting bool
-		err := pool.QueryRow(ctx, "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pids[0]).Scan(&waiting)
+		err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock'
+			AND query LIKE '%fences%' AND pid <> pg_backend_pid())`).Scan(&waiting)
 		pid = pids[0]
 		return err == nil && waiting
 	})

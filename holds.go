@@ -53,7 +53,11 @@ func (s *Session) take(ctx context.Context, r request) (*Lock, error) {
 		return nil, err
 	}
 	if r.fence {
-		if err := s.issueFence(ctx, l); err != nil {
+		err := s.issueFence(ctx, l)
+		if e := l.Err(); e != nil {
+			err = e // lost while its fence was issued
+		}
+		if err != nil {
 			s.drop(l)
 			return nil, err
 		}
@@ -543,14 +547,22 @@ func (s *Session) drop(l *Lock) {
 	}
 }
 
-// issueFence gives l a new fence for its key, on l's backend. The
-// statement waits while a transaction that checked an older fence of the
-// key (CheckFence) is open, so it runs in slices like a lock wait: it
-// never keeps the backend's other locks from proving themselves alive,
-// nor their Unlock from running.
+// issueFence gives l a new fence for its key. The statement waits while a
+// transaction that checked an older fence of the key (CheckFence) is open,
+// so it runs as a blocking statement (see blockAway).
 func (s *Session) issueFence(ctx context.Context, l *Lock) error {
+	// The fence may wait on another backend: stop when l is lost.
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	go func() {
+		select {
+		case <-l.done:
+			cancel(l.Err())
+		case <-ctx.Done():
+		}
+	}()
 	space, key := fenceRow(l.keys[0])
-	err := s.block(ctx, blockingStatement{
+	err := s.c.blockAway(ctx, s, blockingStatement{
 		sql:  issueFenceSQL(s.c.cfg, 3),
 		args: []any{space, key, ""},
 		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
@@ -562,6 +574,50 @@ func (s *Session) issueFence(ctx context.Context, l *Lock) error {
 		return notMigrated(s.c.cfg, "issue fence for key "+l.keys[0].String(), err)
 	}
 	return nil
+}
+
+// glance is how long a blocking statement that rarely waits may wait on a
+// backend that holds other goroutines' locks (see blockAway): well below
+// PostgreSQL's deadlock_timeout, so the server does not look for a cycle
+// through that backend meanwhile.
+const glance = 20 * time.Millisecond
+
+// blockAway runs st, a blocking statement that rarely waits (for a row
+// that a transaction holds), for a lock on home. On a Session of the
+// application's own, it runs there in slices. On a backend of the Client's,
+// which may hold other goroutines' locks, it first runs there waiting at
+// most a glance; if it must wait longer (or the server picked it as a
+// deadlock victim meanwhile), it waits on a backend that holds nothing, in
+// slices, as a lock wait does (see backends.go), trying again on home at
+// growing intervals while no such backend is free.
+func (c *Client) blockAway(ctx context.Context, home *Session, st blockingStatement) error {
+	if !home.managed {
+		return home.block(ctx, st)
+	}
+	last := len(st.args) - 1
+	poll := minPollInterval
+	for {
+		st.args[last] = strconv.FormatInt(glance.Milliseconds(), 10)
+		err := home.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+			return st.run(ctx, conn, st.sql, st.args)
+		})
+		if code := pgCode(err); code != "55P03" && code != "40P01" || home.Err() != nil {
+			return err
+		}
+		b, done, err := c.waitBackend(ctx)
+		switch {
+		case err == nil:
+			err = b.block(ctx, st)
+			done()
+			return err
+		case !errors.Is(err, errNoWaitBackend):
+			return err
+		}
+		if err := c.pause(ctx, poll); err != nil {
+			return err
+		}
+		poll = min(2*poll, maxPollInterval)
+	}
 }
 
 // wrongBackend turns "no row" from a statement guarded by

@@ -417,9 +417,10 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, error)
 	var term int64
 	var since *time.Time
 	// The statement waits for the fences row while a transaction that
-	// checked the previous term is open: in slices, like a lock wait, so
-	// that the backend's other locks keep proving themselves alive.
-	err := l.s.block(ctx, blockingStatement{
+	// checked the previous term is open: as a blocking statement, so that
+	// the backend's other locks keep proving themselves alive and see no
+	// deadlock of its making.
+	err := c.blockAway(ctx, l.s, blockingStatement{
 		sql:   recordSQL(c.cfg),
 		args:  []any{space, fkey, e.name, k, e.identity, l.s.pid, leaderChannel, ""},
 		locks: 2, // the fences row, then the leaders row

@@ -403,7 +403,10 @@ func TestMultiKeyWaitKeepsOtherLocks(t *testing.T) {
 	t.Parallel()
 	const loss = time.Second
 	opts := []Option{WithLossDeadline(loss), WithHeartbeat(200 * time.Millisecond)}
-	run := func(t *testing.T, dsn string, held []*Lock, lockAll func(ctx context.Context, keys ...Key) (*Lock, error)) {
+	// queued reports whether the LockAll waits in the process for a
+	// connection it may wait on (every connection of a Client at its limit
+	// holds a lock), trying its keys meanwhile.
+	run := func(t *testing.T, dsn string, held []*Lock, queued func() bool, lockAll func(ctx context.Context, keys ...Key) (*Lock, error)) {
 		ctx := testCtx(t)
 		outside := pgtest.Conn(t, dsn)
 		keys, err := canonicalKeys([]Key{HashKey("multi", "1"), HashKey("multi", "2"), HashKey("multi", "3"), HashKey("multi", "4")})
@@ -414,7 +417,7 @@ func TestMultiKeyWaitKeepsOtherLocks(t *testing.T) {
 			outsideLock(t, outside, k)
 		}
 		ch := goLock(func() (*Lock, error) { return lockAll(ctx, keys...) })
-		pgtest.Eventually(t, testTimeout, "LockAll waits for the first key", func() bool { return waitingOn(t, dsn, keys[0]) == 1 })
+		pgtest.Eventually(t, testTimeout, "LockAll waits for the first key", func() bool { return waitingOn(t, dsn, keys[0]) == 1 || queued() })
 		start := time.Now()
 		// Free the keys one by one, 0.36 L apart, in the order LockAll
 		// takes them, watching the locks beside the wait meanwhile.
@@ -472,7 +475,7 @@ func TestMultiKeyWaitKeepsOtherLocks(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		run(t, dsn, []*Lock{u}, s.LockAll)
+		run(t, dsn, []*Lock{u}, func() bool { return false }, s.LockAll)
 		if s.Err() != nil {
 			t.Fatalf("session ended: %v", s.Err())
 		}
@@ -481,8 +484,8 @@ func TestMultiKeyWaitKeepsOtherLocks(t *testing.T) {
 		t.Parallel()
 		ctx := testCtx(t)
 		dsn := pgtest.DB(t)
-		// At the limit of 1 + 1 connections, each holding a lock, the wait
-		// runs on a backend that holds one.
+		// At the limit of 1 + 1 connections, each holding a lock: the
+		// LockAll finds no connection it may wait on, and tries again.
 		c := newTestClient(t, dsn, append(opts, WithSharedBackends(1), WithMaxWaits(1))...)
 		u, err := c.Lock(ctx, HashKey("unrelated"))
 		if err != nil {
@@ -498,7 +501,7 @@ func TestMultiKeyWaitKeepsOtherLocks(t *testing.T) {
 		if r.err != nil {
 			t.Fatal(r.err)
 		}
-		run(t, dsn, []*Lock{u, r.l}, c.LockAll)
+		run(t, dsn, []*Lock{u, r.l}, func() bool { return c.Stat().QueuedWaits == 1 }, c.LockAll)
 	})
 }
 

@@ -121,9 +121,14 @@ func (s *Session) close(ctx context.Context) error {
 	case s.use <- struct{}{}:
 		// The connection is ours: nothing else runs on it any more. ctx
 		// bounds the release: when it ends, the socket is cut.
+		// (The statement does not watch ctx: pgx would answer it with a
+		// cancel request, which a silent network does not deliver.)
 		stop := context.AfterFunc(ctx, func() { _ = s.conn.PgConn().Conn().SetDeadline(time.Now()) })
 		defer stop()
-		if _, err = s.conn.Exec(ctx, "SELECT pg_advisory_unlock_all()"); err == nil {
+		if _, err = s.conn.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock_all()"); err != nil && ctx.Err() != nil {
+			err = errorf("%w: %w", context.Cause(ctx), err)
+		}
+		if err == nil {
 			err = s.conn.Close(ctx)
 		} else if backendEnded(err) {
 			err = nil // the backend is gone, and its locks with it
