@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -155,4 +156,24 @@ func mustUnlock(t testing.TB, l *Lock) {
 	if err := l.Unlock(context.Background()); err != nil {
 		t.Fatalf("Unlock: %v", err)
 	}
+}
+
+// keyHolders reads pg_locks on conn for k: every backend that holds or
+// waits for it. Unlike lockState it reports errors instead of failing the
+// test, so it can run in a goroutine of the test's own.
+func keyHolders(ctx context.Context, conn *pgx.Conn, k Key) ([]holder, error) {
+	classid, objid, objsubid := k.lockColumns()
+	rows, err := conn.Query(ctx, `
+SELECT pid, mode = 'ShareLock', granted FROM pg_locks
+WHERE locktype = 'advisory'
+  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND classid::int8 = $1 AND objid::int8 = $2 AND objsubid = $3`, int64(classid), int64(objid), objsubid)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (holder, error) {
+		var h holder
+		err := row.Scan(&h.pid, &h.shared, &h.granted)
+		return h, err
+	})
 }
