@@ -3,6 +3,9 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"fmt"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -48,43 +51,108 @@ func TestSessionAppliesServerLiveness(t *testing.T) {
 	}
 }
 
-// A role's statement_timeout must not cut a long wait short.
+// A role's statement_timeout must not cut a long wait short. The waiter
+// connects as a role of the test's own whose statement_timeout is 50 ms
+// (ALTER ROLE): an ordinary connection of that role is cut off by it, while
+// the lock connection's wait is seen in pg_locks and pg_stat_activity
+// waiting in one statement, on one backend, for ten times that by the
+// server's clock, and ends with the lock.
 func TestLongWaitSurvivesRoleStatementTimeout(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
 	dsn := pgtest.DB(t)
 	admin := pgtest.Conn(t, dsn)
-	// Open the pg_locks observer first, so that it does not get the
-	// database's 50 ms statement_timeout, which a loaded machine exceeds.
-	notHeld(t, dsn, HashKey("long-wait"))
-	if _, err := admin.Exec(ctx, "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = 50', current_database()); END $$"); err != nil {
+	role := fmt.Sprintf("pgcoord_stmt_%d_%d", os.Getpid(), time.Now().UnixNano()%1e9)
+	const timeout = 50 * time.Millisecond
+	for _, sql := range []string{
+		"CREATE ROLE " + role + " LOGIN",
+		fmt.Sprintf("ALTER ROLE %s SET statement_timeout = %d", role, timeout.Milliseconds()),
+	} {
+		if _, err := admin.Exec(ctx, sql); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		defer cancel()
+		if _, err := admin.Exec(ctx, "DROP ROLE "+role); err != nil {
+			t.Errorf("drop role: %v", err)
+		}
+	})
+	cfg, err := pgx.ParseConfig(dsn)
+	if err != nil {
 		t.Fatal(err)
 	}
-	holder, waiter := newTestClient(t, dsn), newTestClient(t, dsn)
+	roleDSN := strings.Replace(dsn, "://"+cfg.User+"@", "://"+role+"@", 1)
+
+	// The role's timeout is in force on an ordinary connection of it.
+	control := pgtest.Conn(t, roleDSN)
+	if got := settingThrough(t, control, "statement_timeout"); got != "50ms" {
+		t.Fatalf("statement_timeout = %q on an ordinary connection of the role, want 50ms", got)
+	}
+	if _, err := control.Exec(ctx, "SELECT pg_sleep(1)"); pgCode(err) != "57014" {
+		t.Fatalf("a 1 s statement of the role: %v, want SQLSTATE 57014 (statement timeout)", err)
+	}
+
+	holder, waiter := newTestClient(t, dsn), newTestClient(t, roleDSN)
 	k := HashKey("long-wait")
 	h, err := holder.Lock(ctx, k)
 	if err != nil {
 		t.Fatal(err)
 	}
 	wch := goLock(func() (*Lock, error) { return waiter.Lock(ctx, k) })
-	// Wait in pg_locks for much longer than the 50 ms statement timeout:
-	// the waiter must still be there, waiting.
-	deadline := time.Now().Add(500 * time.Millisecond)
-	for i := 0; i < 1000 && time.Now().Before(deadline); i++ {
-		if n := waitingOn(t, dsn, k); n != 1 {
-			select {
-			case r := <-wch:
-				t.Fatalf("waiter returned early: %v", r.err)
-			default:
+	var pid int32
+	pgtest.Eventually(t, testTimeout, "the waiter waits in pg_locks", func() bool {
+		for _, w := range lockState(t, dsn)[k] {
+			if !w.granted {
+				pid = w.pid
+				return true
 			}
 		}
-	}
+		stillWaiting(t, wch)
+		return false
+	})
+	// One wait statement of that backend, connected as the role, has been
+	// waiting for the lock for ten times the role's statement_timeout.
+	var backendStart time.Time
+	pgtest.Eventually(t, testTimeout, "one wait statement outlasts the role's statement_timeout tenfold", func() bool {
+		var user, waitType string
+		var started time.Time
+		var waited time.Duration
+		err := admin.QueryRow(ctx, `
+SELECT usename, coalesce(wait_event_type, ''), backend_start, clock_timestamp() - query_start
+FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&user, &waitType, &started, &waited)
+		if errors.Is(err, pgx.ErrNoRows) {
+			r := receive(t, wch)
+			t.Fatalf("the waiter's backend %d left, and Lock returned (%v, %v)", pid, r.l, r.err)
+		}
+		if err != nil {
+			t.Fatalf("pg_stat_activity of the waiter's backend %d: %v", pid, err)
+		}
+		if user != role {
+			t.Fatalf("the waiting backend %d is connected as %q, want the role %s", pid, user, role)
+		}
+		if backendStart.IsZero() {
+			backendStart = started
+		} else if !started.Equal(backendStart) {
+			t.Fatalf("the waiter's backend %d was replaced during the wait", pid)
+		}
+		if waitType != "Lock" {
+			stillWaiting(t, wch)
+			return false
+		}
+		return waited > 10*timeout
+	})
 	stillWaiting(t, wch)
+	if got := waitingOn(t, dsn, k); got != 1 {
+		t.Fatalf("%d waiters of the key in pg_locks, want the one", got)
+	}
 	mustUnlock(t, h)
 	r := receive(t, wch)
 	if r.err != nil {
 		t.Fatal(r.err)
 	}
+	heldOnlyBy(t, dsn, k, pid)
 	mustUnlock(t, r.l)
 }
 
