@@ -2,6 +2,9 @@ package pgcoord
 
 import (
 	"context"
+	"fmt"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -176,4 +179,34 @@ WHERE locktype = 'advisory'
 		err := row.Scan(&h.pid, &h.shared, &h.granted)
 		return h, err
 	})
+}
+
+// newTestRole creates a login role of the test's own, named from prefix,
+// with no privilege beyond LOGIN, drops it when the test ends, and returns
+// its name and dsn with the role as the user. When the role of dsn may not
+// create roles (SQLSTATE 42501, as on a server given by
+// PGTEST_DATABASE_URL), it skips the test saying so, or fails it under CI;
+// any other error fails the test.
+func newTestRole(t testing.TB, dsn, prefix string) (role, roleDSN string) {
+	t.Helper()
+	admin := pgtest.Conn(t, dsn)
+	role = fmt.Sprintf("%s_%d_%d", prefix, os.Getpid(), time.Now().UnixNano()%1e9)
+	if _, err := admin.Exec(testCtx(t), "CREATE ROLE "+role+" LOGIN"); err != nil {
+		if pgCode(err) == "42501" {
+			pgtest.SkipOrFail(t, "this test needs a role of its own, and the test server's role may not create roles: %v", err)
+		}
+		t.Fatalf("create role: %v", err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		defer cancel()
+		if _, err := admin.Exec(ctx, "DROP ROLE "+role); err != nil {
+			t.Errorf("drop role: %v", err)
+		}
+	})
+	cfg, err := pgx.ParseConfig(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return role, strings.Replace(dsn, "://"+cfg.User+"@", "://"+role+"@", 1)
 }

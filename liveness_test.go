@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"strings"
 	"testing"
 	"time"
 
@@ -62,28 +60,11 @@ func TestLongWaitSurvivesRoleStatementTimeout(t *testing.T) {
 	ctx := testCtx(t)
 	dsn := pgtest.DB(t)
 	admin := pgtest.Conn(t, dsn)
-	role := fmt.Sprintf("pgcoord_stmt_%d_%d", os.Getpid(), time.Now().UnixNano()%1e9)
+	role, roleDSN := newTestRole(t, dsn, "pgcoord_stmt")
 	const timeout = 50 * time.Millisecond
-	for _, sql := range []string{
-		"CREATE ROLE " + role + " LOGIN",
-		fmt.Sprintf("ALTER ROLE %s SET statement_timeout = %d", role, timeout.Milliseconds()),
-	} {
-		if _, err := admin.Exec(ctx, sql); err != nil {
-			t.Fatal(err)
-		}
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
-		defer cancel()
-		if _, err := admin.Exec(ctx, "DROP ROLE "+role); err != nil {
-			t.Errorf("drop role: %v", err)
-		}
-	})
-	cfg, err := pgx.ParseConfig(dsn)
-	if err != nil {
+	if _, err := admin.Exec(ctx, fmt.Sprintf("ALTER ROLE %s SET statement_timeout = %d", role, timeout.Milliseconds())); err != nil {
 		t.Fatal(err)
 	}
-	roleDSN := strings.Replace(dsn, "://"+cfg.User+"@", "://"+role+"@", 1)
 
 	// The role's timeout is in force on an ordinary connection of it.
 	control := pgtest.Conn(t, roleDSN)
