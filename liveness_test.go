@@ -193,6 +193,88 @@ func TestWaitLongerThanLossDeadline(t *testing.T) {
 	mustUnlock(t, r.l)
 }
 
+// A wait longer than the loss deadline is not a loss for the other locks
+// of its backend either: a Session holds k1 and waits on the same backend
+// for k2, held elsewhere, for three loss deadlines by the server's clock.
+// The wait answers at every slice ((L − H)/2 = 400 ms), each answer proves
+// the connection alive, and nothing else can (the heartbeat does not run
+// while a statement does): pg_stat_activity shows the backend's wait
+// statement starting afresh, pg_locks shows k1 granted to the same backend
+// all along, and the session is not lost. Once k2 is free the session
+// holds both.
+func TestWaitProvesOtherLocksAlive(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	const loss, beat = time.Second, 200 * time.Millisecond
+	c, other := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(beat)), newTestClient(t, dsn)
+	k1, k2 := HashKey("wait-proves", "held"), HashKey("wait-proves", "wanted")
+	h, err := other.Lock(ctx, k2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := newTestSession(t, c)
+	l1, err := s.Lock(ctx, k1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := s.PID()
+	admin := pgtest.Conn(t, dsn)
+	var backendStart time.Time
+	if err := admin.QueryRow(ctx, "SELECT backend_start FROM pg_stat_activity WHERE pid = $1", pid).Scan(&backendStart); err != nil {
+		t.Fatal(err)
+	}
+	wch := goLock(func() (*Lock, error) { return s.Lock(ctx, k2) })
+
+	slices := map[time.Time]bool{} // query_start of each wait statement seen
+	var first time.Time
+	for {
+		var started, queryStart, now time.Time
+		var waiting bool
+		err := admin.QueryRow(ctx, `SELECT backend_start, query_start, wait_event_type IS NOT DISTINCT FROM 'Lock', clock_timestamp()
+			FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&started, &queryStart, &waiting, &now)
+		if err != nil {
+			t.Fatalf("pg_stat_activity of the session's backend %d: %v", pid, err)
+		}
+		if !started.Equal(backendStart) {
+			t.Fatalf("backend %d was replaced during the wait", pid)
+		}
+		heldOnlyBy(t, dsn, k1, pid)
+		select {
+		case <-l1.Done():
+			t.Fatalf("k1 lost while the session waited for k2: %v", l1.Err())
+		default:
+		}
+		stillWaiting(t, wch)
+		if waiting {
+			slices[queryStart] = true
+			if first.IsZero() {
+				first = queryStart
+			}
+		}
+		if !first.IsZero() && now.Sub(first) > 3*loss {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Logf("%d wait statements seen in %v of waiting (slice %v)", len(slices), 3*loss, c.cfg.waitSlice())
+	if len(slices) < 3 {
+		t.Fatalf("%d wait statements in three loss deadlines, want one every slice of %v", len(slices), c.cfg.waitSlice())
+	}
+	mustUnlock(t, h)
+	r := receive(t, wch)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	heldOnlyBy(t, dsn, k1, pid)
+	heldOnlyBy(t, dsn, k2, pid)
+	if err := s.Err(); err != nil {
+		t.Fatalf("session: %v", err)
+	}
+	mustUnlock(t, r.l)
+	mustUnlock(t, l1)
+}
+
 // When the network goes silent the holder declares its lock lost within
 // the loss deadline, while the server still holds it: nobody else can take
 // the key before the old holder knows it lost it.
