@@ -3,6 +3,8 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -13,9 +15,12 @@ import (
 )
 
 // Shared holds of one key on one Session are counted exactly: while any
-// shared handle is live (as counted outside the library, after RLock
-// returned and before Unlock is called), no exclusive TryLock elsewhere
-// can succeed, and when all are gone nothing is left.
+// shared handle is live (counted outside the library, from RLock's return
+// to the call of Unlock), no exclusive TryLock elsewhere can succeed, and
+// pg_locks shows the session's backend holding the key shared; when all
+// are gone nothing is left. The handles overlap and some are held across
+// a pg_locks read, so a hold that the session gave up too early on the
+// server is seen both by the contender and by the observer.
 func TestSharedHoldsNeverPhantom(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
@@ -25,15 +30,23 @@ func TestSharedHoldsNeverPhantom(t *testing.T) {
 	k := HashKey("shared-phantom")
 
 	const goroutines, cycles = 8, 2500 // 20,000 RLock/Unlock cycles
+	// live counts the shared handles between RLock's return and the call
+	// of Unlock; held[i] is odd while reader i holds such a handle, and
+	// changes at each of its entries and exits.
 	var live atomic.Int64
-	var exclusiveWins, violations atomic.Int64
+	var held [goroutines]atomic.Int64
+	var exclusiveWins, observed atomic.Int64
 	stop := make(chan struct{})
-	contender := make(chan error, 1)
-	go func() {
+	var bg sync.WaitGroup
+
+	// The contender: whenever it gets the key exclusively, no shared handle
+	// may be live from before its TryLock returned until it unlocks, and
+	// pg_locks must show its backend as the only holder.
+	contenderConn := pgtest.Conn(t, dsn)
+	bg.Go(func() {
 		for {
 			select {
 			case <-stop:
-				contender <- nil
 				return
 			default:
 			}
@@ -42,36 +55,84 @@ func TestSharedHoldsNeverPhantom(t *testing.T) {
 				continue
 			}
 			if err != nil {
-				contender <- err
+				t.Errorf("contender TryLock: %v", err)
 				return
 			}
-			// The key is ours exclusively: no shared handle may be live.
-			if n := live.Load(); n != 0 {
-				violations.Add(1)
-				t.Errorf("exclusive TryLock succeeded while %d shared handles were live", n)
+			before := live.Load()
+			rows, err := keyHolders(ctx, contenderConn, k)
+			after := live.Load()
+			if err != nil {
+				t.Errorf("contender reads pg_locks: %v", err)
+			}
+			if before != 0 || after != 0 {
+				t.Errorf("exclusive TryLock held while %d (then %d) shared handles were live", before, after)
+			}
+			granted := slices.DeleteFunc(rows, func(h holder) bool { return !h.granted })
+			if err == nil && (len(granted) != 1 || granted[0] != (holder{pid: l.s.PID(), granted: true})) {
+				t.Errorf("pg_locks while the contender holds the key exclusively: granted to %+v, want only backend %d", granted, l.s.PID())
 			}
 			exclusiveWins.Add(1)
 			if err := l.Unlock(ctx); err != nil {
-				contender <- err
+				t.Errorf("contender Unlock: %v", err)
 				return
 			}
 		}
-	}()
+	})
+
+	// The observer: a reader that held its handle from before a pg_locks
+	// read until after it must find the key granted shared to the session.
+	observerConn := pgtest.Conn(t, dsn)
+	bg.Go(func() {
+		var before [goroutines]int64
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			for i := range held {
+				before[i] = held[i].Load()
+			}
+			rows, err := keyHolders(ctx, observerConn, k)
+			if err != nil {
+				t.Errorf("observer reads pg_locks: %v", err)
+				return
+			}
+			for i := range held {
+				if before[i]%2 == 0 || held[i].Load() != before[i] {
+					continue
+				}
+				observed.Add(1)
+				if !slices.Contains(rows, holder{pid: s.PID(), shared: true, granted: true}) {
+					t.Errorf("reader %d held a shared handle all through a pg_locks read that shows %+v, not backend %d holding the key shared", i, rows, s.PID())
+				}
+				break
+			}
+		}
+	})
 
 	var wg sync.WaitGroup
-	errs := make(chan error, goroutines)
-	for range goroutines {
+	for i := range goroutines {
 		wg.Go(func() {
-			for range cycles {
+			for n := range cycles {
 				l, err := s.RLock(ctx, k)
 				if err != nil {
-					errs <- err
+					t.Errorf("RLock: %v", err)
 					return
 				}
+				held[i].Add(1)
 				live.Add(1)
+				// Hold some handles long enough to span a pg_locks read,
+				// and let the others overlap.
+				if n%16 == i%16 {
+					time.Sleep(2 * time.Millisecond)
+				} else {
+					runtime.Gosched()
+				}
 				live.Add(-1)
+				held[i].Add(1)
 				if err := l.Unlock(ctx); err != nil {
-					errs <- err
+					t.Errorf("Unlock: %v", err)
 					return
 				}
 			}
@@ -79,16 +140,13 @@ func TestSharedHoldsNeverPhantom(t *testing.T) {
 	}
 	wg.Wait()
 	close(stop)
-	if err := <-contender; err != nil {
-		t.Fatal(err)
+	bg.Wait()
+	if t.Failed() {
+		t.FailNow()
 	}
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
-	t.Logf("%d exclusive wins during %d shared cycles", exclusiveWins.Load(), goroutines*cycles)
-	if violations.Load() != 0 {
-		t.Fatalf("%d violations", violations.Load())
+	t.Logf("%d exclusive wins and %d shared holds seen in pg_locks during %d shared cycles", exclusiveWins.Load(), observed.Load(), goroutines*cycles)
+	if observed.Load() == 0 || exclusiveWins.Load() == 0 {
+		t.Fatal("no shared handle was held all through a pg_locks read, or the contender never got the key: the test checked nothing")
 	}
 	if s.Err() != nil {
 		t.Fatalf("session ended: %v", s.Err())

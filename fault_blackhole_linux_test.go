@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -141,15 +142,17 @@ func TestFaultBlackhole(t *testing.T) {
 }
 
 // runInNetns runs the calling test again in a network namespace of its
-// own, and fails the test with the run's output if that run fails.
+// own, and fails the test with the run's output if that run fails. A run
+// that skipped (no server of its own, for instance) skips the calling test
+// with its reason, or fails it under CI.
 func runInNetns(t *testing.T) {
 	t.Helper()
 	if os.Geteuid() != 0 {
-		t.Skip("needs root: it makes a network namespace and drops packets in it with nftables")
+		pgtest.SkipOrFail(t, "%s needs root: it makes a network namespace and drops packets in it with nftables", t.Name())
 	}
-	for tool, pkg := range map[string]string{"ip": "iproute2", "nft": "nftables"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Fatalf("%s not found (install %s): %v", tool, pkg, err)
+	for _, tool := range []struct{ name, pkg string }{{"ip", "iproute2"}, {"nft", "nftables"}} {
+		if _, err := exec.LookPath(tool.name); err != nil {
+			pgtest.SkipOrFail(t, "%s needs %s, which was not found (Debian: apt-get install %s): %v", t.Name(), tool.name, tool.pkg, err)
 		}
 	}
 	t.Parallel()
@@ -159,11 +162,18 @@ func runInNetns(t *testing.T) {
 	p := pgtest.StartProcess(t, cmd)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
+	var passed, skipped bool
+	var why []string
 	for {
 		select {
 		case line, ok := <-p.Lines():
 			if ok {
 				t.Log(line)
+				passed = passed || strings.HasPrefix(line, "--- PASS: "+t.Name()+" ")
+				skipped = skipped || strings.HasPrefix(line, "--- SKIP: "+t.Name()+" ")
+				if strings.Contains(line, "skipped: ") {
+					why = append(why, strings.TrimSpace(line))
+				}
 				continue
 			}
 		case <-ctx.Done():
@@ -174,5 +184,11 @@ func runInNetns(t *testing.T) {
 	<-p.Exited()
 	if err := p.ExitErr(); err != nil {
 		t.Fatalf("the run in the network namespace failed: %v\n%s", err, p.Stderr())
+	}
+	if skipped {
+		pgtest.SkipOrFail(t, "the run in the network namespace skipped: %s", strings.Join(why, "; "))
+	}
+	if !passed {
+		t.Fatalf("the run in the network namespace did not report that %s passed", t.Name())
 	}
 }

@@ -3,9 +3,13 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"fmt"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -172,4 +176,54 @@ func refusedAcquire(t testing.TB, c *Client, k Key, want error) {
 	if _, err := c.Lock(short, k); !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, want) {
 		t.Fatalf("Lock with a 300ms deadline: %v, want DeadlineExceeded with the last connection error (%v)", err, want)
 	}
+}
+
+// keyHolders reads pg_locks on conn for k: every backend that holds or
+// waits for it. Unlike lockState it reports errors instead of failing the
+// test, so it can run in a goroutine of the test's own.
+func keyHolders(ctx context.Context, conn *pgx.Conn, k Key) ([]holder, error) {
+	classid, objid, objsubid := k.lockColumns()
+	rows, err := conn.Query(ctx, `
+SELECT pid, mode = 'ShareLock', granted FROM pg_locks
+WHERE locktype = 'advisory'
+  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND classid::int8 = $1 AND objid::int8 = $2 AND objsubid = $3`, int64(classid), int64(objid), objsubid)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (holder, error) {
+		var h holder
+		err := row.Scan(&h.pid, &h.shared, &h.granted)
+		return h, err
+	})
+}
+
+// newTestRole creates a login role of the test's own, named from prefix,
+// with no privilege beyond LOGIN, drops it when the test ends, and returns
+// its name and dsn with the role as the user. When the role of dsn may not
+// create roles (SQLSTATE 42501, as on a server given by
+// PGTEST_DATABASE_URL), it skips the test saying so, or fails it under CI;
+// any other error fails the test.
+func newTestRole(t testing.TB, dsn, prefix string) (role, roleDSN string) {
+	t.Helper()
+	admin := pgtest.Conn(t, dsn)
+	role = fmt.Sprintf("%s_%d_%d", prefix, os.Getpid(), time.Now().UnixNano()%1e9)
+	if _, err := admin.Exec(testCtx(t), "CREATE ROLE "+role+" LOGIN"); err != nil {
+		if pgCode(err) == "42501" {
+			pgtest.SkipOrFail(t, "this test needs a role of its own, and the test server's role may not create roles: %v", err)
+		}
+		t.Fatalf("create role: %v", err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		defer cancel()
+		if _, err := admin.Exec(ctx, "DROP ROLE "+role); err != nil {
+			t.Errorf("drop role: %v", err)
+		}
+	})
+	cfg, err := pgx.ParseConfig(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return role, strings.Replace(dsn, "://"+cfg.User+"@", "://"+role+"@", 1)
 }

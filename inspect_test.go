@@ -1,10 +1,8 @@
 package pgcoord
 
 import (
-	"context"
 	"errors"
 	"fmt"
-	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -190,22 +188,9 @@ func TestTerminate(t *testing.T) {
 }
 
 // weakRolePool returns a pool on dsn's database as a new role with no
-// privileges beyond LOGIN; the role is dropped after the test. It skips
-// the test when the test server's role may not create roles.
+// privileges beyond LOGIN (see newTestRole).
 func weakRolePool(t *testing.T, dsn string) *pgxpool.Pool {
 	t.Helper()
-	admin := pgtest.Conn(t, dsn)
-	role := fmt.Sprintf("pgcoord_weak_%d_%d", os.Getpid(), time.Now().UnixNano()%1e9)
-	ctx := testCtx(t)
-	if _, err := admin.Exec(ctx, "CREATE ROLE "+role+" LOGIN"); err != nil {
-		t.Skipf("cannot create a role: %v", err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
-		defer cancel()
-		if _, err := admin.Exec(ctx, "DROP ROLE "+role); err != nil {
-			t.Errorf("drop role: %v", err)
-		}
-	})
-	return pgtest.Pool(t, dsn, func(c *pgxpool.Config) { c.ConnConfig.User = role })
+	_, weak := newTestRole(t, dsn, "pgcoord_weak")
+	return pgtest.Pool(t, weak)
 }

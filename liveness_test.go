@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -48,43 +49,91 @@ func TestSessionAppliesServerLiveness(t *testing.T) {
 	}
 }
 
-// A role's statement_timeout must not cut a long wait short.
+// A role's statement_timeout must not cut a long wait short. The waiter
+// connects as a role of the test's own whose statement_timeout is 50 ms
+// (ALTER ROLE): an ordinary connection of that role is cut off by it, while
+// the lock connection's wait is seen in pg_locks and pg_stat_activity
+// waiting in one statement, on one backend, for ten times that by the
+// server's clock, and ends with the lock.
 func TestLongWaitSurvivesRoleStatementTimeout(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
 	dsn := pgtest.DB(t)
 	admin := pgtest.Conn(t, dsn)
-	// Open the pg_locks observer first, so that it does not get the
-	// database's 50 ms statement_timeout, which a loaded machine exceeds.
-	notHeld(t, dsn, HashKey("long-wait"))
-	if _, err := admin.Exec(ctx, "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = 50', current_database()); END $$"); err != nil {
+	role, roleDSN := newTestRole(t, dsn, "pgcoord_stmt")
+	const timeout = 50 * time.Millisecond
+	if _, err := admin.Exec(ctx, fmt.Sprintf("ALTER ROLE %s SET statement_timeout = %d", role, timeout.Milliseconds())); err != nil {
 		t.Fatal(err)
 	}
-	holder, waiter := newTestClient(t, dsn), newTestClient(t, dsn)
+
+	// The role's timeout is in force on an ordinary connection of it.
+	control := pgtest.Conn(t, roleDSN)
+	if got := settingThrough(t, control, "statement_timeout"); got != "50ms" {
+		t.Fatalf("statement_timeout = %q on an ordinary connection of the role, want 50ms", got)
+	}
+	if _, err := control.Exec(ctx, "SELECT pg_sleep(1)"); pgCode(err) != "57014" {
+		t.Fatalf("a 1 s statement of the role: %v, want SQLSTATE 57014 (statement timeout)", err)
+	}
+
+	holder, waiter := newTestClient(t, dsn), newTestClient(t, roleDSN)
 	k := HashKey("long-wait")
 	h, err := holder.Lock(ctx, k)
 	if err != nil {
 		t.Fatal(err)
 	}
 	wch := goLock(func() (*Lock, error) { return waiter.Lock(ctx, k) })
-	// Wait in pg_locks for much longer than the 50 ms statement timeout:
-	// the waiter must still be there, waiting.
-	deadline := time.Now().Add(500 * time.Millisecond)
-	for i := 0; i < 1000 && time.Now().Before(deadline); i++ {
-		if n := waitingOn(t, dsn, k); n != 1 {
-			select {
-			case r := <-wch:
-				t.Fatalf("waiter returned early: %v", r.err)
-			default:
+	var pid int32
+	pgtest.Eventually(t, testTimeout, "the waiter waits in pg_locks", func() bool {
+		for _, w := range lockState(t, dsn)[k] {
+			if !w.granted {
+				pid = w.pid
+				return true
 			}
 		}
-	}
+		stillWaiting(t, wch)
+		return false
+	})
+	// One wait statement of that backend, connected as the role, has been
+	// waiting for the lock for ten times the role's statement_timeout.
+	var backendStart time.Time
+	pgtest.Eventually(t, testTimeout, "one wait statement outlasts the role's statement_timeout tenfold", func() bool {
+		var user, waitType string
+		var started time.Time
+		var waited time.Duration
+		err := admin.QueryRow(ctx, `
+SELECT usename, coalesce(wait_event_type, ''), backend_start, clock_timestamp() - query_start
+FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&user, &waitType, &started, &waited)
+		if errors.Is(err, pgx.ErrNoRows) {
+			r := receive(t, wch)
+			t.Fatalf("the waiter's backend %d left, and Lock returned (%v, %v)", pid, r.l, r.err)
+		}
+		if err != nil {
+			t.Fatalf("pg_stat_activity of the waiter's backend %d: %v", pid, err)
+		}
+		if user != role {
+			t.Fatalf("the waiting backend %d is connected as %q, want the role %s", pid, user, role)
+		}
+		if backendStart.IsZero() {
+			backendStart = started
+		} else if !started.Equal(backendStart) {
+			t.Fatalf("the waiter's backend %d was replaced during the wait", pid)
+		}
+		if waitType != "Lock" {
+			stillWaiting(t, wch)
+			return false
+		}
+		return waited > 10*timeout
+	})
 	stillWaiting(t, wch)
+	if got := waitingOn(t, dsn, k); got != 1 {
+		t.Fatalf("%d waiters of the key in pg_locks, want the one", got)
+	}
 	mustUnlock(t, h)
 	r := receive(t, wch)
 	if r.err != nil {
 		t.Fatal(r.err)
 	}
+	heldOnlyBy(t, dsn, k, pid)
 	mustUnlock(t, r.l)
 }
 
@@ -140,6 +189,88 @@ func TestWaitLongerThanLossDeadline(t *testing.T) {
 	}
 	heldOnlyBy(t, dsn, k, r.l.s.PID())
 	mustUnlock(t, r.l)
+}
+
+// A wait longer than the loss deadline is not a loss for the other locks
+// of its backend either: a Session holds k1 and waits on the same backend
+// for k2, held elsewhere, for three loss deadlines by the server's clock.
+// The wait answers at every slice ((L − H)/2 = 400 ms), each answer proves
+// the connection alive, and nothing else can (the heartbeat does not run
+// while a statement does): pg_stat_activity shows the backend's wait
+// statement starting afresh, pg_locks shows k1 granted to the same backend
+// all along, and the session is not lost. Once k2 is free the session
+// holds both.
+func TestWaitProvesOtherLocksAlive(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	const loss, beat = time.Second, 200 * time.Millisecond
+	c, other := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(beat)), newTestClient(t, dsn)
+	k1, k2 := HashKey("wait-proves", "held"), HashKey("wait-proves", "wanted")
+	h, err := other.Lock(ctx, k2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := newTestSession(t, c)
+	l1, err := s.Lock(ctx, k1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := s.PID()
+	admin := pgtest.Conn(t, dsn)
+	var backendStart time.Time
+	if err := admin.QueryRow(ctx, "SELECT backend_start FROM pg_stat_activity WHERE pid = $1", pid).Scan(&backendStart); err != nil {
+		t.Fatal(err)
+	}
+	wch := goLock(func() (*Lock, error) { return s.Lock(ctx, k2) })
+
+	slices := map[time.Time]bool{} // query_start of each wait statement seen
+	var first time.Time
+	for {
+		var started, queryStart, now time.Time
+		var waiting bool
+		err := admin.QueryRow(ctx, `SELECT backend_start, query_start, wait_event_type IS NOT DISTINCT FROM 'Lock', clock_timestamp()
+			FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&started, &queryStart, &waiting, &now)
+		if err != nil {
+			t.Fatalf("pg_stat_activity of the session's backend %d: %v", pid, err)
+		}
+		if !started.Equal(backendStart) {
+			t.Fatalf("backend %d was replaced during the wait", pid)
+		}
+		heldOnlyBy(t, dsn, k1, pid)
+		select {
+		case <-l1.Done():
+			t.Fatalf("k1 lost while the session waited for k2: %v", l1.Err())
+		default:
+		}
+		stillWaiting(t, wch)
+		if waiting {
+			slices[queryStart] = true
+			if first.IsZero() {
+				first = queryStart
+			}
+		}
+		if !first.IsZero() && now.Sub(first) > 3*loss {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Logf("%d wait statements seen in %v of waiting (slice %v)", len(slices), 3*loss, c.cfg.waitSlice())
+	if len(slices) < 3 {
+		t.Fatalf("%d wait statements in three loss deadlines, want one every slice of %v", len(slices), c.cfg.waitSlice())
+	}
+	mustUnlock(t, h)
+	r := receive(t, wch)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	heldOnlyBy(t, dsn, k1, pid)
+	heldOnlyBy(t, dsn, k2, pid)
+	if err := s.Err(); err != nil {
+		t.Fatalf("session: %v", err)
+	}
+	mustUnlock(t, r.l)
+	mustUnlock(t, l1)
 }
 
 // When the network goes silent the holder declares its lock lost within

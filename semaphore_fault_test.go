@@ -583,9 +583,11 @@ func TestSemaphoreFaultPoolRecycling(t *testing.T) {
 //     checked with porcupine against soakPermitModel: a permit takes a free
 //     slot below the limit, and holds it until it ends. A permit released
 //     without error ended within its Release; any other permit (lost,
-//     failed release, child killed) may have ended any time after its
-//     acquire returned, since the server can hold a lost permit's slot
-//     beyond the client's loss deadline.
+//     failed release, child killed) ended after the server was last seen
+//     holding its slot, and at most soakClosedBound after its Release
+//     returned an error or its process was reaped (either closed its
+//     connection, and the server frees a closed connection's locks at
+//     once).
 //   - The intervals recorded with both ends verified are intervals in
 //     which the server held the slot for that backend: no two of them for
 //     one slot may overlap, and no more than the limit at any instant.
@@ -593,13 +595,13 @@ func TestSemaphoreFaultPoolRecycling(t *testing.T) {
 // A recording that finds the slot not held on the server is a permit the
 // library believes held although it is not: the permit must report the
 // loss (Done closed, Err wrapping ErrLockLost) within soakLossBound, or
-// the round reports a silent loss.
+// the round reports a silent loss (soakAwaitLoss).
 
 // soakSemaphore is the semaphore of the soak.
 var soakSemaphore = semaphoreTarget{"soak-permits", 2}
 
-// soakLossBound bounds how long a soak child waits for a permit that the
-// server no longer holds to report the loss: the heartbeat bound 2H after
+// soakLossBound bounds how long a soak child waits for a hold (a permit, a
+// lock, a leadership) that the server no longer holds to report the loss: the heartbeat bound 2H after
 // the server ended the backend, plus the longest pause the soak injects
 // (twice the loss deadline of 2 s), with slack for a loaded machine.
 const soakLossBound = 15 * time.Second
@@ -652,23 +654,18 @@ func (s semaphoreTarget) soakRound(ctx context.Context, c *Client, pool *pgxpool
 		if tag.RowsAffected() == 1 {
 			return true, true
 		}
-		select {
-		case <-p.Done():
-			if errors.Is(p.Err(), ErrLockLost) {
-				emit(soakEvent{Ev: "lost", ID: id, Result: "reported", Err: p.Err().Error()})
-			} else {
-				emit(soakEvent{Ev: "lost", ID: id, Result: "silent", Err: fmt.Sprintf("the server does not hold slot %d, and the permit ended with %v", p.Slot(), p.Err())})
-			}
-		case <-time.After(soakLossBound):
-			emit(soakEvent{Ev: "lost", ID: id, Result: "silent", Err: fmt.Sprintf("the server does not hold slot %d, and the permit was not lost %v later", p.Slot(), soakLossBound)})
-		}
+		soakAwaitLoss(id, s.String(), fmt.Sprintf("the server does not hold slot %d", p.Slot()), p, emit)
 		return false, true
 	}
+	var verified int64 // when a recording that found the slot held started
 	if held, _ := record(soakPermitOpenSQL, id, int32(p.Slot()), p.l.s.PID(), key); held {
 		time.Sleep(time.Duration(5+rand.IntN(25)) * time.Millisecond) // the critical section's work
-		record(soakPermitCloseSQL, id, key)
+		from := time.Now().UnixNano()
+		if held, _ := record(soakPermitCloseSQL, id, key); held {
+			verified = from
+		}
 	}
-	emit(soakEvent{Ev: "call", ID: id + "/release", Op: "unpermit", Target: s.String()})
+	emit(soakEvent{Ev: "call", ID: id + "/release", Op: "unpermit", Target: s.String(), From: verified})
 	rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	err = p.Release(rctx)
 	cancel()
@@ -680,7 +677,11 @@ func (s semaphoreTarget) soakRound(ctx context.Context, c *Client, pool *pgxpool
 }
 
 // permitOperations turns the acquire id of a permit, with its release,
-// into porcupine operations: the acquire, and the permit's end.
+// into porcupine operations: the acquire, and the permit's end. A permit
+// released without error ended within its Release; any other (lost,
+// failed release, child killed) ended after the server was last seen
+// holding its slot (or after its acquire returned) and no later than
+// endBy.
 func (h *soakHistory) permitOperations(id string, call soakEvent, f *soakFigures) []porcupine.Operation {
 	ret, returned := h.rets[id]
 	acq := porcupine.Operation{Input: soakInput{Op: "permit", Target: call.Target, Holder: id}, Call: call.T, Output: soakOutput{}, Return: math.MaxInt64}
@@ -695,8 +696,8 @@ func (h *soakHistory) permitOperations(id string, call soakEvent, f *soakFigures
 	}
 	f.permits++
 	acq.Output = soakOutput{Fence: ret.Fence}
-	end := porcupine.Operation{Input: soakInput{Op: "unpermit", Target: call.Target, Holder: id, Fence: ret.Fence}, Call: ret.T, Output: soakOutput{}, Return: math.MaxInt64}
 	rcall, called := h.calls[id+"/release"]
+	end := porcupine.Operation{Input: soakInput{Op: "unpermit", Target: call.Target, Holder: id, Fence: ret.Fence}, Call: max(ret.T, rcall.From), Output: soakOutput{}, Return: h.endBy(id)}
 	if rret, ok := h.rets[id+"/release"]; called && ok && rret.Result == "ok" {
 		end.Call, end.Return = rcall.T, rret.T
 		f.permitsReleased++
@@ -777,8 +778,9 @@ func TestFaultSoakPermitChecker(t *testing.T) {
 }
 
 // checkSoakPermits checks the intervals recorded in soak_permits (see
-// above) and the children's loss reports, and logs the figures.
-func checkSoakPermits(t *testing.T, pool *pgxpool.Pool, h *soakHistory, f *soakFigures) {
+// above), and that at least floor critical sections were verified at both
+// ends, and logs the figures with the children's loss reports.
+func checkSoakPermits(t *testing.T, pool *pgxpool.Pool, h *soakHistory, f *soakFigures, floor int) {
 	t.Helper()
 	limit := soakSemaphore.limit
 	rows, err := pool.Query(testCtx(t), "SELECT op, slot, t_from, t_to FROM soak_permits WHERE t_to IS NOT NULL ORDER BY t_from")
@@ -823,22 +825,21 @@ func checkSoakPermits(t *testing.T, pool *pgxpool.Pool, h *soakHistory, f *soakF
 			t.Errorf("soak_permits: %d permits held at %v, limit %d", len(ends), s.From, limit)
 		}
 	}
-	var reported, silent int
-	h.mu.Lock()
+	var reported, silent int // silent ones fail TestFaultSoak
 	for _, e := range h.losses {
-		if e.Result == "reported" {
+		switch {
+		case e.Target != soakSemaphore.String():
+		case e.Result == "reported":
 			reported++
-			continue
+		default:
+			silent++
 		}
-		silent++
-		t.Errorf("lost permit %s: %s", e.ID, e.Err)
 	}
-	h.mu.Unlock()
 	t.Logf("permits of %v: %d granted (%d released cleanly), %d acquires failed or cut short; "+
 		"%d critical sections verified on the server at both ends (%d not at the end), at most %d held at once, %d overlapping; "+
 		"%d permits found not held by the server and reported lost, %d lost silently",
 		soakSemaphore, f.permits, f.permitsReleased, f.permitFailed, len(spans), open, most, overlaps, reported, silent)
-	if len(spans) == 0 {
-		t.Error("soak_permits: no critical section verified at both ends: the soak proved nothing about permits")
+	if len(spans) < floor {
+		t.Errorf("soak_permits: %d critical sections verified at both ends, want at least %d", len(spans), floor)
 	}
 }

@@ -143,12 +143,17 @@ func WithPgBouncerSetting(name, value string) PgBouncerOption {
 // application_name, client_encoding, DateStyle, TimeZone and
 // standard_conforming_strings).
 //
-// NewPgBouncer calls t.Fatal when an argument or option is invalid, when
-// the pgbouncer binary is missing (saying how to install it), and when
-// PgBouncer does not start; the message then ends with its log.
+// When no pgbouncer binary is installed, NewPgBouncer skips t saying so
+// and how to install it, or fails it under CI (see SkipOrFail). It calls
+// t.Fatal when an argument or option is invalid, when PGTEST_PGBOUNCER
+// names no executable, and when PgBouncer does not start; the message then
+// ends with its log.
 func NewPgBouncer(t testing.TB, connString, mode string, opts ...PgBouncerOption) *PgBouncer {
 	t.Helper()
 	b, err := startPgBouncer(connString, mode, opts)
+	if errors.Is(err, errNoPgBouncer) {
+		SkipOrFail(t, "this test needs PgBouncer: %v", err)
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -214,8 +219,12 @@ func findPgBouncer() (string, error) {
 	if path, err := exec.LookPath("pgbouncer"); err == nil {
 		return path, nil
 	}
-	return "", errorf("pgbouncer not found (PGTEST_PGBOUNCER not set, no %s, none in PATH): %s", debian, install)
+	return "", errorf("%w (PGTEST_PGBOUNCER not set, no %s, none in PATH): %s", errNoPgBouncer, debian, install)
 }
+
+// errNoPgBouncer marks the failure to find a pgbouncer binary where none
+// was configured.
+var errNoPgBouncer = errors.New("pgbouncer not found")
 
 // startPgBouncer is NewPgBouncer without t.
 func startPgBouncer(connString, mode string, opts []PgBouncerOption) (*PgBouncer, error) {

@@ -329,8 +329,10 @@ func TestStandbyPromote(t *testing.T) {
 // (parent-death signal), and the directory it leaves is removed by the next
 // sweep.
 func TestServerDiesWithTestBinary(t *testing.T) {
-	if _, err := getLocal(); err != nil {
-		t.Skipf("needs local PostgreSQL binaries: %v", err)
+	if _, err := getLocal(); errors.Is(err, errNoBinaries) {
+		SkipOrFail(t, "this test needs local PostgreSQL binaries (Debian: apt-get install postgresql): %v", err)
+	} else if err != nil {
+		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()

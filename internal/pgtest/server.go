@@ -62,11 +62,11 @@ const adminSlots = 1
 // NewServer starts a private server for t from a copy of a cluster that
 // initdb makes once per test binary, with the settings that opts give (see
 // WithSetting), and stops and removes it in t.Cleanup. It returns once the
-// server accepts connections. It skips t when local binaries are not the
-// backend in use: when PGTEST_DATABASE_URL is set or no PostgreSQL binaries
-// are installed. It calls t.Fatal when an option is invalid, and when the
-// binaries exist but the server does not start; the message then ends with
-// the server log.
+// server accepts connections. When local binaries are not the backend in
+// use (PGTEST_DATABASE_URL is set, or no PostgreSQL binaries are
+// installed) it skips t saying so, or fails it under CI (see SkipOrFail).
+// It calls t.Fatal when an option is invalid, and when the binaries exist
+// but the server does not start; the message then ends with the server log.
 func NewServer(t testing.TB, opts ...ServerOption) *Server {
 	t.Helper()
 	cfg, err := newServerConfig(opts)
@@ -74,11 +74,14 @@ func NewServer(t testing.TB, opts ...ServerOption) *Server {
 		t.Fatal(err)
 	}
 	if os.Getenv("PGTEST_DATABASE_URL") != "" {
-		t.Skip("pgtest: NewServer needs local PostgreSQL binaries, and PGTEST_DATABASE_URL is set; unset it to run fault-injection tests")
+		SkipOrFail(t, "this test needs a PostgreSQL server of its own, started from local binaries, "+
+			"to restart, crash or replicate it; PGTEST_DATABASE_URL is set, so the tests use that server instead "+
+			"(unset PGTEST_DATABASE_URL to run this test)")
 	}
 	l, err := getLocal()
 	if errors.Is(err, errNoBinaries) {
-		t.Skipf("pgtest: NewServer needs local PostgreSQL binaries: %v", err)
+		SkipOrFail(t, "this test needs a PostgreSQL server of its own, started from local binaries, "+
+			"and none were found (Debian: apt-get install postgresql): %v", err)
 	}
 	if err != nil {
 		t.Fatal(errorf("local PostgreSQL: %w", err))
@@ -248,9 +251,16 @@ func (s *Server) Start(t testing.TB) {
 // StartStandby makes a streaming hot standby of s: pg_basebackup -R -X
 // stream into a new directory, started on a port of its own. It returns once
 // the standby accepts (read-only) connections; it is stopped and removed in
-// t.Cleanup. It calls t.Fatal when the backup or the start fails.
+// t.Cleanup. Without pg_basebackup it skips t saying so, or fails it under
+// CI (see SkipOrFail). It calls t.Fatal when the backup or the start fails.
 func (s *Server) StartStandby(t testing.TB) *Server {
 	t.Helper()
+	if err := isExecutable(s.l.bin.pgBasebackup); err != nil {
+		if _, lerr := exec.LookPath(s.l.bin.pgBasebackup); lerr != nil {
+			SkipOrFail(t, "this test starts a standby with pg_basebackup, which was not found "+
+				"(Debian: apt-get install postgresql-client): %v", err)
+		}
+	}
 	st, err := s.startStandby()
 	if err != nil {
 		t.Fatal(err)

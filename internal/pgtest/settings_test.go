@@ -205,8 +205,11 @@ func TestServerOptionsSayNo(t *testing.T) {
 func TestServerBadSettingValue(t *testing.T) {
 	t.Parallel()
 	l, err := getLocal()
+	if errors.Is(err, errNoBinaries) {
+		SkipOrFail(t, "this test needs local PostgreSQL binaries (Debian: apt-get install postgresql): %v", err)
+	}
 	if err != nil {
-		t.Skipf("needs local PostgreSQL binaries: %v", err)
+		t.Fatal(err)
 	}
 	s, err := newServer(l, []setting{{"max_connections", "many"}})
 	if err == nil {
