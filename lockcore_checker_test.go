@@ -345,9 +345,11 @@ func (x *lcIndex) inFlight(proc, client int, session int32, at int64) string {
 }
 
 // grantsDuring summarizes who was granted key while op waited for it.
-func (x *lcIndex) grantsDuring(op *lcOp, key int64) string {
+// grantsDuring describes the grants of key while op waited, and returns how
+// many of them were shared.
+func (x *lcIndex) grantsDuring(op *lcOp, key int64) (int, string) {
 	counts := map[string]int{}
-	total := 0
+	total, shared := 0, 0
 	for i := range x.in.ops {
 		o := &x.in.ops[i]
 		if o.Outcome != "ok" || o.PID == 0 || o.Ret < op.Start || o.Ret > op.Ret || !slices.Contains(o.Keys, key) || o.Kind == "NewSession" {
@@ -356,11 +358,12 @@ func (x *lcIndex) grantsDuring(op *lcOp, key int64) string {
 		mode := "exclusive"
 		if o.Shared {
 			mode = "shared"
+			shared++
 		}
 		counts[fmt.Sprintf("%s by process %d", mode, o.Proc)]++
 		total++
 	}
-	return fmt.Sprintf("meanwhile the key was granted %d times: %v", total, counts)
+	return shared, fmt.Sprintf("meanwhile the key was granted %d times: %v", total, counts)
 }
 
 func (x *lcIndex) checkOp(op *lcOp) {
@@ -427,8 +430,17 @@ func (x *lcIndex) checkOp(op *lcOp) {
 		}
 	case "timeout":
 		if op.Patient && !op.Shared && len(op.Keys) == 1 {
-			r.violate("starved writer", op.Ret, "%s waited %v for the key and ran out (%s); %s; holders and waiters of the key then: %v",
-				x.who(op), time.Duration(op.Ret-op.Start).Round(time.Millisecond), op.Err, x.grantsDuring(op, op.Keys[0]), op.Snapshot)
+			// RLock promises that readers do not starve a waiting writer.
+			// Writers may outrun each other: a wait rejoins the server's
+			// queue at every slice, so waiters of different processes are
+			// not served first come first served (see the package
+			// documentation); that is counted, not a violation.
+			if shared, grants := x.grantsDuring(op, op.Keys[0]); shared > 0 {
+				r.violate("starved writer", op.Ret, "%s waited %v for the key and ran out (%s); %s; holders and waiters of the key then: %v",
+					x.who(op), time.Duration(op.Ret-op.Start).Round(time.Millisecond), op.Err, grants, op.Snapshot)
+			} else {
+				r.counts["patient writers outrun by writers"]++
+			}
 		}
 	}
 	if op.CheckErr != "" {
@@ -733,6 +745,8 @@ func TestLockCoreChecker(t *testing.T) {
 	a2, early := fenced("a", 101, 2, 0), fenced("b", 102, 1, 100)
 	patient := held("p", 0, 2)
 	patient.Outcome, patient.Patient, patient.PID, patient.Err = "timeout", true, 0, "context deadline exceeded"
+	reader := held("r", 106, 2) // granted shared while the writer waited
+	reader.Kind, reader.Shared, reader.Start, reader.Ret = "RLock", true, ms(2), ms(5)
 	failed := held("f", 0, 3)
 	failed.Outcome, failed.PID = "busy", 0
 	failed.After.Rows = []lcHold{{Key: 3, PID: 104, Mode: "ExclusiveLock", Granted: true}}
@@ -776,7 +790,8 @@ func TestLockCoreChecker(t *testing.T) {
 		{name: "an acquire on a lost Session", ops: []lcOp{sess, onLost}, faults: []lcFault{terminate(107, 1400)}},
 		{name: "an acquire on a Session lost unexplained", ops: []lcOp{sess, onLost}, want: []string{"unexplained loss"}},
 		{name: "deadlock", ops: []lcOp{deadlock}, want: []string{"deadlock"}},
-		{name: "starved writer", ops: []lcOp{patient}, want: []string{"starved writer"}},
+		{name: "starved writer", ops: []lcOp{patient, reader}, want: []string{"starved writer"}},
+		{name: "writer outrun by writers", ops: []lcOp{patient}},
 		{name: "left after Unlock", ops: []lcOp{left}, want: []string{"left after Unlock"}},
 		{name: "left after failed acquire", ops: []lcOp{failed}, want: []string{"left after failed acquire"}},
 		{name: "left by the failed acquire's lost backend", ops: []lcOp{failedLost}},

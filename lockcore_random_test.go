@@ -63,8 +63,12 @@ package pgcoord
 //     has no lock cycle: any ErrDeadlock is a failure. (The test database's
 //     deadlock_timeout is 100 ms, so that the server looks for cycles within
 //     a wait slice, as it does at the default loss deadline.)
-//   - No starved writer. An exclusive single-key Lock that may wait 8L and
-//     runs out is a failure, reported with the key's holders at that moment.
+//   - No writer starved by readers. An exclusive single-key Lock that may
+//     wait 8L and runs out while the key was granted shared meanwhile is a
+//     failure, reported with the key's holders at that moment. One that
+//     other writers outran is counted (a wait rejoins the server's queue
+//     at every slice, so waiters of different processes are not served in
+//     order; the package documentation says so).
 //   - At the end, after every lock is released and every Client closed,
 //     pg_locks shows no advisory lock in the database.
 //
