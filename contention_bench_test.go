@@ -6,6 +6,7 @@ import (
 	"math"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -34,13 +35,41 @@ const (
 	rawUnlockSQL = "SELECT pg_advisory_unlock($1::int8)"
 )
 
+// The Contended benchmarks come in pairs that do the same work, so that
+// each ratio is overhead, not a difference in work:
+//
+//   - BenchmarkContendedClient8NoHandoff against BenchmarkRawContended8:
+//     every Lock+Unlock goes to the server, one lock and one unlock
+//     statement per op (pgcoord with WithHandoff(0, 0)).
+//   - BenchmarkContendedClient8 against BenchmarkRawContended8Handoff:
+//     a release hands the key to a waiting goroutine in the process, with
+//     no round trip, at most DefaultMaxHandoffs times in a row or for
+//     DefaultHandoffWindow (pgcoord's default), so most ops never reach
+//     the server.
+//
+// BenchmarkContendedClient8 against BenchmarkRawContended8 is no overhead
+// figure: it shows what in-process handoff saves.
+
 // BenchmarkContendedClient8 measures one key fought over inside one
-// process: 8 goroutines share one Client and each loops Client.Lock +
-// Lock.Unlock on the same key. ns/op is wall time per completed
-// Lock+Unlock, all goroutines together (the inverse of the throughput).
-// The floor is BenchmarkRawContended8.
+// process, with pgcoord's default in-process handoff: 8 goroutines share
+// one Client and each loops Client.Lock + Lock.Unlock on the same key.
+// ns/op is wall time per completed Lock+Unlock, all goroutines together
+// (the inverse of the throughput). Its floor, with the same handoff done by
+// hand, is BenchmarkRawContended8Handoff.
 func BenchmarkContendedClient8(b *testing.B) {
-	c := newTestClient(b, pgtest.DB(b))
+	contendClient(b)
+}
+
+// BenchmarkContendedClient8NoHandoff is BenchmarkContendedClient8 with
+// handoff turned off (WithHandoff(0, 0)): every release goes to the
+// server, and the next goroutine takes the key there. Its floor is
+// BenchmarkRawContended8.
+func BenchmarkContendedClient8NoHandoff(b *testing.B) {
+	contendClient(b, WithHandoff(0, 0))
+}
+
+func contendClient(b *testing.B, opts ...Option) {
+	c := newTestClient(b, pgtest.DB(b), opts...)
 	k := Int64Key(42)
 	contend(b, func(ctx context.Context, _ int) error {
 		l, err := c.Lock(ctx, k)
@@ -51,10 +80,11 @@ func BenchmarkContendedClient8(b *testing.B) {
 	})
 }
 
-// BenchmarkRawContended8 is the floor of BenchmarkContendedClient8: what 8
-// goroutines do without pgcoord. Each has its own raw pgx connection and
-// loops SELECT pg_advisory_lock($1) + SELECT pg_advisory_unlock($1) on the
-// same key, so all 8 queue on the server. ns/op is wall time per completed
+// BenchmarkRawContended8 is the floor of
+// BenchmarkContendedClient8NoHandoff: what 8 goroutines do without pgcoord
+// and without handoff. Each has its own raw pgx connection and loops
+// SELECT pg_advisory_lock($1) + SELECT pg_advisory_unlock($1) on the same
+// key, so all 8 queue on the server. ns/op is wall time per completed
 // lock+unlock, all goroutines together.
 func BenchmarkRawContended8(b *testing.B) {
 	dsn := pgtest.DB(b)
@@ -67,6 +97,48 @@ func BenchmarkRawContended8(b *testing.B) {
 			return err
 		}
 		return rawUnlock(ctx, conns[i], 42)
+	})
+}
+
+// BenchmarkRawContended8Handoff is the floor of BenchmarkContendedClient8:
+// raw pgx with the same in-process handoff written by hand. The 8
+// goroutines take turns on a sync.Mutex; the one that gets it takes the
+// key on the server (SELECT pg_advisory_lock($1), on the one connection
+// they share) unless the key is still held from a handoff; on release it
+// keeps the key for a goroutine that waits, at most DefaultMaxHandoffs
+// times in a row and within DefaultHandoffWindow of taking it from the
+// server, and otherwise releases it there (SELECT pg_advisory_unlock($1)).
+func BenchmarkRawContended8Handoff(b *testing.B) {
+	conn := pgtest.Conn(b, pgtest.DB(b))
+	var (
+		mu       sync.Mutex
+		waiting  atomic.Int32
+		held     bool // on the server, guarded by mu
+		handoffs int
+		since    time.Time
+	)
+	contend(b, func(ctx context.Context, _ int) error {
+		waiting.Add(1)
+		mu.Lock()
+		waiting.Add(-1)
+		if !held {
+			if _, err := conn.Exec(ctx, rawLockSQL, int64(42)); err != nil {
+				mu.Unlock()
+				return err
+			}
+			held, handoffs, since = true, 0, time.Now()
+		}
+		// The critical section is empty, as in the other Contended
+		// benchmarks; now the release.
+		if waiting.Load() > 0 && handoffs < DefaultMaxHandoffs && time.Since(since) < DefaultHandoffWindow {
+			handoffs++
+			mu.Unlock()
+			return nil
+		}
+		err := rawUnlock(ctx, conn, 42)
+		held = false
+		mu.Unlock()
+		return err
 	})
 }
 

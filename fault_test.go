@@ -290,7 +290,7 @@ func (p *faultProc) ended(t testing.TB) (at time.Time, lost bool, why string) {
 // awaitLossReported waits for the holder child to report that its hold
 // ended, and checks that it was reported lost within the loss-notice bound
 // of the default heartbeat after since (the event named by after).
-func (p *faultProc) awaitLossReported(t testing.TB, who string, since time.Time, after string) {
+func (p *faultProc) awaitLossReported(t testing.TB, who string, since time.Time, after string) time.Time {
 	t.Helper()
 	at, lost, why := p.ended(t)
 	if !lost {
@@ -301,6 +301,7 @@ func (p *faultProc) awaitLossReported(t testing.TB, who string, since time.Time,
 		t.Errorf("%s reported the loss %v after %s, want within %v", who, took, after, bound)
 	}
 	t.Logf("%s reported the loss %v after %s: %s", who, at.Sub(since).Round(time.Millisecond), after, why)
+	return at
 }
 
 // awaitLost checks that each of holds ends, with ErrLockLost, within the
@@ -313,10 +314,23 @@ func awaitLost[H interface {
 	t.Helper()
 	bound := lossNoticeBound(&config{heartbeat: DefaultHeartbeat})
 	for i, h := range holds {
+		// Done is checked before the bound, and again once the bound has
+		// passed: a hold that ended in time passes even when this
+		// goroutine looks late, or when both are ready at once.
 		select {
 		case <-h.Done():
-		case <-time.After(time.Until(since.Add(bound))):
-			t.Fatalf("%s still believed held %v after %s", name(i), bound, after)
+		default:
+			timer := time.NewTimer(time.Until(since.Add(bound)))
+			select {
+			case <-h.Done():
+			case <-timer.C:
+				select {
+				case <-h.Done():
+				default:
+					t.Fatalf("%s still believed held %v after %s", name(i), bound, after)
+				}
+			}
+			timer.Stop()
 		}
 		if !errors.Is(h.Err(), ErrLockLost) {
 			t.Fatalf("%s ended with %v, want ErrLockLost", name(i), h.Err())
@@ -502,6 +516,9 @@ func TestFaultHolderLoss(t *testing.T) {
 			return at
 		}},
 		{"terminate", true, func(t *testing.T, _ *faultProc, dsn string, pid int32) time.Time {
+			// Just after a heartbeat, so that the holder can know only
+			// at its next one, H later, and not by chance right away.
+			afterHeartbeat(t, dsn, pid)
 			pgtest.Terminate(t, dsn, pid)
 			return time.Now()
 		}},
@@ -555,7 +572,13 @@ func TestFaultHolderLoss(t *testing.T) {
 				if f := p.await(t, "write", testTimeout); f[1] != "stale" {
 					t.Fatalf("old holder's write after the fault: %q, want stale", f)
 				}
-				p.awaitLossReported(t, "old holder", resumed, "the fault (or SIGCONT)")
+				knew := p.awaitLossReported(t, "old holder", resumed, "the fault (or SIGCONT)")
+				// The server freed the lock at once: the contender had it
+				// before the old holder knew, by the holder's own clock.
+				if !r.at.Before(knew) {
+					t.Errorf("the contender acquired at %v, not before the old holder reported the loss at %v", r.at, knew)
+				}
+				t.Logf("the contender acquired %v before the old holder knew", knew.Sub(r.at).Round(time.Millisecond))
 			}
 			if w := writers(t, pool, target); len(w) != 1 || w[0] != "contender" {
 				t.Fatalf("fault_writes for %v: %q, want only the contender's write", target, w)
@@ -565,6 +588,26 @@ func TestFaultHolderLoss(t *testing.T) {
 			}
 		})
 	}
+}
+
+// afterHeartbeat returns once pg_stat_activity shows that the idle backend
+// pid has just answered a new heartbeat (its query_start changed).
+func afterHeartbeat(t testing.TB, dsn string, pid int32) {
+	t.Helper()
+	conn := pgtest.Conn(t, dsn)
+	var first time.Time
+	pgtest.Eventually(t, testTimeout, fmt.Sprintf("a heartbeat of backend %d", pid), func() bool {
+		var start time.Time
+		var idle bool
+		err := conn.QueryRow(testCtx(t), "SELECT query_start, state = 'idle' AND query = $2 FROM pg_stat_activity WHERE pid = $1", pid, pingSQL).Scan(&start, &idle)
+		if err != nil {
+			t.Fatalf("pg_stat_activity of backend %d: %v", pid, err)
+		}
+		if first.IsZero() {
+			first = start
+		}
+		return idle && start.After(first)
+	})
 }
 
 // A server restart (fast shutdown) and a crash (SIGKILL of the postmaster,

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -226,4 +227,29 @@ func newTestRole(t testing.TB, dsn, prefix string) (role, roleDSN string) {
 		t.Fatal(err)
 	}
 	return role, strings.Replace(dsn, "://"+cfg.User+"@", "://"+role+"@", 1)
+}
+
+// leaseExpiry matches the loss that a session declares when nothing has
+// proved its connection alive for the loss deadline (checkLease).
+var leaseExpiry = regexp.MustCompile(`no answer from the server for ([0-9.]+[a-zµ]+) \(loss deadline`)
+
+// leaseLostAt returns when the session s declared its locks lost because
+// its lease ran out, by the library's own clock: the start of the last
+// statement the server answered (lastOK) plus the silence it measured at
+// the declaration, which the loss error states. A late wake-up of the
+// test's goroutine does not count.
+func leaseLostAt(t testing.TB, s *Session) time.Time {
+	t.Helper()
+	<-s.Done()
+	m := leaseExpiry.FindStringSubmatch(fmt.Sprint(s.Err()))
+	if m == nil {
+		t.Fatalf("session lost with %v, not by its lease running out", s.Err())
+	}
+	age, err := time.ParseDuration(m[1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.state.Lock()
+	defer s.state.Unlock()
+	return s.lastOK.Add(age)
 }

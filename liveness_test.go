@@ -138,23 +138,96 @@ FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&user, &waitType, &started, &wa
 }
 
 // A hot standby grants advisory locks that exclude nobody on the primary:
-// sessions refuse it.
+// every acquire refuses it with ErrReadOnly before it reaches the
+// standby's lock table. A plain connection holds a key on the standby, and
+// a watcher reads the standby's pg_locks all along: it never sees another
+// advisory lock, held or awaited (a Lock of the held key that reached the
+// lock table would wait there); afterwards no connection of the Client is
+// left on the standby. Once the standby is promoted, locks work on it.
 func TestStandbyIsRefused(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
 	primary := pgtest.NewServer(t)
 	primary.DB(t) // the standby copies the primary, databases included
 	standby := primary.StartStandby(t)
-	c := newTestClient(t, standby.ConnString("postgres"))
-	refusedAcquire(t, c, Int64Key(1), ErrReadOnly)
-	if _, err := c.NewSession(ctx); !errors.Is(err, ErrReadOnly) {
-		t.Fatalf("NewSession on a standby: %v, want ErrReadOnly", err)
+	sdsn := standby.ConnString("postgres")
+	held := Int64Key(1)
+	raw := pgtest.Conn(t, sdsn)
+	if _, err := raw.Exec(ctx, "SELECT pg_advisory_lock($1)", mustInt64(held)); err != nil {
+		t.Fatal(err)
 	}
+	rawPID := int32(raw.PgConn().PID())
+	heldOnlyBy(t, sdsn, held, rawPID)
+
+	// The watcher: any advisory lock but raw's, held or awaited, is one
+	// that an acquire took or waited for on the standby.
+	watch := pgtest.Conn(t, sdsn)
+	stop, watched := make(chan struct{}), make(chan error, 1)
+	var reads int
+	go func() {
+		for {
+			select {
+			case <-stop:
+				watched <- nil
+				return
+			default:
+			}
+			var n int
+			err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid <> $1
+				AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`, rawPID).Scan(&n)
+			if err != nil || n != 0 {
+				watched <- fmt.Errorf("pg_locks on the standby: %d advisory locks of others (%v)", n, err)
+				return
+			}
+			reads++
+			time.Sleep(2 * time.Millisecond)
+		}
+	}()
+
+	c := newTestClient(t, sdsn, WithApplicationName("on-standby"))
+	for _, op := range []struct {
+		name string
+		do   func(ctx context.Context) error
+	}{
+		{"Lock of the held key", func(ctx context.Context) error { _, err := c.Lock(ctx, held); return err }},
+		{"TryLock", func(ctx context.Context) error { _, err := c.TryLock(ctx, Int64Key(2)); return err }},
+		{"RLock", func(ctx context.Context) error { _, err := c.RLock(ctx, Int64Key(3)); return err }},
+		{"LockAll", func(ctx context.Context) error { _, err := c.LockAll(ctx, held, Int64Key(4)); return err }},
+		{"NewSession", func(ctx context.Context) error { _, err := c.NewSession(ctx); return err }},
+	} {
+		// A blocking acquire keeps trying until its ctx ends, then
+		// returns ctx's error with the last connection error.
+		octx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+		err := op.do(octx)
+		cancel()
+		if !errors.Is(err, ErrReadOnly) {
+			t.Fatalf("%s on a standby: %v, want ErrReadOnly", op.name, err)
+		}
+	}
+	close(stop)
+	if err := <-watched; err != nil {
+		t.Fatal(err)
+	}
+	if reads == 0 {
+		t.Fatal("the watcher never read pg_locks")
+	}
+	pgtest.Eventually(t, testTimeout, "no connection of the Client left on the standby", func() bool {
+		var n int
+		if err := watch.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'on-standby'").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n == 0
+	})
+	if rows := lockState(t, sdsn); len(rows) != 1 || len(rows[held]) != 1 {
+		t.Fatalf("pg_locks on the standby: %v, want only the plain connection's hold of %v", rows, held)
+	}
+
 	standby.Promote(t)
-	l, err := c.Lock(ctx, Int64Key(1))
+	l, err := c.Lock(ctx, Int64Key(2))
 	if err != nil {
 		t.Fatalf("Lock after promotion: %v", err)
 	}
+	heldOnlyBy(t, sdsn, Int64Key(2), l.s.PID())
 	mustUnlock(t, l)
 }
 
@@ -294,8 +367,8 @@ func TestLossOnSilentNetwork(t *testing.T) {
 	start := time.Now()
 	proxy.Blackhole()
 	awaitEnd(t, l, "loss on a silent network")
-	took := time.Since(start)
-	t.Logf("silence noticed after %v: %v", took, l.Err())
+	took := leaseLostAt(t, l.s).Sub(start)
+	t.Logf("silence noticed (the loss declared) after %v: %v", took, l.Err())
 	if !errors.Is(l.Err(), ErrLockLost) {
 		t.Fatalf("Err: %v, want ErrLockLost", l.Err())
 	}

@@ -124,8 +124,8 @@ const (
 )
 
 const (
-	lcLoss     = time.Second            // WithLossDeadline of every Client: L
-	lcBeat     = 250 * time.Millisecond // WithHeartbeat of every Client
+	lcLoss     = 2 * time.Second        // WithLossDeadline of every Client: L
+	lcBeat     = 500 * time.Millisecond // WithHeartbeat of every Client
 	lcKeys     = 4                      // the keys are Int64Key(1) to Int64Key(lcKeys): few, for contention
 	lcChildren = 2                      // child processes, besides this one
 	lcPatient  = 8 * lcLoss             // bound of a patient acquire

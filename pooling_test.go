@@ -3,6 +3,9 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"fmt"
+	"maps"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -22,6 +25,102 @@ func settingThrough(t testing.TB, conn *pgx.Conn, name string) string {
 	return v
 }
 
+// bouncerServers returns the backend pid of every server connection that
+// PgBouncer holds (SHOW SERVERS on its admin console), with when each was
+// opened.
+func bouncerServers(t testing.TB, b *pgtest.PgBouncer) map[int32]string {
+	t.Helper()
+	admin := pgtest.Conn(t, b.AdminConnString())
+	rows, err := admin.Query(testCtx(t), "SHOW SERVERS")
+	if err != nil {
+		t.Fatalf("SHOW SERVERS: %v", err)
+	}
+	out := map[int32]string{}
+	_, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (struct{}, error) {
+		vals, err := row.Values()
+		if err != nil {
+			return struct{}{}, err
+		}
+		var pid int32
+		var opened string
+		for i, fd := range row.FieldDescriptions() {
+			switch fd.Name {
+			case "remote_pid":
+				n, err := strconv.ParseInt(fmt.Sprint(vals[i]), 10, 32)
+				if err != nil {
+					return struct{}{}, fmt.Errorf("remote_pid %v: %w", vals[i], err)
+				}
+				pid = int32(n)
+			case "connect_time":
+				opened = fmt.Sprint(vals[i])
+			}
+		}
+		out[pid] = opened
+		return struct{}{}, nil
+	})
+	if err != nil {
+		t.Fatalf("SHOW SERVERS: %v", err)
+	}
+	return out
+}
+
+// pooledSettings are the settings a lock connection applies to its own
+// backend that a pooled backend must never get.
+var pooledSettings = []string{"tcp_user_timeout", "client_connection_check_interval", "tcp_keepalives_count", "tcp_keepalives_idle", "application_name", "statement_timeout", "lock_timeout"}
+
+// pooledBackendsUntouched checks every server connection of a transaction
+// pooling PgBouncer (SHOW SERVERS): pg_stat_activity shows none with the
+// application name of a pgcoord lock connection, and short transactions
+// through PgBouncer, run until each of them has answered, read on each the
+// same settings as on a fresh direct connection.
+func pooledBackendsUntouched(t testing.TB, b *pgtest.PgBouncer, dsn, appName string) {
+	t.Helper()
+	ctx := testCtx(t)
+	servers := bouncerServers(t, b)
+	admin, direct := pgtest.Conn(t, dsn), pgtest.Conn(t, dsn)
+	for pid := range servers {
+		var app string
+		if err := admin.QueryRow(ctx, "SELECT application_name FROM pg_stat_activity WHERE pid = $1", pid).Scan(&app); err != nil {
+			t.Fatalf("pg_stat_activity of pooled backend %d: %v", pid, err)
+		}
+		if app == appName {
+			t.Errorf("pooled backend %d has the lock connections' application_name %q", pid, app)
+		}
+	}
+	want := map[string]string{}
+	for _, name := range pooledSettings {
+		want[name] = settingThrough(t, direct, name)
+	}
+	conn := pgtest.Conn(t, b.ConnString())
+	seen := map[int32]bool{}
+	deadline := time.Now().Add(testTimeout)
+	for len(seen) < len(servers) {
+		if time.Now().After(deadline) {
+			t.Fatalf("read the settings of pooled backends %v of %v within %v", seen, servers, testTimeout)
+		}
+		var pid int32
+		got := make([]string, len(pooledSettings))
+		dest := []any{&pid}
+		sql := "SELECT pg_backend_pid()"
+		for i, name := range pooledSettings {
+			dest = append(dest, &got[i])
+			sql += ", current_setting('" + name + "')"
+		}
+		if err := conn.QueryRow(ctx, sql).Scan(dest...); err != nil {
+			t.Fatal(err)
+		}
+		if _, ok := servers[pid]; !ok || seen[pid] {
+			continue
+		}
+		seen[pid] = true
+		for i, name := range pooledSettings {
+			if got[i] != want[name] {
+				t.Errorf("pooled backend %d: %s = %q, want the default %q", pid, name, got[i], want[name])
+			}
+		}
+	}
+}
+
 // Behind PgBouncer in transaction pooling mode with an idle pool, which
 // hands every transaction the same server connection, session locks are
 // refused before anything is locked or set on the pooled backend; the
@@ -32,8 +131,16 @@ func TestTransactionPoolingIdlePool(t *testing.T) {
 	dsn := pgtest.DB(t)
 	bouncer := pgtest.NewPgBouncer(t, dsn, pgtest.TransactionPooling, pgtest.WithPoolSize(1))
 	pool := pgtest.Pool(t, bouncer.ConnString())
-	c := newTestClientOn(t, pool)
+	c := newTestClientOn(t, pool, WithApplicationName("pooled-idle"))
 	k := HashKey("pooled")
+	// The pool's one server connection, opened now.
+	if _, err := pool.Exec(ctx, "SELECT 1"); err != nil {
+		t.Fatal(err)
+	}
+	servers := bouncerServers(t, bouncer)
+	if len(servers) != 1 {
+		t.Fatalf("SHOW SERVERS: %v, want the pool's one server connection", servers)
+	}
 
 	if _, err := c.Lock(ctx, k); !errors.Is(err, ErrTransactionPooling) {
 		t.Fatalf("Lock behind transaction pooling: %v, want ErrTransactionPooling", err)
@@ -49,24 +156,19 @@ func TestTransactionPoolingIdlePool(t *testing.T) {
 	}
 	// The one pooled backend kept its own settings: the same as a fresh
 	// direct connection's.
-	conn, direct := pgtest.Conn(t, bouncer.ConnString()), pgtest.Conn(t, dsn)
-	for _, name := range []string{"tcp_user_timeout", "client_connection_check_interval", "tcp_keepalives_count", "tcp_keepalives_idle", "application_name"} {
-		if got, want := settingThrough(t, conn, name), settingThrough(t, direct, name); got != want {
-			t.Errorf("pooled backend: %s = %q after the refusal, want the default %q", name, got, want)
-		}
-	}
+	pooledBackendsUntouched(t, bouncer, dsn, "pooled-idle")
 	// Even a Client that was told the pooler pools sessions finds out.
-	told := newTestClientOn(t, pool, WithSessionPooler())
+	told := newTestClientOn(t, pool, WithSessionPooler(), WithApplicationName("pooled-idle"))
 	if _, err := told.Lock(ctx, k); !errors.Is(err, ErrTransactionPooling) {
 		t.Fatalf("Lock with WithSessionPooler behind transaction pooling: %v, want ErrTransactionPooling", err)
 	}
 	if n := len(lockState(t, dsn)); n != 0 {
 		t.Fatalf("%d advisory locks on the server after the refusals, want none", n)
 	}
-	for _, name := range []string{"tcp_user_timeout", "client_connection_check_interval", "application_name"} {
-		if got, want := settingThrough(t, conn, name), settingThrough(t, direct, name); got != want {
-			t.Errorf("pooled backend: %s = %q after the probe, want the default %q", name, got, want)
-		}
+	pooledBackendsUntouched(t, bouncer, dsn, "pooled-idle")
+	// All along, PgBouncer handed back the same server connection.
+	if got := bouncerServers(t, bouncer); !maps.Equal(got, servers) {
+		t.Fatalf("SHOW SERVERS after the refusals: %v, want the same one server connection %v", got, servers)
 	}
 
 	// Transaction-level locks work through the same pool.
@@ -104,10 +206,24 @@ func TestTransactionPoolingBusyPool(t *testing.T) {
 		})
 	}
 	defer func() { close(stop); wg.Wait() }()
+	// The pool is busy: one client's transactions land on different
+	// server connections.
+	control := pgtest.Conn(t, bouncer.ConnString())
+	pids := map[int32]bool{}
+	for i := 0; len(pids) < 2; i++ {
+		if i == 1000 {
+			t.Fatalf("1000 transactions through the busy pool all ran on backends %v, want the server connection to change", pids)
+		}
+		var pid int32
+		if err := control.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+			t.Fatal(err)
+		}
+		pids[pid] = true
+	}
 
 	k := HashKey("pooled-busy")
 	for i := range 20 {
-		c, err := New(pool)
+		c, err := New(pool, WithApplicationName("pooled-busy"))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -122,6 +238,8 @@ func TestTransactionPoolingBusyPool(t *testing.T) {
 			t.Fatalf("attempt %d: %d advisory locks on the server, want none", i, n)
 		}
 	}
+	// No pooled backend got a lock connection's settings.
+	pooledBackendsUntouched(t, bouncer, dsn, "pooled-busy")
 	// Transaction-level locks work through the busy pool.
 	for range 5 {
 		xactLocksWork(t, ctx, pool, dsn, k)
