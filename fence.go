@@ -34,15 +34,28 @@ func fenceRow(k Key) (space int16, key int64) {
 // costs no extra round trip; remote_apply, which also waits for the flush,
 // is kept. In an explicit transaction, the setting lasts until that
 // transaction ends.
-func issueFenceSQL(c *config, lockTimeout int) string {
-	timeout := ""
+//
+// If holder is not 0, it is the number of a parameter with a backend's
+// pid: the statement then issues the fence only if that backend holds the
+// key exclusively (in pg_locks) when the statement starts, and returns no
+// row otherwise. A fence issued on another backend than the lock's must
+// check this, or a backend lost meanwhile would get a fence newer than
+// its successor's.
+func issueFenceSQL(c *config, lockTimeout, holder int) string {
+	timeout, held := "", ""
 	if lockTimeout != 0 {
 		timeout = fmt.Sprintf(", set_config('lock_timeout', $%d, true)", lockTimeout)
+	}
+	if holder != 0 {
+		held = fmt.Sprintf(`
+		WHERE EXISTS (SELECT FROM pg_catalog.pg_locks l WHERE l.locktype = 'advisory' AND l.pid = $%d
+			AND l.granted AND l.mode = 'ExclusiveLock' AND l.objsubid = $1 AND ((l.classid::int8 << 32) | l.objid::int8) = $2
+			AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()))`, holder)
 	}
 	return "INSERT INTO " + c.table("fences") + ` AS f (key_space, key, fence)
 		SELECT $1, $2, 1 FROM (SELECT set_config('synchronous_commit',
 			CASE current_setting('synchronous_commit') WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END,
-			true)` + timeout + `) AS durable
+			true)` + timeout + `) AS durable` + held + `
 		ON CONFLICT (key_space, key) DO UPDATE SET fence = f.fence + 1
 		RETURNING f.fence`
 }
@@ -58,7 +71,7 @@ func nextFence(ctx context.Context, q interface {
 	}
 	space, key := fenceRow(k)
 	var fence int64
-	err := q.QueryRow(ctx, issueFenceSQL(c, 0), space, key).Scan(&fence)
+	err := q.QueryRow(ctx, issueFenceSQL(c, 0, 0), space, key).Scan(&fence)
 	if err != nil {
 		return 0, notMigrated(c, "issue fence for key "+k.String(), err)
 	}

@@ -562,13 +562,24 @@ func (s *Session) issueFence(ctx context.Context, l *Lock) error {
 		}
 	}()
 	space, key := fenceRow(l.keys[0])
+	run := func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+		err := conn.QueryRow(ctx, sql, args...).Scan(&l.fence)
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = errorf("%w: backend %d no longer holds %s", ErrLockLost, s.pid, l.keys[0])
+		}
+		return err
+	}
 	err := s.c.blockAway(ctx, s, blockingStatement{
-		sql:  issueFenceSQL(s.c.cfg, 3),
-		args: []any{space, key, ""},
-		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
-			return conn.QueryRow(ctx, sql, args...).Scan(&l.fence)
-		},
+		sql:   issueFenceSQL(s.c.cfg, 3, 0),
+		args:  []any{space, key, ""},
+		run:   run,
 		quick: true,
+	}, blockingStatement{
+		// Away from l's backend, the fence checks that l's backend
+		// still holds the key.
+		sql:  issueFenceSQL(s.c.cfg, 4, 3),
+		args: []any{space, key, s.pid, ""},
+		run:  run,
 	})
 	if err != nil {
 		return notMigrated(s.c.cfg, "issue fence for key "+l.keys[0].String(), err)
@@ -587,10 +598,10 @@ const glance = 20 * time.Millisecond
 // application's own, it runs there in slices. On a backend of the Client's,
 // which may hold other goroutines' locks, it first runs there waiting at
 // most a glance; if it must wait longer (or the server picked it as a
-// deadlock victim meanwhile), it waits on a backend that holds nothing, in
-// slices, as a lock wait does (see backends.go), trying again on home at
-// growing intervals while no such backend is free.
-func (c *Client) blockAway(ctx context.Context, home *Session, st blockingStatement) error {
+// deadlock victim meanwhile), away runs instead on a backend that holds
+// nothing, in slices, as a lock wait does (see backends.go); while no such
+// backend is free, st runs on home again at growing intervals.
+func (c *Client) blockAway(ctx context.Context, home *Session, st, away blockingStatement) error {
 	if !home.managed {
 		return home.block(ctx, st)
 	}
@@ -607,7 +618,7 @@ func (c *Client) blockAway(ctx context.Context, home *Session, st blockingStatem
 		b, done, err := c.waitBackend(ctx)
 		switch {
 		case err == nil:
-			err = b.block(ctx, st)
+			err = b.block(ctx, away)
 			done()
 			return err
 		case !errors.Is(err, errNoWaitBackend):

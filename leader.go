@@ -393,7 +393,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 // Session.block). It returns the term, and the time the leadership began,
 // or no row if the leaders table holds a newer term.
 func recordSQL(c *config) string {
-	return `WITH fence AS (` + issueFenceSQL(c, 8) + `),
+	return `WITH fence AS (` + issueFenceSQL(c, 8, 0) + `),
 		won AS (
 			INSERT INTO ` + c.table("leaders") + ` AS l (name, lock_key, identity, term, since, pid)
 			SELECT $3, $4, $5, fence.fence, now(), $6 FROM fence
@@ -417,10 +417,9 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, error)
 	var term int64
 	var since *time.Time
 	// The statement waits for the fences row while a transaction that
-	// checked the previous term is open: as a blocking statement, so that
-	// the backend's other locks keep proving themselves alive and see no
-	// deadlock of its making.
-	err := c.blockAway(ctx, l.s, blockingStatement{
+	// checked the previous term is open: in slices, like a lock wait, so
+	// that the backend's other locks keep proving themselves alive.
+	err := l.s.block(ctx, blockingStatement{
 		sql:   recordSQL(c.cfg),
 		args:  []any{space, fkey, e.name, k, e.identity, l.s.pid, leaderChannel, ""},
 		locks: 2, // the fences row, then the leaders row
