@@ -755,19 +755,17 @@ func TestElectionNoLeaderAfterDeath(t *testing.T) {
 			dsn, pool := faultDB(t)
 			target := electionTarget{"alone-" + fault}
 			e := newTestClient(t, dsn, WithHeartbeat(beat)).Election(target.name)
-			obs := e.Observe(ctx)
-			if info := nextInfo(t, obs); info != (LeaderInfo{}) {
-				t.Fatalf("first observation %+v, want no leader", info)
-			}
+			octx, stopObserving := context.WithCancel(ctx)
+			rec := record(e.Observe(octx))
+			defer func() { stopObserving(); <-rec.done }()
+			rec.awaitLast(t, LeaderInfo{})
 			p := startFaultChild(t, "holder", dsn, target, childOptions(time.Second, 100*time.Millisecond))
 			term, pid := p.held(t)
 			info, err := e.Leader(ctx)
 			if err != nil || info.Term != Term(term) || info.Pid != pid || info.Identity != childIdentity(t, p) {
 				t.Fatalf("Leader: %+v, %v; want term %d, backend %d", info, err, term, pid)
 			}
-			if got := nextInfo(t, obs); got.Term != info.Term || got.Pid != pid || got.Identity != info.Identity || !got.Since.Equal(info.Since) {
-				t.Fatalf("observed %+v, want %+v", got, info)
-			}
+			rec.awaitLast(t, info)
 
 			var freed time.Time
 			if fault == "kill" {
@@ -787,13 +785,12 @@ func TestElectionNoLeaderAfterDeath(t *testing.T) {
 			if _, err := e.Leader(ctx); !errors.Is(err, ErrNoLeader) {
 				t.Fatalf("Leader once the lock is free: %v, want ErrNoLeader", err)
 			}
-			if got := nextInfo(t, obs); got != (LeaderInfo{}) {
-				t.Fatalf("observed %+v after the leader died, want no leader", got)
-			}
-			took := time.Since(freed)
-			t.Logf("Observe reported no leader %v after the lock was freed", took.Round(time.Millisecond))
-			if took > 2*beat {
-				t.Errorf("Observe reported no leader %v after the lock was freed, want within 2H = %v", took, 2*beat)
+			rec.deliveredWithin(t, LeaderInfo{}, freed, 2*beat, "the lock was freed")
+			rec.mu.Lock()
+			got := slices.Clone(rec.got)
+			rec.mu.Unlock()
+			if len(got) != 3 {
+				t.Fatalf("Observe delivered %+v, want no leader, the leader, no leader", got)
 			}
 			if fault == "terminate" {
 				_, lost, why := p.ended(t)
@@ -805,10 +802,12 @@ func TestElectionNoLeaderAfterDeath(t *testing.T) {
 	}
 }
 
-// observed records what an Observe channel delivers.
+// observed records what an Observe channel delivers, and when: a goroutine
+// that does nothing else receives each change and notes the time at once.
 type observed struct {
 	mu   sync.Mutex
 	got  []LeaderInfo
+	at   []time.Time // when each change was received
 	kick chan struct{}
 	done chan struct{}
 }
@@ -818,8 +817,10 @@ func record(ch <-chan LeaderInfo) *observed {
 	go func() {
 		defer close(o.done)
 		for info := range ch {
+			at := time.Now()
 			o.mu.Lock()
 			o.got = append(o.got, info)
+			o.at = append(o.at, at)
 			o.mu.Unlock()
 			select {
 			case o.kick <- struct{}{}:
@@ -830,24 +831,46 @@ func record(ch <-chan LeaderInfo) *observed {
 	return o
 }
 
-// awaitLast waits until the last delivered change is want, within bound.
-func (o *observed) awaitLast(t testing.TB, want LeaderInfo, bound time.Duration) {
+// awaitLast waits, at most testTimeout, until the last delivered change is
+// want, and returns when it was delivered. A bound on the delivery is
+// checked against that time (see deliveredWithin), not against when this
+// goroutine gets to look.
+func (o *observed) awaitLast(t testing.TB, want LeaderInfo) time.Time {
 	t.Helper()
-	timer := time.NewTimer(bound)
+	timer := time.NewTimer(testTimeout)
 	defer timer.Stop()
 	for {
 		o.mu.Lock()
 		ok := len(o.got) > 0 && sameLeader(o.got[len(o.got)-1], want)
 		got := slices.Clone(o.got)
+		var at time.Time
+		if ok {
+			at = o.at[len(o.at)-1]
+		}
 		o.mu.Unlock()
 		if ok {
-			return
+			return at
 		}
 		select {
 		case <-o.kick:
 		case <-timer.C:
-			t.Fatalf("Observe did not deliver %+v within %v; it delivered %+v", want, bound, got)
+			t.Fatalf("Observe did not deliver %+v within %v; it delivered %+v", want, testTimeout, got)
 		}
+	}
+}
+
+// deliveredWithin waits for want as the last delivered change and checks
+// that it was delivered within bound of since (the event named by after).
+func (o *observed) deliveredWithin(t testing.TB, want LeaderInfo, since time.Time, bound time.Duration, after string) {
+	t.Helper()
+	d := o.awaitLast(t, want).Sub(since)
+	what := "no leader"
+	if want != (LeaderInfo{}) {
+		what = fmt.Sprintf("%+v", want)
+	}
+	t.Logf("Observe delivered %s %v after %s", what, d.Round(time.Millisecond), after)
+	if d > bound {
+		t.Errorf("Observe delivered %s %v after %s, want within %v", what, d.Round(time.Millisecond), after, bound)
 	}
 }
 
@@ -890,14 +913,14 @@ func TestElectionObserveSequence(t *testing.T) {
 	wants := []want{{}}
 	expect := func(info LeaderInfo) { wants = append(wants, want{info: info}) }
 	handover := func(info LeaderInfo) { wants = append(wants, want{optional: true}, want{info: info}) }
-	rec.awaitLast(t, LeaderInfo{}, testTimeout)
+	rec.awaitLast(t, LeaderInfo{})
 
 	la, err := ea.Campaign(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	expect(leaderOf(la, "a"))
-	rec.awaitLast(t, leaderOf(la, "a"), testTimeout)
+	rec.awaitLast(t, leaderOf(la, "a"))
 	// The observer's listener connection dies; the resignation right
 	// after is delivered by the resync once it listens again, if not by a
 	// notification.
@@ -910,7 +933,7 @@ func TestElectionObserveSequence(t *testing.T) {
 		t.Fatal(err)
 	}
 	expect(LeaderInfo{})
-	rec.awaitLast(t, LeaderInfo{}, testTimeout)
+	rec.awaitLast(t, LeaderInfo{})
 
 	lb, err := eb.Campaign(ctx)
 	if err != nil {
@@ -928,8 +951,7 @@ func TestElectionObserveSequence(t *testing.T) {
 	terminateBackend(t, pool, la2.lock.s.PID())
 	freed := time.Now()
 	expect(LeaderInfo{})
-	rec.awaitLast(t, LeaderInfo{}, 2*beat)
-	t.Logf("no leader delivered %v after the terminated leader's lock was freed", time.Since(freed).Round(time.Millisecond))
+	rec.deliveredWithin(t, LeaderInfo{}, freed, 2*beat, "the terminated leader's lock was freed")
 	<-la2.Done()
 
 	target := electionTarget{name}
@@ -946,8 +968,7 @@ func TestElectionObserveSequence(t *testing.T) {
 	})
 	freed = time.Now()
 	expect(LeaderInfo{})
-	rec.awaitLast(t, LeaderInfo{}, 2*beat)
-	t.Logf("no leader delivered %v after the killed leader's lock was freed", time.Since(freed).Round(time.Millisecond))
+	rec.deliveredWithin(t, LeaderInfo{}, freed, 2*beat, "the killed leader's lock was freed")
 
 	lb2, err := eb.Campaign(ctx)
 	if err != nil {
@@ -985,7 +1006,7 @@ func TestElectionObserveSequence(t *testing.T) {
 		t.Fatalf("Run: %v", err)
 	}
 	expect(LeaderInfo{})
-	rec.awaitLast(t, LeaderInfo{}, testTimeout)
+	rec.awaitLast(t, LeaderInfo{})
 	stopObserving()
 	<-rec.done
 
