@@ -240,8 +240,7 @@ func (c *Client) acquired(start time.Time, r request, l *Lock, handoff bool, err
 	wait := time.Since(start)
 	var pid int32
 	if l != nil {
-		pid = l.s.pid
-		l.since = time.Now()
+		pid = l.s.pid // l.since was set when the lock was granted
 	}
 	if c.cfg.debugging() {
 		attrs := []any{"keys", keyList(r.keys), "mode", modeOf(r.shared).String(), "try", r.try, "wait", wait, "pid", pid}

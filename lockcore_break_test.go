@@ -27,28 +27,6 @@ func waitsNotGranted(t testing.TB, conn *pgx.Conn, pid int32, locktype string) i
 	return n
 }
 
-// keyFreeOnServer reports whether another connection can take k at once
-// (and gives it back), as pg_try_advisory_lock sees it.
-func keyFreeOnServer(t testing.TB, conn *pgx.Conn, k Key) bool {
-	t.Helper()
-	v, ok := k.Int64()
-	if !ok {
-		t.Fatalf("keyFreeOnServer needs an Int64Key, got %v", k)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	var got bool
-	if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1)", v).Scan(&got); err != nil {
-		t.Fatalf("pg_try_advisory_lock: %v", err)
-	}
-	if got {
-		if _, err := conn.Exec(ctx, "SELECT pg_advisory_unlock($1)", v); err != nil {
-			t.Fatalf("pg_advisory_unlock: %v", err)
-		}
-	}
-	return got
-}
-
 type errResult struct {
 	err error
 	at  time.Time
