@@ -354,8 +354,8 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 }
 
 // deadlineGrace is how long after ctx's deadline a wait cut to it may go
-// on before it is cancelled with a cancel request; and how long after its
-// slice a slice may go on before it is.
+// on before it is cancelled with a cancel request. (A slice that is not
+// cut to the deadline is cancelled half a heartbeat after its end.)
 const deadlineGrace = 50 * time.Millisecond
 
 // errSliceOver cancels a slice that has run its time (see block).
