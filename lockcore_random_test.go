@@ -10,7 +10,7 @@ package pgcoord
 // PostgreSQL said at the time (pg_locks, read inside every critical
 // section and after every release) and against a table of fenced writes.
 //
-//	go test -race -count=1 -run 'TestLockCoreRandomized$' -lockcore.duration=60s .
+//	go test -race -count=1 -run 'TestLockCoreRandomized$' -lockcore.duration=60s .    # 15 s in the normal suite
 //	go test -race -count=1 -run 'TestLockCoreRandomized$' -lockcore.seed=N .    # replay a seed
 //
 // A seed fixes every random choice of the workload and of the nemesis
@@ -112,7 +112,7 @@ import (
 
 var (
 	lockCoreSeed = flag.Uint64("lockcore.seed", 0, "seed of TestLockCoreRandomized (0: a random one; the seed is logged either way)")
-	lockCoreFor  = flag.Duration("lockcore.duration", 0, "how long TestLockCoreRandomized runs its workload and its faults (0: it does not run)")
+	lockCoreFor  = flag.Duration("lockcore.duration", 15*time.Second, "how long TestLockCoreRandomized runs its workload and its faults (CI passes 60s)")
 )
 
 // Environment of a child process of TestLockCoreRandomized, besides
@@ -1225,7 +1225,7 @@ func startLockCoreChild(t testing.TB, dsn string, proc int, seed uint64, runFor 
 // TestLockCoreRandomized: see the top of this file.
 func TestLockCoreRandomized(t *testing.T) {
 	if *lockCoreFor <= 0 {
-		t.Skip("runs only with -lockcore.duration=DURATION (for example 60s): its checker still reports fenced histories that porcupine finds not linearizable, which are being diagnosed")
+		t.Fatalf("-lockcore.duration=%v: give a positive duration", *lockCoreFor)
 	}
 	t.Parallel()
 	seed := *lockCoreSeed

@@ -15,6 +15,11 @@
 #   SERVER_CPU=1       CPU of PostgreSQL and all its backends
 #   CLIENT_CPU=0       CPU of go test and the benchmark binary
 #   PGTEST_PG_BINDIR   directory of initdb and pg_ctl (default: PATH)
+#   BASELINE=REV       also build the benchmarks of git revision REV and run
+#                      them in every round just before the current tree's,
+#                      against the same server; their output goes to OUT
+#                      with .base before its extension, and benchstat (if on
+#                      PATH) compares the two
 #
 # Why pin: on a 2-core machine the scheduler puts the benchmark and the
 # backend it talks to on the same CPU in one run and on different CPUs in the
@@ -37,7 +42,11 @@ rounds=${ROUNDS:-1}
 out=${OUT:-bench.txt}
 server_cpu=${SERVER_CPU:-1}
 client_cpu=${CLIENT_CPU:-0}
+baseline=${BASELINE:-}
 [[ $out == /* ]] || out=$PWD/$out
+base_out=${out%.*}.base.${out##*.}
+[[ $out == *.* ]] || base_out=$out.base
+repo=$(cd "$(dirname "$0")/.." && pwd)
 
 die() {
 	echo "bench-pinned: $*" >&2
@@ -82,6 +91,9 @@ cleanup() {
 				kill -KILL "$pid" 2>/dev/null || true
 			fi
 		fi
+	fi
+	if [[ -d $dir/base ]]; then
+		git -C "$repo" worktree remove --force "$dir/base" >/dev/null 2>&1 || true
 	fi
 	rm -rf -- "$dir"
 	exit "$status"
@@ -139,16 +151,35 @@ export PGTEST_DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres?sslmode
 version=$("${as_pg[@]}" "$pg_ctl" --version)
 echo "bench-pinned: $version on 127.0.0.1:$port, CPU $server_cpu; go test on CPU $client_cpu; output in $out" >&2
 
-cd "$(dirname "$0")/.."
+cd "$repo"
 go test -c -o "$dir/pgcoord.test" . || die "go test -c failed"
+if [[ -n $baseline ]]; then
+	git worktree add --detach "$dir/base" "$baseline" >/dev/null || die "cannot check out $baseline"
+	(cd "$dir/base" && go test -c -o "$dir/base.test" .) || die "go test -c failed for $baseline"
+	: >"$base_out"
+	echo "bench-pinned: baseline $baseline ($(git rev-parse --short "$baseline")) in $base_out" >&2
+fi
 : >"$out"
+
+# bench runs one test binary's benchmarks once, appending to a file.
+bench() {
+	"$taskset" -c "$client_cpu" "$1" -test.run '^$' -test.bench "$pattern" -test.benchmem \
+		-test.count "$count" 2>&1 | tee -a "$2"
+	[[ ${PIPESTATUS[0]} -eq 0 ]] || die "benchmarks of $1 failed in round $round"
+}
+
 for ((round = 1; round <= rounds; round++)); do
-	"$taskset" -c "$client_cpu" "$dir/pgcoord.test" -test.run '^$' -test.bench "$pattern" -test.benchmem \
-		-test.count "$count" 2>&1 | tee -a "$out"
-	[[ ${PIPESTATUS[0]} -eq 0 ]] || die "benchmarks failed in round $round"
+	if [[ -n $baseline ]]; then
+		bench "$dir/base.test" "$base_out"
+	fi
+	bench "$dir/pgcoord.test" "$out"
 done
 
 if command -v benchstat >/dev/null; then
 	echo
-	benchstat "$out"
+	if [[ -n $baseline ]]; then
+		benchstat base="$base_out" head="$out"
+	else
+		benchstat "$out"
+	fi
 fi
