@@ -1,0 +1,134 @@
+package pgcoord
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// A new leader's term is issued without risking the other locks of the
+// backend that holds the election's lock: while a transaction holds the
+// election's fences row (an old leader's write that called CheckFence) or
+// its leaders row, a candidate that has taken the election's lock waits for
+// that row in slices, so the unrelated lock on the same backend stays held
+// (read in pg_locks) for more than twice the loss deadline, and the
+// campaign leads, with a greater term, only once the transaction has ended.
+func TestElectionTermWaitKeepsOtherLocks(t *testing.T) {
+	t.Parallel()
+	const loss = time.Second
+	for _, tc := range []struct {
+		name string
+		hold string // the statement that holds a row of the election for the test's transaction
+	}{
+		{"fences row", ""}, // CheckFence of the old term
+		{"leaders row", "SELECT 1 FROM pgcoord.leaders WHERE name = $1 FOR UPDATE"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := testCtx(t)
+			dsn := pgtest.DB(t)
+			pool := migrated(t, dsn)
+			// One shared backend: the election's lock and the unrelated
+			// lock are on the same server session.
+			c := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(250*time.Millisecond), WithSharedBackends(1))
+			e := c.Election("term-wait")
+			old, err := e.Campaign(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := old.Resign(ctx); err != nil {
+				t.Fatal(err)
+			}
+
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback(context.Background())
+			if tc.hold == "" {
+				err = CheckFence(ctx, tx, e.Key(), int64(old.Term()))
+			} else {
+				_, err = tx.Exec(ctx, tc.hold, e.Name())
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			unrelated := HashKey("term-wait", "unrelated")
+			u, err := c.Lock(ctx, unrelated)
+			if err != nil {
+				t.Fatal(err)
+			}
+
+			won := make(chan *Leadership, 1)
+			failed := make(chan error, 1)
+			go func() {
+				ld, err := e.Campaign(ctx)
+				if err != nil {
+					failed <- err
+					return
+				}
+				won <- ld
+			}()
+			// The campaign takes the election's lock on the one backend,
+			// then waits for the row.
+			for deadline := time.Now().Add(10 * time.Second); !holdsOn(t, dsn, e.Key(), u.s.PID()); time.Sleep(5 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("the campaign did not take the election's lock on the Client's one backend %d within 10s; pg_locks shows it granted to %v", u.s.PID(), grantedTo(t, dsn, e.Key()))
+				}
+			}
+			open := time.Now()
+			end := time.After(5 * loss / 2)
+			tick := time.NewTicker(50 * time.Millisecond)
+			defer tick.Stop()
+		watching:
+			for {
+				select {
+				case ld := <-won:
+					t.Fatalf("the campaign led with term %d %v after it took the election's lock, while the transaction holding the %s was open; the term cannot be recorded before it ends",
+						ld.Term(), time.Since(open), tc.name)
+				case err := <-failed:
+					t.Fatalf("the campaign failed %v into its wait for the %s (the unrelated lock's Err: %v): %v; it must wait for the transaction, keeping the other locks of its backend",
+						time.Since(open), tc.name, u.Err(), err)
+				case <-u.Done():
+					t.Fatalf("the unrelated lock was lost %v into the campaign's wait for the %s (Err: %v); recording a term must not hold its backend past the loss deadline %v",
+						time.Since(open), tc.name, u.Err(), loss)
+				case <-tick.C:
+					if !holdsOn(t, dsn, unrelated, u.s.PID()) {
+						t.Fatalf("%v into the campaign's wait, pg_locks shows the unrelated key granted to %v, not to its backend %d", time.Since(open), grantedTo(t, dsn, unrelated), u.s.PID())
+					}
+				case <-end:
+					break watching
+				}
+			}
+			if err := tx.Rollback(ctx); err != nil {
+				t.Fatal(err)
+			}
+			var ld *Leadership
+			select {
+			case ld = <-won:
+			case err := <-failed:
+				t.Fatalf("the campaign after the transaction ended: %v", err)
+			case <-time.After(10 * loss):
+				t.Fatalf("the campaign did not lead within %v of the transaction's end", 10*loss)
+			}
+			if ld.Term() <= old.Term() {
+				t.Fatalf("term %d, want more than the old leader's %d", ld.Term(), old.Term())
+			}
+			var recorded int64
+			if err := pool.QueryRow(ctx, "SELECT term FROM pgcoord.leaders WHERE name = $1", e.Name()).Scan(&recorded); err != nil {
+				t.Fatal(err)
+			}
+			if recorded != int64(ld.Term()) {
+				t.Fatalf("the leaders row records term %d, want the new leader's %d", recorded, ld.Term())
+			}
+			heldOnlyBy(t, dsn, e.Key(), u.s.PID())
+			stillHeld(t, dsn, u, "the unrelated lock")
+			if err := ld.Resign(ctx); err != nil {
+				t.Fatal(err)
+			}
+			mustUnlock(t, u)
+		})
+	}
+}
