@@ -281,8 +281,15 @@ func (p *Permit) Err() error { return p.l.Err() }
 // uses one of the Client's bounded waits ([WithMaxWaits]) until it heads
 // the queue, and no connection after that.
 //
+// While the server cannot be reached or refuses (a restart, a failover
+// whose standby is not promoted yet, no connection slot free), Acquire
+// keeps trying, with backoff, until ctx ends, and lines up again if its
+// place in the queue was lost with its connection. TryAcquire fails at
+// once instead.
+//
 // If Acquire returns an error it holds nothing: no permit, row or queue
 // place stays behind. Errors: ctx's error (or cause) if it ended first,
+// joined with the last connection error if there was one,
 // [ErrClosed], an error wrapping [ErrNotMigrated] if the tables are
 // missing, the error of an invalid name, limit or option (see
 // [Client.Semaphore]), or the server's or connection's error.
@@ -318,7 +325,7 @@ func (s *Semaphore) acquire(ctx context.Context, try bool) (*Permit, error) {
 	ctx, cancel := c.acquireCtx(ctx)
 	defer cancel()
 
-	p, adm, err := s.admit(ctx)
+	p, adm, err := s.admitRiding(ctx, try)
 	switch {
 	case err != nil && (try || !lockTimedOut(err)):
 		return nil, s.fail(ctx, "acquire", err)
@@ -391,6 +398,38 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 		if _, err := sub.next(ctx, t.C); err != nil {
 			return nil, err
 		}
+	}
+}
+
+// admitRiding is admit, tried again with backoff while the server cannot
+// be reached or refuses (a restart, a failover), until ctx ends; a try
+// fails fast. Such retries count in Stat's QueuedWaits.
+func (s *Semaphore) admitRiding(ctx context.Context, try bool) (*Permit, admission, error) {
+	c := s.c
+	retry := minRetryInterval
+	var last error // the last connection error
+	for queued := false; ; {
+		p, adm, err := s.admit(ctx)
+		switch {
+		case err == nil || try || !connectionTrouble(err):
+		case ctx.Err() == nil:
+			last = err
+			if !queued {
+				queued = true
+				c.queuedWaits.Add(1)
+				defer c.queuedWaits.Add(-1)
+			}
+			if err = c.pause(ctx, retry); err == nil {
+				retry = min(2*retry, maxRetryInterval)
+				continue
+			}
+			fallthrough
+		default:
+			if last != nil && !errors.Is(err, last) {
+				err = errorf("%w (last connection error: %w)", err, last)
+			}
+		}
+		return p, adm, err
 	}
 }
 

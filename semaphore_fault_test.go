@@ -316,7 +316,7 @@ func TestSemaphoreFaultServerRestart(t *testing.T) {
 
 			var extra *Permit // the waiter's, if it got one
 			if r := receivePermit(t, waiter); r.err != nil {
-				t.Logf("the waiter's Acquire across the %s: %v", fault, r.err)
+				t.Fatalf("the waiter's Acquire across the %s: %v; a blocking Acquire rides through a restart", fault, r.err)
 			} else {
 				extra = r.p
 				t.Logf("the waiter got slot %d after the %s", extra.Slot(), fault)
@@ -842,4 +842,108 @@ func checkSoakPermits(t *testing.T, pool *pgxpool.Pool, h *soakHistory, f *soakF
 	if len(spans) < floor {
 		t.Errorf("soak_permits: %d critical sections verified at both ends, want at least %d", len(spans), floor)
 	}
+}
+
+// A failover: the primary stops while one Client holds the only permit and
+// another's Acquire heads the queue; a third Acquire starts while only the
+// standby is up. Both blocking Acquires ride through the failover: the
+// held permit is reported lost, and once the standby is promoted, the
+// waiters get the permit there in turn, under the limit that was set on
+// the old primary (read back from the new primary's pg_locks and tables).
+func TestSemaphoreFaultFailover(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	primary := pgtest.NewServer(t)
+	pdsn := primary.DB(t)
+	migrated(t, pdsn)
+	cfg, err := pgx.ParseConfig(pdsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	standby := primary.StartStandby(t)
+	sdsn := standby.ConnString(cfg.Database)
+	both := fmt.Sprintf("postgres://postgres@127.0.0.1:%d,127.0.0.1:%d/%s?sslmode=disable", primary.Port(), standby.Port(), cfg.Database)
+	target := semaphoreTarget{"failover", 2}
+	var sems []*Semaphore
+	for range 3 {
+		sems = append(sems, target.sem(newTestClientOn(t, pgtest.Pool(t, both))))
+	}
+	// The limit set on the primary, lower than the one the Semaphores
+	// were made with, must be the one that holds on the new primary.
+	if err := sems[0].SetLimit(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	held := mustAcquire(t, sems[0], true)
+	waiter := goAcquire(ctx, sems[1])
+	awaitHead(t, pdsn, sems[1])
+	replica := pgtest.Conn(t, sdsn)
+	pgtest.Eventually(t, testTimeout, "the limit and the holder replicate", func() bool {
+		var limit, holders int
+		err := replica.QueryRow(ctx, `SELECT (SELECT "limit" FROM pgcoord.semaphores WHERE name = $1),
+			(SELECT count(*) FROM pgcoord.semaphore_holders WHERE name = $1)`, target.name).Scan(&limit, &holders)
+		return err == nil && limit == 1 && holders == 1
+	})
+
+	primary.Stop(t)
+	awaitLost(t, []*Permit{held}, func(int) string { return "the held permit" }, time.Now(), "the primary stopped")
+	if _, err := sems[2].TryAcquire(ctx); !errors.Is(err, ErrReadOnly) {
+		t.Fatalf("TryAcquire with only the standby up: %v, want ErrReadOnly", err)
+	}
+	late := goAcquire(ctx, sems[2])
+	pgtest.Eventually(t, testTimeout, "both Acquires to keep trying", func() bool {
+		return sems[1].c.Stat().QueuedWaits > 0 && sems[2].c.Stat().QueuedWaits > 0
+	})
+	for _, ch := range []<-chan permitResult{waiter, late} {
+		select {
+		case r := <-ch:
+			t.Fatalf("an Acquire returned (%v, %v) while only the standby was up; it must keep trying until its ctx ends", r.p, r.err)
+		default:
+		}
+	}
+	standby.Promote(t)
+
+	// One of the two gets the permit; the other waits for it.
+	var first *Permit
+	var rest <-chan permitResult
+	select {
+	case r := <-waiter:
+		first, rest = r.p, late
+		if r.err != nil {
+			t.Fatalf("the Acquire that headed the queue when the primary stopped: %v", r.err)
+		}
+	case r := <-late:
+		first, rest = r.p, waiter
+		if r.err != nil {
+			t.Fatalf("the Acquire that started with only the standby up: %v", r.err)
+		}
+	case <-time.After(testTimeout):
+		t.Fatalf("no Acquire got the permit within %v of the promotion", testTimeout)
+	}
+	st := permitLocks(t, sdsn, target)
+	if len(st.slots) != 1 || st.slots[first.Slot()] != first.l.s.PID() {
+		t.Fatalf("pg_locks on the new primary: slots %v, want only slot %d of backend %d", st.slots, first.Slot(), first.l.s.PID())
+	}
+	if n, err := sems[0].Limit(ctx); err != nil || n != 1 {
+		t.Fatalf("Limit on the new primary: %d, %v; want the 1 set on the old one", n, err)
+	}
+	if _, err := sems[0].TryAcquire(ctx); !errors.Is(err, ErrNoPermit) {
+		t.Fatalf("a second permit under limit 1: %v, want ErrNoPermit", err)
+	}
+	select {
+	case r := <-rest:
+		t.Fatalf("the other Acquire returned (%v, %v) while the only permit was held", r.p, r.err)
+	default:
+	}
+	mustRelease(t, first)
+	r := receivePermit(t, rest)
+	if r.err != nil {
+		t.Fatalf("the other Acquire, after the first permit's release: %v", r.err)
+	}
+	if st := permitLocks(t, sdsn, target); len(st.slots) != 1 || st.slots[r.p.Slot()] != r.p.l.s.PID() {
+		t.Fatalf("pg_locks on the new primary: slots %v, want only slot %d of backend %d", st.slots, r.p.Slot(), r.p.l.s.PID())
+	}
+	if !errors.Is(held.Err(), ErrLockLost) {
+		t.Fatalf("the permit held on the old primary: %v, want ErrLockLost", held.Err())
+	}
+	mustRelease(t, r.p)
 }
