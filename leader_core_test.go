@@ -132,3 +132,60 @@ func TestElectionTermWaitKeepsOtherLocks(t *testing.T) {
 		})
 	}
 }
+
+// Campaigns and blocking locks of one Client share its bounded waits: with
+// WithMaxWaits(1) taken by a Lock that waits on the server for a key held
+// elsewhere, a follower's campaign still takes over within 1 s of the
+// leader's resignation (the loss deadline is 5 s, the campaign round with
+// it), and the Lock keeps waiting on the server meanwhile.
+func TestCampaignSharesWaitsWithLocks(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	a := newTestClient(t, dsn)
+	b := newTestClient(t, dsn, WithMaxWaits(1), WithLossDeadline(5*time.Second))
+	held := HashKey("campaign-shares-waits", "held")
+	outside := pgtest.Conn(t, dsn)
+	outsideLock(t, outside, held)
+	waiting := goLock(func() (*Lock, error) { return b.Lock(ctx, held) })
+	pgtest.Eventually(t, testTimeout, "b's Lock to wait on the server", func() bool { return waitingOn(t, dsn, held) == 1 })
+
+	la, err := a.Election("shares-waits").Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eb := b.Election("shares-waits")
+	won := make(chan *Leadership, 1)
+	go func() {
+		lb, err := eb.Campaign(ctx)
+		if err != nil {
+			t.Error(err)
+		}
+		won <- lb
+	}()
+	// The campaign is under way: it tries, as it cannot wait on the server.
+	pgtest.Eventually(t, testTimeout, "b's campaign to try for the election", func() bool { return b.Stat().QueuedWaits > 0 })
+	if err := la.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	resigned := time.Now()
+	var lb *Leadership
+	select {
+	case lb = <-won:
+	case <-time.After(testTimeout):
+		t.Fatalf("b's campaign did not lead within %v of a's resignation", testTimeout)
+	}
+	if took := lb.Since().Sub(resigned); took > time.Second {
+		t.Fatalf("b led %v after a resigned, want within 1 s: a campaign must not wait for the wait slot a Lock holds", took)
+	}
+	heldOnlyBy(t, dsn, eb.Key(), lb.lock.s.PID())
+	if n := waitingOn(t, dsn, held); n != 1 {
+		t.Fatalf("%d backends wait for the held key, want b's Lock still waiting", n)
+	}
+	stillWaiting(t, waiting)
+	if err := lb.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	outsideUnlock(t, outside, held)
+	mustUnlock(t, receive(t, waiting).l)
+}
