@@ -675,7 +675,11 @@ func (e *Election) yield(ctx context.Context, term Term) {
 // queue in the process until the receiver takes them. The channel is
 // closed when ctx ends or the Client closes, or at once if the Election is
 // invalid. Observe uses the Client's listener connection and one query on
-// the pool per heartbeat interval.
+// the pool per heartbeat interval, each bounded by the loss deadline and
+// by Close. A read that fails (a pool with no free connection, a
+// connection error, a role that may not read the leaders table) is logged
+// and tried again every heartbeat interval: a change missed meanwhile,
+// while the listener was away too, is delivered once a read works.
 func (e *Election) Observe(ctx context.Context) <-chan LeaderInfo {
 	out := make(chan LeaderInfo)
 	if e.err != nil || e.c.enter() != nil {
@@ -723,15 +727,41 @@ func (e *Election) observe(ctx context.Context, sub *subscription, out chan<- Le
 	var o observer
 	tick := time.NewTicker(e.c.cfg.heartbeat)
 	defer tick.Stop()
-	check := func(resync bool) {
-		info, err := e.Leader(ctx)
+	// Reads end with ctx or with the Client's closing, whichever comes
+	// first, and each within the loss deadline (a pool with no free
+	// connection must not hold Observe, or Close, for longer).
+	qctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(e.c.closing, cancel)()
+	// resync: notifications may have been lost since the last read that
+	// succeeded, so the next read takes the leader it finds. It stays set
+	// until a read succeeds.
+	resync := true
+	failed := "" // the error of the last read, if it failed
+	check := func(lost bool) {
+		resync = resync || lost
+		rctx, cancel := context.WithTimeout(qctx, e.c.cfg.lossDeadline)
+		info, err := e.Leader(rctx)
+		cancel()
 		switch {
 		case errors.Is(err, ErrNoLeader):
 			o.none()
-		case err == nil && (resync || !o.started || !e.c.listening.Load()):
-			// A new leader is taken from its notification, which keeps
-			// the order; read here only when notifications may be lost.
-			o.leader(info)
+			resync = false
+		case err == nil:
+			if resync || !o.started || !e.c.listening.Load() {
+				// A new leader is taken from its notification, which
+				// keeps the order; read here only when notifications may
+				// have been lost.
+				o.leader(info)
+			}
+			resync = false
+		case qctx.Err() == nil && err.Error() != failed:
+			failed = err.Error() // logged once while it lasts
+			e.c.cfg.warnLogger().Warn("pgcoord: observe: read the leader; trying again every heartbeat", "election", e.name, "error", err)
+			return
+		}
+		if err == nil || errors.Is(err, ErrNoLeader) {
+			failed = ""
 		}
 	}
 	check(true)

@@ -189,3 +189,78 @@ func TestCampaignSharesWaitsWithLocks(t *testing.T) {
 	outsideUnlock(t, outside, held)
 	mustUnlock(t, receive(t, waiting).l)
 }
+
+// A resync that fails is tried again: the observing Client's listener is
+// kept away while a new leader wins (its notification is lost), and when
+// the listener is back, the resync's read of the leader fails (the role
+// may not read the leaders table for a while). Once the read works again,
+// Observe delivers the missed leader within a few heartbeats, though no
+// notification comes.
+func TestObserveRetriesFailedResync(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	admin := pgtest.Conn(t, dsn)
+	role, roleDSN := newTestRole(t, dsn, "observer")
+	exec := func(sql string) {
+		t.Helper()
+		if _, err := admin.Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	exec("GRANT USAGE ON SCHEMA pgcoord TO " + role)
+	exec("GRANT SELECT ON pgcoord.leaders TO " + role)
+	t.Cleanup(func() {
+		// Before the role is dropped.
+		_, _ = admin.Exec(context.Background(), "REVOKE ALL ON pgcoord.leaders FROM "+role+"; REVOKE ALL ON SCHEMA pgcoord FROM "+role)
+	})
+	const heartbeat = 100 * time.Millisecond
+	b := newTestClient(t, roleDSN, WithHeartbeat(heartbeat), WithApplicationName("observer-"+role))
+	obs := b.Election("resync").Observe(ctx)
+	if info := nextInfo(t, obs); info != (LeaderInfo{}) {
+		t.Fatalf("first observation %+v, want no leader", info)
+	}
+	listener := func() (pid int32) {
+		_ = admin.QueryRow(ctx, `SELECT pid FROM pg_stat_activity WHERE usename = $1 AND query LIKE 'LISTEN%'`, role).Scan(&pid)
+		return pid
+	}
+	pgtest.Eventually(t, testTimeout, "the observer's listener", func() bool { return listener() != 0 })
+
+	// Keep the listener away: the role may not connect, and its
+	// listener's backend is terminated.
+	exec("ALTER ROLE " + role + " NOLOGIN")
+	exec("REVOKE SELECT ON pgcoord.leaders FROM " + role)
+	if _, err := admin.Exec(ctx, "SELECT pg_terminate_backend($1)", listener()); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Eventually(t, testTimeout, "the listener's backend to end", func() bool { return listener() == 0 })
+	a := newTestClient(t, dsn)
+	la, err := a.Election("resync").Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The listener comes back; its resync cannot read the leader.
+	exec("ALTER ROLE " + role + " LOGIN")
+	pgtest.Eventually(t, testTimeout, "the listener to listen again", func() bool { return listener() != 0 })
+	select {
+	case info, ok := <-obs:
+		t.Fatalf("observed %+v (channel open: %v) while the role could not read the leaders table", info, ok)
+	case <-time.After(5 * heartbeat):
+	}
+	exec("GRANT SELECT ON pgcoord.leaders TO " + role)
+	granted := time.Now()
+	select {
+	case info, ok := <-obs:
+		if !ok || info.Term != la.Term() || info.Identity != a.Election("resync").identity {
+			t.Fatalf("observed %+v (channel open: %v), want the leader of term %d", info, ok, la.Term())
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatalf("the leader that won while the listener was away was not observed within 3 s of the read working again")
+	}
+	if took := time.Since(granted); took > 20*heartbeat {
+		t.Errorf("the missed leader was observed %v after the read worked again, want within a few heartbeats (%v)", took, heartbeat)
+	}
+	if err := la.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
