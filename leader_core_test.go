@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -262,5 +263,45 @@ func TestObserveRetriesFailedResync(t *testing.T) {
 	}
 	if err := la.Resign(ctx); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// Close returns within the loss deadline whatever the caller's pool is
+// doing: with the pool's only connection held by the caller and an Observe
+// whose read waits for the pool, Close does not wait for the pool, and
+// Observe's channel closes.
+func TestCloseBoundedWithPoolExhausted(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	const loss = time.Second
+	pool := pgtest.Pool(t, dsn, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 })
+	c := newTestClientOn(t, pool, WithLossDeadline(loss), WithHeartbeat(250*time.Millisecond))
+	held, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Release()
+	obs := c.Election("close-bounded").Observe(ctx)
+	// Observe's first read waits for the pool's one connection.
+	select {
+	case info, ok := <-obs:
+		t.Fatalf("Observe delivered %+v (open: %v) with the pool's only connection held", info, ok)
+	case <-time.After(2 * loss):
+	}
+	start := time.Now()
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(start); took > loss {
+		t.Fatalf("Close took %v with the pool exhausted and an Observe running, want within the loss deadline %v", took, loss)
+	}
+	select {
+	case _, ok := <-obs:
+		if ok {
+			t.Fatal("Observe delivered a leader after Close")
+		}
+	case <-time.After(testTimeout):
+		t.Fatal("Observe's channel still open after Close returned")
 	}
 }
