@@ -12,8 +12,9 @@ type LockOption interface {
 }
 
 type lockConfig struct {
-	fence   bool
-	prepare []string
+	fence    bool
+	prepare  []string
+	internal bool
 }
 
 type lockOptionFunc func(*lockConfig) error
@@ -37,6 +38,13 @@ func withPrepared(sqls ...string) LockOption {
 	return lockOptionFunc(func(c *lockConfig) error { c.prepare = sqls; return nil })
 }
 
+// withoutHooks marks the locks that elections and semaphores take for
+// themselves: their acquires, contention, releases and losses are not
+// reported to the Client's hooks (an election reports OnLeadership).
+func withoutHooks() LockOption {
+	return lockOptionFunc(func(c *lockConfig) error { c.internal = true; return nil })
+}
+
 // request is one acquire: keys in canonical order and how to take them.
 type request struct {
 	keys    []Key
@@ -47,6 +55,9 @@ type request struct {
 	waiting bool     // the acquire waits on a backend that waitBackend gave it
 	again   bool     // the acquire tries again: its contention was reported
 	prepare []string // statements to prepare on the backend first
+	// internal: a lock of an election or a semaphore, not reported to
+	// the hooks (withoutHooks)
+	internal bool
 }
 
 func newRequest(keys []Key, shared, try bool, opts []LockOption) (request, error) {
@@ -67,7 +78,7 @@ func newRequest(keys []Key, shared, try bool, opts []LockOption) (request, error
 	if lc.fence && (shared || len(ks) > 1) {
 		return r, errors.New("pgcoord: WithFence applies only to exclusive single-key locks (Lock, TryLock)")
 	}
-	r.fence, r.prepare = lc.fence, lc.prepare
+	r.fence, r.prepare, r.internal = lc.fence, lc.prepare, lc.internal
 	return r, nil
 }
 
@@ -231,7 +242,7 @@ func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, tr
 		return nil, err
 	}
 	defer c.wg.Done()
-	if !c.observed() {
+	if !c.observed() || r.internal {
 		l, _, err := c.acquireGated(ctx, s, r, false)
 		return l, err
 	}
@@ -277,6 +288,9 @@ func (c *Client) acquireGated(ctx context.Context, s *Session, r request, observ
 		}
 		if handed == nil {
 			continue
+		}
+		if r.internal {
+			handed.unreported.Store(true)
 		}
 		if r.fence {
 			err := handed.s.issueFence(ctx, handed)

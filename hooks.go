@@ -24,7 +24,10 @@ import (
 //
 // Every Lock that an acquire returned ends in exactly one OnRelease or
 // OnLoss, so acquires minus releases minus losses is the number of locks
-// held.
+// held. The locks that elections and semaphores take for themselves (an
+// election's lock and guard, a semaphore's place in its queue, a permit's
+// slot) are not reported to OnAcquire, OnContention, OnRelease or OnLoss:
+// an election reports OnLeadership.
 type Hooks struct {
 	// OnAcquire is called when an acquire returns: with Err nil when it
 	// took the lock, else with the error it returned.
@@ -264,6 +267,9 @@ func (c *Client) acquired(start time.Time, r request, l *Lock, handoff bool, err
 
 // contended reports that an acquire found a key held.
 func (c *Client) contended(r request, local bool) {
+	if r.internal {
+		return
+	}
 	if c.cfg.debugging() {
 		c.cfg.logger.Debug("pgcoord: contention", "keys", keyList(r.keys), "mode", modeOf(r.shared).String(), "try", r.try, "local", local)
 	}

@@ -319,7 +319,7 @@ var errLostWhileWinning = errors.New("pgcoord: leadership lock lost while winnin
 func (e *Election) wait(ctx context.Context) (*Lock, error) {
 	for {
 		round, cancel := context.WithTimeout(ctx, e.campaignRound())
-		l, err := e.c.Lock(round, e.key, withPrepared(recordSQL(e.c.cfg)))
+		l, err := e.c.Lock(round, e.key, withPrepared(recordSQL(e.c.cfg)), withoutHooks())
 		cancel()
 		switch {
 		case err == nil:
@@ -449,16 +449,16 @@ func (e *Election) takeGuard(ctx context.Context) (*Lock, error) {
 			return nil, err
 		}
 		var g *Lock
-		g, err = s.TryLock(ctx, e.guard)
+		g, err = s.TryLock(ctx, e.guard, withoutHooks())
 		if errors.Is(err, ErrLocked) {
 			wctx, cancel := context.WithTimeout(ctx, c.cfg.lossDeadline)
-			g, err = s.Lock(wctx, e.guard)
+			g, err = s.Lock(wctx, e.guard, withoutHooks())
 			for errors.Is(err, ErrDeadlock) && wctx.Err() == nil {
 				// The guard session holds other leaderships' guards, so
 				// two Clients that take over from each other at once can
 				// wait for each other's guards: the old leader frees its
 				// guard once it notices its loss, so wait on.
-				g, err = s.Lock(wctx, e.guard)
+				g, err = s.Lock(wctx, e.guard, withoutHooks())
 			}
 			// The wait's deadline may have passed by the clock a moment
 			// before wctx reports it.

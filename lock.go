@@ -32,6 +32,7 @@ type Lock struct {
 
 func newLock(s *Session, r request) *Lock {
 	l := &Lock{s: s, keys: r.keys, shared: r.shared, done: make(chan struct{})}
+	l.unreported.Store(r.internal)
 	if s.c.observed() {
 		l.since = time.Now()
 	}

@@ -337,7 +337,7 @@ func (s *Semaphore) acquire(ctx context.Context, try bool) (*Permit, error) {
 		return nil, s.fail(ctx, "try acquire", fmt.Errorf("%w: %d of %d permits held", ErrNoPermit, adm.holders, adm.limit))
 	}
 	for {
-		q, err := c.Lock(ctx, s.queueKey())
+		q, err := c.Lock(ctx, s.queueKey(), withoutHooks())
 		if err != nil {
 			return nil, s.fail(ctx, "wait in queue", err)
 		}
@@ -565,6 +565,7 @@ func (b *Session) adopt(k Key) (*Lock, error) {
 			// No gate: the row lock of semaphore_acquire, not this
 			// process, decides who takes a slot.
 			l := &Lock{s: b, keys: []Key{k}, done: make(chan struct{})}
+			l.unreported.Store(true) // a permit, not a Lock of the hooks
 			b.locks[l] = struct{}{}
 			b.state.Unlock()
 			return l, nil
