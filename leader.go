@@ -564,9 +564,15 @@ func (ld *Leadership) end(why error) {
 
 // Leader returns the current leader. It returns an error wrapping
 // ErrNoLeader when nobody leads: a leader is reported only while its
-// backend holds the election's lock, so never a dead one. ctx bounds the
-// query, which runs on the Client's pool. Other errors: ErrNotMigrated
-// without the tables of Migrate, and query errors.
+// backend holds the election's lock, so never a dead one. A new leader is
+// reported as soon as it has recorded its term, which it does while it
+// takes the election's guard: its fn starts only after that (normally
+// within a round trip; after a predecessor that did not free the guard, up
+// to the loss deadline later), and the previous leader's context may still
+// be live until then. To route work to a leader, have the leader itself
+// announce when it is ready, or expect it to refuse work until its fn
+// runs. ctx bounds the query, which runs on the Client's pool. Other
+// errors: ErrNotMigrated without the tables of Migrate, and query errors.
 func (e *Election) Leader(ctx context.Context) (LeaderInfo, error) {
 	if e.err != nil {
 		return LeaderInfo{}, e.err
@@ -668,7 +674,9 @@ func (e *Election) yield(ctx context.Context, term Term) {
 // Observe returns a channel that delivers the election's leaders as they
 // change, in order: first the current leader (or the zero LeaderInfo when
 // nobody leads), then every new leader, and the zero LeaderInfo when a
-// leader ends and nobody has followed yet. New leaders and resignations
+// leader ends and nobody has followed yet. A new leader is delivered when
+// it has recorded its term, which may be before its fn starts (see
+// Leader). New leaders and resignations
 // arrive by NOTIFY, as they commit; a leader that died without resigning
 // is noticed by a check every heartbeat interval (WithHeartbeat), once the
 // server has freed its lock. Observing never slows the candidates: changes
