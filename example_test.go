@@ -586,4 +586,5 @@ func ExampleMigrations() {
 	// 000001_fences.up.sql
 	// 000002_leaders.up.sql
 	// 000003_semaphores.up.sql
+	// 000004_resign_requests.up.sql
 }

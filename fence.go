@@ -163,7 +163,7 @@ func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence int64, opts ...Op
 // 42P01 or 3F000), and maps it with pgError otherwise.
 func notMigrated(c *config, op string, err error) error {
 	var pe *pgconn.PgError
-	if errors.As(err, &pe) && (pe.Code == "42P01" || pe.Code == "3F000") {
+	if errors.As(err, &pe) && (pe.Code == "42P01" || pe.Code == "3F000" || pe.Code == "42703") {
 		return errorf("%s: %w (schema %s): %w", op, ErrNotMigrated, c.quotedSchema(), err)
 	}
 	return pgError(op, err)

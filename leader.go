@@ -504,9 +504,22 @@ func (ld *Leadership) watch() {
 		guardDone = ld.guard.Done()
 	}
 	requested := ld.e.prefix + "resign:" + strconv.FormatInt(int64(ld.term), 10)
+	// A request to resign is notified and recorded in the leaders row:
+	// read the row when notifications may have been lost (the listener
+	// resynced, or is not listening), and every loss deadline in any case.
+	tick := time.NewTicker(c.cfg.heartbeat)
+	defer tick.Stop()
+	read := time.Now()
 	var why error
 	for why == nil {
 		select {
+		case now := <-tick.C:
+			if !c.listening.Load() || now.Sub(read) >= c.cfg.lossDeadline {
+				read = now
+				if ld.resignRecorded() {
+					why = errResignRequested
+				}
+			}
 		case <-ld.lock.Done():
 			why = errorf("election lock: %w", ld.lock.Err())
 		case <-guardDone:
@@ -516,8 +529,18 @@ func (ld *Leadership) watch() {
 		case <-c.closing.Done():
 			why = ErrClosed
 		case <-ld.sub.kick:
+			resync := false
 			for _, p := range ld.sub.take() {
-				if p == requested {
+				switch p {
+				case requested:
+					why = errResignRequested
+				case "":
+					resync = true
+				}
+			}
+			if resync && why == nil {
+				read = time.Now()
+				if ld.resignRecorded() {
 					why = errResignRequested
 				}
 			}
@@ -600,20 +623,48 @@ func (e *Election) Leader(ctx context.Context) (LeaderInfo, error) {
 // step down: its context is cancelled, it resigns, and the next candidate
 // leads with a greater term. The request names the current term, so it
 // never reaches a later leader. Any process may call it, candidate or
-// not. It returns once the request is sent (follow the change with
-// Observe or Leader); ErrNoLeader when nobody leads. ctx bounds the two
-// queries, which run on the Client's pool.
+// not. It returns once the request is recorded in the leader's row and
+// notified (follow the change with Observe or Leader); ErrNoLeader when
+// nobody leads. ctx bounds the two queries, which run on the Client's
+// pool.
+//
+// The leader hears the notification at once. If its listener connection
+// is away (reconnecting, or unable to), it finds the recorded request when
+// the listener is back, and meanwhile reads its row every heartbeat
+// interval; so a leader whose process runs and whose backend answers steps
+// down within a heartbeat interval and a round trip of the request,
+// whatever happens to its listener. (A listener whose network is silent,
+// nothing closed, is noticed only by TCP keepalives; the leader reads its
+// row every loss deadline in any case.)
 func (e *Election) RequestResign(ctx context.Context) error {
 	info, err := e.Leader(ctx)
 	if err != nil {
 		return err
 	}
-	_, err = e.c.pool.Exec(ctx, "SELECT pg_notify($1, $2)", leaderChannel,
-		e.prefix+"resign:"+strconv.FormatInt(int64(info.Term), 10))
+	_, err = e.c.pool.Exec(ctx, `WITH asked AS (
+			UPDATE `+e.c.cfg.table("leaders")+` SET resign_term = term WHERE name = $1 AND term = $2 RETURNING term)
+		SELECT pg_notify($3, $4) FROM asked`,
+		e.name, int64(info.Term), leaderChannel, e.prefix+"resign:"+strconv.FormatInt(int64(info.Term), 10))
 	if err != nil {
-		return errorf("election %q: request resign: %w", e.name, err)
+		return notMigrated(e.c.cfg, fmt.Sprintf("election %q: request resign", e.name), err)
 	}
 	return nil
+}
+
+// resignRecorded reports whether the leaders row records a request that
+// this leadership resign. It reads the row on the backend of the
+// election's lock, bounded by a heartbeat interval; an error counts as no
+// request (the next check tries again).
+func (ld *Leadership) resignRecorded() bool {
+	c := ld.e.c
+	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.heartbeat)
+	defer cancel()
+	var asked bool
+	err := ld.lock.s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		return conn.QueryRow(ctx, "SELECT coalesce(resign_term = $2, false) FROM "+c.cfg.table("leaders")+" WHERE name = $1",
+			ld.e.name, int64(ld.term)).Scan(&asked)
+	})
+	return err == nil && asked
 }
 
 // Run campaigns, runs fn while leading, and campaigns again, until ctx

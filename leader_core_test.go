@@ -2,6 +2,7 @@ package pgcoord
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -303,5 +304,82 @@ func TestCloseBoundedWithPoolExhausted(t *testing.T) {
 		}
 	case <-time.After(testTimeout):
 		t.Fatal("Observe's channel still open after Close returned")
+	}
+}
+
+// A RequestResign reaches the leader whatever happens to the leader's
+// listener connection: terminated just before the request (it comes back
+// and resyncs), or terminated and kept away (its role may not log in, so
+// it cannot come back). The leader's context is cancelled within a second
+// (H = 100 ms), far inside the loss deadline, and its term's row records
+// the request.
+func TestRequestResignReachesLeaderWithoutListener(t *testing.T) {
+	t.Parallel()
+	for _, away := range []bool{false, true} {
+		name := "listener terminated"
+		if away {
+			name = "listener kept away"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := testCtx(t)
+			dsn := migratedDB(t)
+			admin := pgtest.Conn(t, dsn)
+			role, roleDSN := newTestRole(t, dsn, "leader")
+			exec := func(sql string) {
+				t.Helper()
+				if _, err := admin.Exec(ctx, sql); err != nil {
+					t.Fatalf("%s: %v", sql, err)
+				}
+			}
+			exec("GRANT USAGE ON SCHEMA pgcoord TO " + role)
+			exec("GRANT SELECT, INSERT, UPDATE ON ALL TABLES IN SCHEMA pgcoord TO " + role)
+			t.Cleanup(func() {
+				_, _ = admin.Exec(context.Background(), "REVOKE ALL ON ALL TABLES IN SCHEMA pgcoord FROM "+role+"; REVOKE ALL ON SCHEMA pgcoord FROM "+role)
+			})
+			const heartbeat = 100 * time.Millisecond
+			c := newTestClient(t, roleDSN, WithHeartbeat(heartbeat), WithLossDeadline(5*time.Second))
+			ld, err := c.Election("resign-request").Campaign(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			listener := func() (pid int32) {
+				_ = admin.QueryRow(ctx, `SELECT pid FROM pg_stat_activity WHERE usename = $1 AND query LIKE 'LISTEN%'`, role).Scan(&pid)
+				return pid
+			}
+			pgtest.Eventually(t, testTimeout, "the leader's listener", func() bool { return listener() != 0 })
+			if away {
+				exec("ALTER ROLE " + role + " NOLOGIN")
+				defer exec("ALTER ROLE " + role + " LOGIN")
+			}
+			if _, err := admin.Exec(ctx, "SELECT pg_terminate_backend($1)", listener()); err != nil {
+				t.Fatal(err)
+			}
+			asked := time.Now()
+			if err := newTestClient(t, dsn).Election("resign-request").RequestResign(ctx); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case <-ld.Context().Done():
+			case <-time.After(testTimeout):
+				t.Fatalf("the leader's context still live %v after RequestResign returned nil", testTimeout)
+			}
+			if !errors.Is(context.Cause(ld.Context()), ErrNotHeld) {
+				t.Fatalf("the leadership ended with %v, want a resignation (ErrNotHeld)", context.Cause(ld.Context()))
+			}
+			if took := ld.cancelledAt().Sub(asked); took > time.Second {
+				t.Fatalf("the leader stepped down %v after the request, want within 1 s", took)
+			}
+			if away && listener() != 0 {
+				t.Fatal("the listener came back though its role may not log in")
+			}
+			var requested *int64
+			if err := admin.QueryRow(ctx, "SELECT resign_term FROM pgcoord.leaders WHERE name = $1", "resign-request").Scan(&requested); err != nil {
+				t.Fatal(err)
+			}
+			if requested == nil || *requested != int64(ld.Term()) {
+				t.Fatalf("leaders.resign_term = %v, want the term %d", requested, ld.Term())
+			}
+		})
 	}
 }

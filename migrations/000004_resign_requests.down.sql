@@ -1,0 +1,1 @@
+ALTER TABLE leaders DROP COLUMN resign_term;
