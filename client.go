@@ -26,6 +26,9 @@ type Client struct {
 	connectTimeout time.Duration
 	gates          gates
 	hooks          *hookQueue // nil without WithHooks
+	// semaphoreRecheck is how often the head of a semaphore's queue looks
+	// for a permit with no notification (semaphoreRecheck; tests set it).
+	semaphoreRecheck time.Duration
 
 	closing context.Context // cancelled with ErrClosed by Close
 	stop    context.CancelCauseFunc
@@ -102,6 +105,8 @@ func newClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
 		connectTimeout: pc.ConnConfig.ConnectTimeout,
 		gates:          gates{maxHandoffs: cfg.maxHandoffs, handoffWindow: cfg.handoffWindow},
 		sessions:       make(map[*Session]struct{}),
+
+		semaphoreRecheck: semaphoreRecheck,
 	}
 	if c.connectTimeout <= 0 {
 		c.connectTimeout = serverBound(cfg.lossDeadline)

@@ -378,7 +378,7 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 		return nil, err
 	}
 	defer sub.close()
-	t := time.NewTimer(semaphoreRecheck)
+	t := time.NewTimer(s.c.semaphoreRecheck)
 	defer t.Stop()
 	for {
 		if q.Err() != nil {
@@ -394,7 +394,7 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 		if p != nil {
 			return p, nil
 		}
-		t.Reset(semaphoreRecheck)
+		t.Reset(s.c.semaphoreRecheck)
 		if _, err := sub.next(ctx, t.C); err != nil {
 			return nil, err
 		}

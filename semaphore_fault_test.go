@@ -378,7 +378,12 @@ func TestSemaphoreFaultListenerTerminated(t *testing.T) {
 	const app = "sem-listener"
 	target := semaphoreTarget{"listener", 1}
 	holder := target.sem(newTestClient(t, dsn))
-	waiter := target.sem(newTestClient(t, dsn, WithApplicationName(app)))
+	wc := newTestClient(t, dsn, WithApplicationName(app))
+	// The head's re-check, which would find the permit within 250 ms
+	// whatever the listener does, is out of the way: the permit must come
+	// through the notification or the listener's resync.
+	wc.semaphoreRecheck = time.Hour
+	waiter := target.sem(wc)
 	listeners := func() []int32 {
 		rows, err := pool.Query(ctx, "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN %' ORDER BY pid", app)
 		if err != nil {
