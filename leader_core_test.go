@@ -383,3 +383,62 @@ func TestRequestResignReachesLeaderWithoutListener(t *testing.T) {
 		})
 	}
 }
+
+// The listener's resync alone delivers a leader whose notification was
+// lost: the observer's heartbeat (its periodic read) is a minute, longer
+// than the test, so the leader that won while the observer's listener was
+// kept away (its role may not log in) can only come through the resync
+// when the listener is back, within 2 s of it listening again.
+func TestObserveResyncDeliversMissedLeader(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	admin := pgtest.Conn(t, dsn)
+	role, roleDSN := newTestRole(t, dsn, "resync")
+	exec := func(sql string) {
+		t.Helper()
+		if _, err := admin.Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	exec("GRANT USAGE ON SCHEMA pgcoord TO " + role)
+	exec("GRANT SELECT ON pgcoord.leaders TO " + role)
+	t.Cleanup(func() {
+		_, _ = admin.Exec(context.Background(), "REVOKE ALL ON pgcoord.leaders FROM "+role+"; REVOKE ALL ON SCHEMA pgcoord FROM "+role)
+	})
+	b := newTestClient(t, roleDSN, WithHeartbeat(time.Minute), WithLossDeadline(3*time.Minute))
+	obs := b.Election("resync-only").Observe(ctx)
+	if info := nextInfo(t, obs); info != (LeaderInfo{}) {
+		t.Fatalf("first observation %+v, want no leader", info)
+	}
+	listener := func() (pid int32) {
+		_ = admin.QueryRow(ctx, `SELECT pid FROM pg_stat_activity WHERE usename = $1 AND query LIKE 'LISTEN%'`, role).Scan(&pid)
+		return pid
+	}
+	pgtest.Eventually(t, testTimeout, "the observer's listener", func() bool { return listener() != 0 })
+	exec("ALTER ROLE " + role + " NOLOGIN")
+	if _, err := admin.Exec(ctx, "SELECT pg_terminate_backend($1)", listener()); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Eventually(t, testTimeout, "the listener's backend to end", func() bool { return listener() == 0 })
+	a := newTestClient(t, dsn)
+	la, err := a.Election("resync-only").Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	exec("ALTER ROLE " + role + " LOGIN")
+	pgtest.Eventually(t, testTimeout, "the listener to listen again", func() bool { return listener() != 0 })
+	back := time.Now()
+	select {
+	case info, ok := <-obs:
+		if !ok || info.Term != la.Term() {
+			t.Fatalf("observed %+v (channel open: %v), want the leader of term %d", info, ok, la.Term())
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatalf("the leader that won while the listener was away was not observed within 2 s of the listener listening again")
+	}
+	t.Logf("observed through the resync %v after the listener listened again", time.Since(back).Round(time.Millisecond))
+	if err := la.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
