@@ -499,21 +499,40 @@ func TestSemaphoreFairness(t *testing.T) {
 func TestSemaphoreLimitChange(t *testing.T) {
 	ctx := testCtx(t)
 	dsn, pool := semaphoreDB(t)
-	c := newTestClient(t, dsn)
+	const heartbeat = 100 * time.Millisecond
+	c := newTestClient(t, dsn, WithHeartbeat(heartbeat))
 	sem := c.Semaphore("resize", 3)
 	if n, err := sem.Limit(ctx); err != nil || n != 3 {
 		t.Fatalf("Limit before first use = %d, %v; want 3", n, err)
 	}
 	ps := []*Permit{mustAcquire(t, sem, true), mustAcquire(t, sem, true), mustAcquire(t, sem, true)}
+	var lowered time.Time // by the server's clock
+	if err := pool.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&lowered); err != nil {
+		t.Fatal(err)
+	}
 	if err := sem.SetLimit(ctx, 1); err != nil {
 		t.Fatal(err)
 	}
 	if n, err := sem.Limit(ctx); err != nil || n != 1 {
 		t.Fatalf("Limit = %d, %v; want 1", n, err)
 	}
+	// Lowering the limit takes no permit away, also after two heartbeats
+	// of every permit's backend: each has run a statement that began more
+	// than 2H after the change, and still holds its slot in pg_locks.
+	for _, p := range ps {
+		pgtest.Eventually(t, testTimeout, "a heartbeat of the permit's backend 2H after the change", func() bool {
+			var ran bool
+			err := pool.QueryRow(ctx, "SELECT query_start > $2 FROM pg_stat_activity WHERE pid = $1", p.l.s.PID(), lowered.Add(2*heartbeat)).Scan(&ran)
+			return err == nil && ran
+		})
+	}
+	slots := permitLocks(t, dsn, semaphoreTarget{"resize", 3}).slots
 	for _, p := range ps {
 		if p.Err() != nil {
 			t.Fatalf("a permit ended when the limit shrank: %v", p.Err())
+		}
+		if slots[p.Slot()] != p.l.s.PID() {
+			t.Fatalf("2H after the limit shrank, pg_locks shows slots %v; want slot %d still granted to backend %d", slots, p.Slot(), p.l.s.PID())
 		}
 	}
 	for len(ps) > 0 {
@@ -870,4 +889,57 @@ func TestSemaphoreCleanupAfterFailedGrant(t *testing.T) {
 		t.Fatalf("the queue key is still taken in the process or on the server: %v", err)
 	}
 	mustUnlock(t, l)
+}
+
+// Waiters are served in the order they line up: with limit 1 and the
+// permit held, four Clients' Acquires line up one after another (each seen
+// in pg_locks, heading the queue or waiting for its key, before the next
+// starts), and each release passes the permit to the next in that order.
+// The loss deadline is a minute, so no wait slice ends during the test (a
+// waiter rejoins PostgreSQL's queue at the end of each slice).
+func TestSemaphoreServesInLineOrder(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, _ := semaphoreDB(t)
+	const waiters = 4
+	opts := []Option{WithLossDeadline(time.Minute), WithHeartbeat(time.Second)}
+	holder := newTestClient(t, dsn, opts...).Semaphore("line", 1)
+	p := mustAcquire(t, holder, true)
+	sems := make([]*Semaphore, waiters)
+	chs := make([]<-chan permitResult, waiters)
+	for i := range sems {
+		sems[i] = newTestClient(t, dsn, opts...).Semaphore("line", 1)
+		chs[i] = goAcquire(ctx, sems[i])
+		// Lined up: the first heads the queue, each later one waits for
+		// the queue key on the server.
+		pgtest.Eventually(t, testTimeout, fmt.Sprintf("waiter %d to line up", i), func() bool {
+			return len(grantedTo(t, dsn, sems[0].queueKey())) == 1 && waitingOn(t, dsn, sems[0].queueKey()) == i
+		})
+	}
+	for i := range sems {
+		mustRelease(t, p)
+		got := -1
+		select {
+		case r := <-chs[i]:
+			if r.err != nil {
+				t.Fatalf("waiter %d: %v", i, r.err)
+			}
+			p, got = r.p, i
+		case <-time.After(testTimeout):
+		}
+		if got != i {
+			for j := range sems {
+				select {
+				case r := <-chs[j]:
+					t.Fatalf("after %d releases, waiter %d got the permit (%v), not waiter %d, which lined up before it", i+1, j, r.err, i)
+				default:
+				}
+			}
+			t.Fatalf("waiter %d did not get the permit within %v of its turn", i, testTimeout)
+		}
+		if st := permitLocks(t, dsn, semaphoreTarget{"line", 1}); len(st.slots) != 1 || st.slots[p.Slot()] != p.l.s.PID() {
+			t.Fatalf("pg_locks after waiter %d's grant: slots %v, want only its slot %d on backend %d", i, st.slots, p.Slot(), p.l.s.PID())
+		}
+	}
+	mustRelease(t, p)
 }
