@@ -730,8 +730,8 @@ func TestElectionTakeover(t *testing.T) {
 			if fault == "terminate" {
 				t.Logf("terminate: old leader's context cancelled after p50 %v, p90 %v", percentile(noticed, 0.5).Round(time.Millisecond), percentile(noticed, 0.9).Round(time.Millisecond))
 			}
-			if fault == "kill" && p50 > time.Second {
-				t.Errorf("takeover after a kill: p50 %v, want under 1s", p50)
+			if max := percentile(took, 1); fault == "kill" && (p50 > time.Second || p90 > time.Second || max > 2*time.Second) {
+				t.Errorf("takeover after a kill: p50 %v, p90 %v, max %v; want p50 and p90 under 1 s and every takeover under 2 s", p50, p90, max)
 			}
 		})
 	}
