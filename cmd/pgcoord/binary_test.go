@@ -7,6 +7,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io/fs"
 	"net"
 	"os"
 	"os/exec"
@@ -162,7 +163,7 @@ func TestBinary(t *testing.T) {
 		if r := exe(t, bin, env, "migrate", "--schema", "from_env"); r.code != exitOK {
 			t.Fatalf("migrate with PGHOST...: exit %d, %s", r.code, r.stderr)
 		}
-		schemaVersion(t, db, "from_env", 3)
+		schemaVersion(t, db, "from_env", latestMigration(t))
 
 		svc := filepath.Join(t.TempDir(), "pg_service.conf")
 		conf := fmt.Sprintf("[coord]\nhost=%s\nport=%d\nuser=%s\ndbname=%s\nsslmode=%s\n", cfg.Host, cfg.Port, cfg.User, cfg.Database, sslmode)
@@ -175,7 +176,7 @@ func TestBinary(t *testing.T) {
 		if r := exe(t, bin, []string{"PGSERVICEFILE=" + svc, "PGSERVICE=coord"}, "migrate", "--schema", "from_service"); r.code != exitOK {
 			t.Fatalf("migrate with PGSERVICE: exit %d, %s", r.code, r.stderr)
 		}
-		schemaVersion(t, db, "from_service", 3)
+		schemaVersion(t, db, "from_service", latestMigration(t))
 
 		// The password file: a server that asks for a password and
 		// records the one it gets.
@@ -446,6 +447,21 @@ func campaign(t *testing.T, c *pgcoord.Client, election, identity string) *pgcoo
 }
 
 // schemaVersion checks that schema in db is at version want.
+// latestMigration returns the newest version of the migrations pgcoord
+// embeds: what migrate brings a schema to.
+func latestMigration(t *testing.T) int64 {
+	t.Helper()
+	ups, err := fs.Glob(pgcoord.Migrations(), "*.up.sql")
+	if err != nil || len(ups) == 0 {
+		t.Fatalf("embedded migrations: %v, %v", ups, err)
+	}
+	v, err := strconv.ParseInt(strings.SplitN(slices.Max(ups), "_", 2)[0], 10, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
 func schemaVersion(t *testing.T, db, schema string, want int64) {
 	t.Helper()
 	var got int64
