@@ -47,6 +47,9 @@ const (
 //     DefaultHandoffWindow (pgcoord's default), so most ops never reach
 //     the server.
 //
+//   - BenchmarkContendedClients8 against BenchmarkRawContended8: 8 Clients
+//     of one process, one goroutine each; every op goes to the server.
+//
 // BenchmarkContendedClient8 against BenchmarkRawContended8 is no overhead
 // figure: it shows what in-process handoff saves.
 
@@ -73,6 +76,27 @@ func contendClient(b *testing.B, opts ...Option) {
 	k := Int64Key(42)
 	contend(b, func(ctx context.Context, _ int) error {
 		l, err := c.Lock(ctx, k)
+		if err != nil {
+			return err
+		}
+		return l.Unlock(ctx)
+	})
+}
+
+// BenchmarkContendedClients8 measures one key fought over by 8 Clients of
+// one process, one goroutine each, as 8 services would: every Lock+Unlock
+// goes to the server, and the key passes between the Clients' backends
+// there. ns/op is wall time per completed Lock+Unlock, all Clients
+// together. Its floor is BenchmarkRawContended8.
+func BenchmarkContendedClients8(b *testing.B) {
+	dsn := pgtest.DB(b)
+	cs := make([]*Client, contenders)
+	for i := range cs {
+		cs[i] = newTestClient(b, dsn)
+	}
+	k := Int64Key(42)
+	contend(b, func(ctx context.Context, i int) error {
+		l, err := cs[i].Lock(ctx, k)
 		if err != nil {
 			return err
 		}
