@@ -45,6 +45,7 @@ type Client struct {
 
 	mu       sync.Mutex
 	closed   bool
+	closedAt time.Time             // when Close began: it cancels the leaders' contexts then
 	sessions map[*Session]struct{} // every open session: backends and NewSession's
 	backends []*Session            // the shared backends of the Client's own locks
 	connects []*connectCall        // connections being opened
@@ -130,11 +131,14 @@ func (c *Client) Close() error {
 		return nil
 	}
 	c.closed = true
+	c.closedAt = time.Now()
 	all := make([]*Session, 0, len(c.sessions))
 	for s := range c.sessions {
 		all = append(all, s)
 	}
 	c.mu.Unlock()
+	// Cancelling closing cancels every leader's context at once, before
+	// anything is released (see leaderParent).
 	c.stop(ErrClosed)
 
 	// Release every connection at once: each is bounded by the loss

@@ -194,6 +194,24 @@ type Leadership struct {
 	cancelled time.Time // when ctx had been cancelled, before anything was released
 }
 
+// leaderParent is the parent of a leader's context: it is the Client's
+// closing context, so that Close cancels every leader's context in its
+// first step, synchronously, before it releases any lock; and it carries
+// the values of the campaign's ctx. Keys are looked up in closing first,
+// which holds none but the one that lets the context package propagate
+// its cancellation without a goroutine.
+type leaderParent struct {
+	context.Context // the Client's closing context
+	values          context.Context
+}
+
+func (p leaderParent) Value(key any) any {
+	if v := p.Context.Value(key); v != nil {
+		return v
+	}
+	return p.values.Value(key)
+}
+
 // leadershipKey is the key of the Leadership in its own context.
 type leadershipKey struct{}
 
@@ -375,7 +393,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 		resign: make(chan struct{}),
 		done:   make(chan struct{}),
 	}
-	ld.ctx, ld.cancel = context.WithCancelCause(context.WithValue(context.WithoutCancel(ctx), leadershipKey{}, ld))
+	ld.ctx, ld.cancel = context.WithCancelCause(context.WithValue(leaderParent{c.closing, ctx}, leadershipKey{}, ld))
 	c.hooks.leadership(LeadershipEvent{Election: e.name, Identity: e.identity, Term: int64(term), Leading: true})
 	c.cfg.infoLogger().Info("pgcoord: leading", "election", e.name, "identity", e.identity, "term", int64(term))
 	c.wg.Add(1)
@@ -553,8 +571,16 @@ func (ld *Leadership) watch() {
 // resign) and frees the guard and the lock.
 func (ld *Leadership) end(why error) {
 	ld.cancel(why)
+	at := time.Now()
+	if errors.Is(context.Cause(ld.ctx), ErrClosed) {
+		// Close cancelled it as it began.
+		c := ld.e.c
+		c.mu.Lock()
+		at = c.closedAt
+		c.mu.Unlock()
+	}
 	ld.mu.Lock()
-	ld.cancelled = time.Now()
+	ld.cancelled = at
 	ld.mu.Unlock()
 	ld.sub.close()
 	ctx, cancel := withoutCancel(context.Background(), ld.e.c.cfg.lossDeadline)

@@ -442,3 +442,57 @@ func TestObserveResyncDeliversMissedLeader(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Close cancels a leader's context before it releases anything: the
+// leader's context is cancelled (cause ErrClosed) as Close begins, by the
+// library's own clock, and a candidate of another Client that takes over
+// records its term (by the server's clock, on this machine) after that.
+// Five rounds.
+func TestCloseCancelsLeaderBeforeRelease(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	follower := newTestClient(t, dsn)
+	for round := range 5 {
+		a := newTestClient(t, dsn)
+		la, err := a.Election("close-order").Campaign(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		won := make(chan *Leadership, 1)
+		go func() {
+			ld, err := follower.Election("close-order").Campaign(ctx)
+			if err != nil {
+				t.Error(err)
+			}
+			won <- ld
+		}()
+		pgtest.Eventually(t, testTimeout, "the follower to wait for the election", func() bool {
+			return waitingOn(t, dsn, la.e.key) == 1
+		})
+		if err := a.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if cause := context.Cause(la.Context()); !errors.Is(cause, ErrClosed) {
+			t.Fatalf("round %d: the leader's context ended with %v, want ErrClosed", round, cause)
+		}
+		a.mu.Lock()
+		began := a.closedAt
+		a.mu.Unlock()
+		if at := la.cancelledAt(); at.IsZero() || at.After(began) {
+			t.Fatalf("round %d: the leader's context was cancelled at %v, after Close began at %v", round, at, began)
+		}
+		next := <-won
+		if next == nil {
+			t.FailNow()
+		}
+		// Since is the server's clock, on this machine: when the
+		// follower recorded its term, after the server freed the lock.
+		if !la.cancelledAt().Before(next.Since()) {
+			t.Fatalf("round %d: the follower's term began at %v, before the old leader's context was cancelled at %v", round, next.Since(), la.cancelledAt())
+		}
+		if err := next.Resign(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
