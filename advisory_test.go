@@ -578,7 +578,7 @@ func TestClientCloseEndsWaitersAndLocks(t *testing.T) {
 	}
 	wch := goLock(func() (*Lock, error) { return c.Lock(ctx, k) })
 	pgtest.Eventually(t, testTimeout, "waiter queued in pg_locks", func() bool { return waitingOn(t, dsn, k) == 1 })
-	if err := c.Close(); err != nil {
+	if err := c.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	if r := receive(t, wch); !errors.Is(r.err, ErrClosed) {
@@ -750,7 +750,7 @@ func TestOpen(t *testing.T) {
 	if n := backendsOf(t, dsn, "open-test"); n != 1 {
 		t.Fatalf("after Lock: %d backends in pg_stat_activity, want 1", n)
 	}
-	if err := c.Close(); err != nil {
+	if err := c.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	if err := c.pool.Ping(ctx); err == nil {

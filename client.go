@@ -71,7 +71,7 @@ func New(pool *pgxpool.Pool, opts ...Option) (*Client, error) {
 // a standby ([ErrReadOnly]), a transaction pooler
 // ([ErrTransactionPooling]), and invalid or conflicting options.
 func Open(ctx context.Context, connString string, opts ...Option) (*Client, error) {
-	if _, err := newConfig(scopeClient, opts); err != nil {
+	if _, err := newConfig(opts); err != nil {
 		return nil, err
 	}
 	pool, err := pgxpool.New(ctx, connString)
@@ -84,14 +84,14 @@ func Open(ctx context.Context, connString string, opts ...Option) (*Client, erro
 		return nil, err
 	}
 	if err := c.warm(ctx, 1); err != nil {
-		_ = c.Close()
+		_ = c.Close(context.Background())
 		return nil, errorf("Open: %w", err)
 	}
 	return c, nil
 }
 
 func newClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
-	cfg, err := newConfig(scopeClient, opts)
+	cfg, err := newConfig(opts)
 	if err != nil {
 		return nil, err
 	}
@@ -120,11 +120,18 @@ func newClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
 // Close ends every session and lock of the Client (their Done channels
 // close, their Err is ErrClosed), makes waiting acquires return ErrClosed,
 // waits for background work to finish, and closes the pool if Open made
-// it. Each connection's release is bounded by the loss deadline; one that
-// cannot be released cleanly in that time is closed, which frees its locks
-// on the server. Close returns every release error, joined; calling it
-// again returns nil.
-func (c *Client) Close() error {
+// it. It first cancels the context of every leadership the Client holds
+// (cause ErrClosed), and only then releases locks, guards and permits.
+//
+// ctx bounds how long Close waits for the server to release the Client's
+// locks cleanly; each release is also bounded by the loss deadline. A
+// connection that cannot be released cleanly in time is closed, which
+// frees its locks on the server as soon as it notices (at once for a
+// closed socket). So Close always releases everything it owns, and
+// returns within the loss deadline whatever the pool and the server do.
+// It returns every release error, joined (with ctx's error when ctx ended
+// first); calling it again returns nil.
+func (c *Client) Close(ctx context.Context) error {
 	c.mu.Lock()
 	if c.closed {
 		c.mu.Unlock()
@@ -146,7 +153,7 @@ func (c *Client) Close() error {
 	errs := make([]error, len(all))
 	var closing sync.WaitGroup
 	for i, s := range all {
-		closing.Go(func() { errs[i] = s.close(context.Background()) })
+		closing.Go(func() { errs[i] = s.close(ctx) })
 	}
 	closing.Wait()
 	for _, s := range all {

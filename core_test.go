@@ -275,7 +275,7 @@ func TestLeaseHoldsDuringBlockedWait(t *testing.T) {
 
 // Settings that exist only from PostgreSQL 14 are left out for 13.
 func TestSessionSettingsByServerVersion(t *testing.T) {
-	cfg, err := newConfig(scopeClient, nil)
+	cfg, err := newConfig(nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -15,7 +15,7 @@
 //	if err != nil {
 //		return err
 //	}
-//	defer c.Close()
+//	defer c.Close(context.Background())
 //
 //	err = c.Do(ctx, pgcoord.HashKey("report", "daily"), func(ctx context.Context) error {
 //		return buildReport(ctx) // ctx is cancelled if the lock is lost

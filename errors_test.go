@@ -71,7 +71,7 @@ func TestErrorMessages(t *testing.T) {
 	c := newTestClient(t, dsn)
 	waiting := goLock(func() (*Lock, error) { return c.Lock(ctx, k) })
 	pgtest.Eventually(t, testTimeout, "the wait to show in pg_locks", func() bool { return waitingOn(t, dsn, k) == 1 })
-	if err := c.Close(); err != nil {
+	if err := c.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	r := receive(t, waiting)

@@ -50,7 +50,7 @@ func ExampleClient_Lock() {
 	if err != nil {
 		panic(err)
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 
 	l, err := c.Lock(ctx, pgcoord.HashKey("report", "daily"))
 	if err != nil {
@@ -86,12 +86,12 @@ func ExampleClient_TryLock() {
 	if err != nil {
 		panic(err)
 	}
-	defer worker1.Close()
+	defer worker1.Close(context.Background())
 	worker2, err := pgcoord.New(pool)
 	if err != nil {
 		panic(err)
 	}
-	defer worker2.Close()
+	defer worker2.Close(context.Background())
 
 	job := pgcoord.HashKey("job", "reindex")
 	l, err := worker1.TryLock(ctx, job)
@@ -129,7 +129,7 @@ func ExampleClient_Do() {
 	if err != nil {
 		panic(err)
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 
 	for range 2 {
 		err = c.Do(ctx, pgcoord.HashKey("nightly-report"), func(ctx context.Context) error {
@@ -161,7 +161,7 @@ func ExampleClient_LockAll() {
 	if err != nil {
 		panic(err)
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 
 	l, err := c.LockAll(ctx, pgcoord.Int64Key(2), pgcoord.PairKey(1, 1), pgcoord.Int64Key(1), pgcoord.Int64Key(2))
 	if err != nil {
@@ -257,10 +257,10 @@ func ExampleCheckFence() {
 	if err != nil {
 		panic(err)
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 
 	job := pgcoord.HashKey("export", "daily")
-	write := func(fence int64) error {
+	write := func(fence pgcoord.Term) error {
 		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 			if err := pgcoord.CheckFence(ctx, tx, job, fence); err != nil {
 				return err // ErrStaleFence: another holder exists; do not write
@@ -306,7 +306,7 @@ func ExampleClient_Locks() {
 	if err != nil {
 		panic(err)
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 
 	l1, err := c.Lock(ctx, report)
 	if err != nil {
@@ -345,7 +345,7 @@ func ExampleElection_Run() {
 	if err != nil {
 		panic(err)
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 
 	e := c.Election("scheduler", pgcoord.WithIdentity("pod-a"))
 	runCtx, stop := context.WithCancel(ctx)
@@ -377,7 +377,7 @@ func ExampleOpen() {
 	if err != nil {
 		panic(err) // unreachable server, standby (ErrReadOnly), transaction pooler (ErrTransactionPooling), ...
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 
 	l, err := c.TryLock(ctx, pgcoord.HashKey("open", "example"))
 	if err != nil {
@@ -403,12 +403,12 @@ func ExampleClient_RLock() {
 	if err != nil {
 		panic(err)
 	}
-	defer readers.Close()
+	defer readers.Close(context.Background())
 	writer, err := pgcoord.New(pool)
 	if err != nil {
 		panic(err)
 	}
-	defer writer.Close()
+	defer writer.Close(context.Background())
 
 	config := pgcoord.HashKey("config")
 	r1, err := readers.RLock(ctx, config)
@@ -449,7 +449,7 @@ func ExampleSession() {
 	if err != nil {
 		panic(err)
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 
 	s, err := c.NewSession(ctx)
 	if err != nil {
@@ -490,7 +490,7 @@ func ExampleSemaphore() {
 	if err != nil {
 		panic(err)
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 
 	sem := c.Semaphore("exports", 2, pgcoord.WithHolderIdentity("worker-1"))
 	p1, err := sem.Acquire(ctx) // waits in line while 2 permits are held
@@ -542,7 +542,7 @@ func ExampleElection_Observe() {
 	if err != nil {
 		panic(err)
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 
 	e := c.Election("reports", pgcoord.WithIdentity("pod-b"))
 	observeCtx, stop := context.WithCancel(ctx)

@@ -36,7 +36,7 @@ func TestFaultLossWhileIssuingFence(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(context.Background())
-	if err := target.check(ctx, tx, first.Fence()); err != nil {
+	if err := target.check(ctx, tx, int64(first.Fence())); err != nil {
 		t.Fatal(err)
 	}
 

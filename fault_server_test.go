@@ -187,7 +187,7 @@ func TestFaultPoolRecycling(t *testing.T) {
 	}
 	check()
 	useRecyclingPool(t, pool, check, alive)
-	if info, err := e.Leader(ctx); err != nil || info.Term != ld.Term() || info.Pid != ld.lock.s.PID() {
+	if info, err := e.Leader(ctx); err != nil || info.Term != ld.Term() || info.PID != ld.lock.s.PID() {
 		t.Fatalf("Leader: %+v, %v; want term %d on backend %d", info, err, ld.Term(), ld.lock.s.PID())
 	}
 	if err := ld.Resign(ctx); err != nil {
@@ -297,7 +297,7 @@ func TestFaultFailover(t *testing.T) {
 		var n int64
 		space, key := fenceRow(k)
 		err := replica.QueryRow(ctx, "SELECT coalesce(max(fence), 0) FROM pgcoord.fences WHERE key_space = $1 AND key = $2", space, key).Scan(&n)
-		return err == nil && n == l.Fence()
+		return err == nil && Term(n) == l.Fence()
 	})
 
 	primary.Stop(t)

@@ -59,7 +59,7 @@ type faultTarget interface {
 
 // A faultHold is one holder's hold of a faultTarget.
 type faultHold interface {
-	Fence() int64
+	Fence() Term
 	Done() <-chan struct{}
 	Err() error
 	pid() int32 // the backend that holds it
@@ -81,7 +81,7 @@ func (l lockTarget) acquire(ctx context.Context, c *Client) (faultHold, error) {
 }
 
 func (l lockTarget) check(ctx context.Context, tx pgx.Tx, fence int64) error {
-	return CheckFence(ctx, tx, l.key(), fence)
+	return CheckFence(ctx, tx, l.key(), Term(fence))
 }
 
 func (l lockTarget) holders(t testing.TB, dsn string) ([]int32, int) {
@@ -446,7 +446,7 @@ func runHolderChild(out *childOut) error {
 		return err
 	}
 	defer pool.Close()
-	defer c.Close()
+	defer c.Close(context.Background())
 	actx, cancel := context.WithTimeout(ctx, time.Minute)
 	h, err := target.acquire(actx, c)
 	cancel()
@@ -464,7 +464,7 @@ func runHolderChild(out *childOut) error {
 		switch in.Text() {
 		case "write":
 			wctx, cancel := context.WithTimeout(ctx, testTimeout)
-			err := fencedWrite(wctx, pool, target, h.Fence(), me, "")
+			err := fencedWrite(wctx, pool, target, int64(h.Fence()), me, "")
 			cancel()
 			switch {
 			case err == nil:
@@ -555,10 +555,10 @@ func TestFaultHolderLoss(t *testing.T) {
 				t.Fatalf("pg_locks after takeover: held by %v with %d waiting, want only the contender's backend %d", pids, waiting, r.h.pid())
 			}
 			backendGone(t, pool, oldPID)
-			if r.h.Fence() <= oldFence {
+			if r.h.Fence() <= Term(oldFence) {
 				t.Fatalf("contender's fence %d is not above the old holder's %d", r.h.Fence(), oldFence)
 			}
-			if err := fencedWrite(ctx, pool, target, r.h.Fence(), "contender", ""); err != nil {
+			if err := fencedWrite(ctx, pool, target, int64(r.h.Fence()), "contender", ""); err != nil {
 				t.Fatalf("contender's write: %v", err)
 			}
 
@@ -673,7 +673,7 @@ func TestFaultServerRestart(t *testing.T) {
 				if pids, _ := target.holders(t, dsn); len(pids) != 1 || pids[0] != h.pid() {
 					t.Fatalf("pg_locks: %v held by %v, want backend %d", target, pids, h.pid())
 				}
-				if err := fencedWrite(ctx, pool, target, holds[i].Fence(), "before", ""); !errors.Is(err, ErrStaleFence) {
+				if err := fencedWrite(ctx, pool, target, int64(holds[i].Fence()), "before", ""); !errors.Is(err, ErrStaleFence) {
 					t.Fatalf("%v: write with the fence from before the %s: %v, want ErrStaleFence", target, fault, err)
 				}
 				if err := h.release(ctx); err != nil {

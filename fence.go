@@ -128,11 +128,23 @@ func nextFence(ctx context.Context, q interface {
 // turns it off, so its commit waits for that standby. For the same reason a
 // crash of the server itself never loses an issued fence, unless fsync is
 // off and the operating system crashes too.
-func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence int64, opts ...Option) error {
-	c, err := newConfig(scopeFence, opts)
+func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term, opts ...FenceOption) error {
+	c, err := newFenceConfig(opts)
 	if err != nil {
 		return err
 	}
+	return checkFence(ctx, c, tx, key, fence)
+}
+
+// CheckFence is [CheckFence] in the Client's schema ([WithSchema]): it
+// returns nil if fence is the newest fence issued for key, inside tx, and
+// keeps the fence's row share-locked until tx ends. ctx bounds the query;
+// the errors are those of [CheckFence].
+func (c *Client) CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term) error {
+	return checkFence(ctx, c.cfg, tx, key, fence)
+}
+
+func checkFence(ctx context.Context, c *config, tx pgx.Tx, key Key, fence Term) error {
 	if tx == nil {
 		return errors.New("pgcoord: CheckFence: tx is nil")
 	}
@@ -143,8 +155,8 @@ func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence int64, opts ...Op
 		return errorf("CheckFence: fence %d is not a fence (fences start at 1; was the lock taken with WithFence?)", fence)
 	}
 	space, k := fenceRow(key)
-	var stored int64
-	err = tx.QueryRow(ctx, "SELECT fence FROM "+c.table("fences")+" WHERE key_space = $1 AND key = $2 FOR SHARE", space, k).Scan(&stored)
+	var stored Term
+	err := tx.QueryRow(ctx, "SELECT fence FROM "+c.table("fences")+" WHERE key_space = $1 AND key = $2 FOR SHARE", space, k).Scan(&stored)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return errorf("CheckFence: %w: fence %d for key %s was never issued: no fence exists for the key in schema %s", ErrStaleFence, fence, key, c.quotedSchema())

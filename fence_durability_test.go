@@ -133,7 +133,7 @@ func TestNextFenceSurvivesCrashWithSynchronousCommitOff(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 			defer cancel()
 			srv, dsn := lazyWALServer(t, ctx, level)
-			c := mustFenceConfig(t, scopeClient)
+			c := mustFenceConfig(t)
 			k := HashKey("durable", "fence", level)
 
 			fence := issueThenCrash(t, ctx, srv, dsn, k, func() int64 {
@@ -163,18 +163,18 @@ func TestFencedLockSurvivesCrashWithSynchronousCommitOff(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { awaitEnd(t, l, "the crash ends the lock") })
-		return l.Fence()
+		return int64(l.Fence())
 	})
 
 	l, err := newTestClient(t, dsn).Lock(ctx, k, WithFence())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if l.Fence() <= fence {
+	if l.Fence() <= Term(fence) {
 		t.Fatalf("fence after the crash = %d, not above the %d issued before it", l.Fence(), fence)
 	}
 	pool := pgtest.Pool(t, dsn)
-	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return CheckFence(ctx, tx, k, fence) })
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return CheckFence(ctx, tx, k, Term(fence)) })
 	if !errors.Is(err, ErrStaleFence) {
 		t.Fatalf("CheckFence with the fence %d issued before the crash = %v, want ErrStaleFence", fence, err)
 	}
@@ -189,7 +189,7 @@ func TestNextFenceInTransactionCommitsSynchronously(t *testing.T) {
 	ctx := testCtx(t)
 	dsn, _ := migratedPool(t, ctx, DefaultSchema)
 	conn := pgtest.Conn(t, dsn)
-	c := mustFenceConfig(t, scopeClient)
+	c := mustFenceConfig(t)
 	k := HashKey("durable", "tx")
 	setting := func() string {
 		t.Helper()

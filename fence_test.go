@@ -28,9 +28,9 @@ func migratedPool(t *testing.T, ctx context.Context, schema string) (string, *pg
 	return dsn, pool
 }
 
-func mustFenceConfig(t *testing.T, s scope, opts ...Option) *config {
+func mustFenceConfig(t *testing.T, opts ...Option) *config {
 	t.Helper()
-	c, err := newConfig(s, opts)
+	c, err := newConfig(opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -65,7 +65,7 @@ func storedFences(t *testing.T, ctx context.Context, pool *pgxpool.Pool, c *conf
 func TestNextFenceIncreasingAndPerKey(t *testing.T) {
 	ctx := testCtx(t)
 	_, pool := migratedPool(t, ctx, DefaultSchema)
-	c := mustFenceConfig(t, scopeClient)
+	c := mustFenceConfig(t)
 
 	a, b := HashKey("fence", "a"), HashKey("fence", "b")
 	for want := int64(1); want <= 5; want++ {
@@ -111,7 +111,7 @@ func TestNextFenceIncreasingAndPerKey(t *testing.T) {
 func TestNextFenceRowsMatchPgLocks(t *testing.T) {
 	ctx := testCtx(t)
 	dsn, pool := migratedPool(t, ctx, DefaultSchema)
-	c := mustFenceConfig(t, scopeClient)
+	c := mustFenceConfig(t)
 	conn := pgtest.Conn(t, dsn)
 	pid := conn.PgConn().PID()
 
@@ -155,7 +155,7 @@ func TestNextFenceConcurrentUnique(t *testing.T) {
 	if err := Migrate(ctx, pool); err != nil {
 		t.Fatal(err)
 	}
-	c := mustFenceConfig(t, scopeClient)
+	c := mustFenceConfig(t)
 	k := PairKey(7, -7)
 
 	var mu sync.Mutex
@@ -193,7 +193,7 @@ func TestNextFenceNotMigrated(t *testing.T) {
 	ctx := testCtx(t)
 	dsn := pgtest.DB(t)
 	pool := pgtest.Pool(t, dsn)
-	c := mustFenceConfig(t, scopeClient)
+	c := mustFenceConfig(t)
 	_, err := nextFence(ctx, pool, c, Int64Key(1))
 	if !errors.Is(err, ErrNotMigrated) || !strings.Contains(err.Error(), `"pgcoord"`) {
 		t.Fatalf("nextFence before Migrate = %v, want ErrNotMigrated naming the schema", err)
@@ -207,7 +207,7 @@ func TestNextFenceNotMigrated(t *testing.T) {
 	if err := Migrate(ctx, pool); err != nil {
 		t.Fatal(err)
 	}
-	other := mustFenceConfig(t, scopeClient, WithSchema("elsewhere"))
+	other := mustFenceConfig(t, WithSchema("elsewhere"))
 	if _, err := nextFence(ctx, pool, other, Int64Key(1)); !errors.Is(err, ErrNotMigrated) || !strings.Contains(err.Error(), `"elsewhere"`) {
 		t.Fatalf("nextFence in an unmigrated schema = %v, want ErrNotMigrated naming it", err)
 	}
@@ -221,7 +221,7 @@ func TestNextFenceNotMigrated(t *testing.T) {
 }
 
 // checkInTx runs CheckFence in a new transaction and rolls it back.
-func checkInTx(t *testing.T, ctx context.Context, pool *pgxpool.Pool, k Key, fence int64, opts ...Option) error {
+func checkInTx(t *testing.T, ctx context.Context, pool *pgxpool.Pool, k Key, fence Term, opts ...FenceOption) error {
 	t.Helper()
 	tx, err := pool.Begin(ctx)
 	if err != nil {
@@ -234,49 +234,46 @@ func checkInTx(t *testing.T, ctx context.Context, pool *pgxpool.Pool, k Key, fen
 func TestCheckFence(t *testing.T) {
 	ctx := testCtx(t)
 	_, pool := migratedPool(t, ctx, DefaultSchema)
-	c := mustFenceConfig(t, scopeClient)
+	c := mustFenceConfig(t)
 	k := HashKey("account", "17")
 
 	if err := checkInTx(t, ctx, pool, k, 1); !errors.Is(err, ErrStaleFence) || !strings.Contains(err.Error(), "never issued") {
 		t.Fatalf("CheckFence before any fence = %v, want ErrStaleFence (never issued)", err)
 	}
 	f1 := mustNextFence(t, ctx, pool, c, k)
-	if err := checkInTx(t, ctx, pool, k, f1); err != nil {
+	if err := checkInTx(t, ctx, pool, k, Term(f1)); err != nil {
 		t.Fatalf("CheckFence(current fence %d) = %v, want nil", f1, err)
 	}
 	f2 := mustNextFence(t, ctx, pool, c, k)
-	err := checkInTx(t, ctx, pool, k, f1)
+	err := checkInTx(t, ctx, pool, k, Term(f1))
 	if !errors.Is(err, ErrStaleFence) || !strings.Contains(err.Error(), strconv.FormatInt(f1, 10)) || !strings.Contains(err.Error(), strconv.FormatInt(f2, 10)) {
 		t.Fatalf("CheckFence(old fence %d) after fence %d = %v, want ErrStaleFence naming both", f1, f2, err)
 	}
-	if err := checkInTx(t, ctx, pool, k, f2); err != nil {
+	if err := checkInTx(t, ctx, pool, k, Term(f2)); err != nil {
 		t.Fatalf("CheckFence(current fence %d) = %v, want nil", f2, err)
 	}
-	if err := checkInTx(t, ctx, pool, k, f2+1); !errors.Is(err, ErrStaleFence) || !strings.Contains(err.Error(), "never issued") {
+	if err := checkInTx(t, ctx, pool, k, Term(f2+1)); !errors.Is(err, ErrStaleFence) || !strings.Contains(err.Error(), "never issued") {
 		t.Fatalf("CheckFence(future fence %d) = %v, want ErrStaleFence (never issued)", f2+1, err)
 	}
 	// The same bits in the other key space have no fence.
 	v, _ := k.Int64()
-	if err := checkInTx(t, ctx, pool, PairKey(int32(uint64(v)>>32), int32(v)), f2); !errors.Is(err, ErrStaleFence) {
+	if err := checkInTx(t, ctx, pool, PairKey(int32(uint64(v)>>32), int32(v)), Term(f2)); !errors.Is(err, ErrStaleFence) {
 		t.Fatalf("CheckFence on the pair key with the same bits = %v, want ErrStaleFence", err)
 	}
 
 	for _, bad := range []int64{0, -1, math.MinInt64} {
-		err := checkInTx(t, ctx, pool, k, bad)
+		err := checkInTx(t, ctx, pool, k, Term(bad))
 		if err == nil || errors.Is(err, ErrStaleFence) || !strings.HasPrefix(err.Error(), "pgcoord: ") {
 			t.Fatalf("CheckFence(fence %d) = %v, want a clear non-stale error", bad, err)
 		}
 	}
-	if err := checkInTx(t, ctx, pool, Key{}, f2); !errors.Is(err, ErrInvalidKey) {
+	if err := checkInTx(t, ctx, pool, Key{}, Term(f2)); !errors.Is(err, ErrInvalidKey) {
 		t.Fatalf("CheckFence(zero Key) = %v, want ErrInvalidKey", err)
 	}
-	if err := checkInTx(t, ctx, pool, k, f2, WithHeartbeat(time.Second)); err == nil {
-		t.Fatal("CheckFence accepted WithHeartbeat")
-	}
-	if err := CheckFence(ctx, nil, k, f2); err == nil {
+	if err := CheckFence(ctx, nil, k, Term(f2)); err == nil {
 		t.Fatal("CheckFence(nil tx) = nil")
 	}
-	if err := checkInTx(t, ctx, pool, k, f2, WithSchema("missing")); !errors.Is(err, ErrNotMigrated) {
+	if err := checkInTx(t, ctx, pool, k, Term(f2), WithSchema("missing")); !errors.Is(err, ErrNotMigrated) {
 		t.Fatalf("CheckFence in an unmigrated schema = %v, want ErrNotMigrated", err)
 	}
 }
@@ -289,7 +286,7 @@ func TestCheckFenceHoldsOffNewerFence(t *testing.T) {
 		t.Run(end, func(t *testing.T) {
 			ctx := testCtx(t)
 			dsn, pool := migratedPool(t, ctx, DefaultSchema)
-			c := mustFenceConfig(t, scopeClient)
+			c := mustFenceConfig(t)
 			k := Int64Key(-42)
 			f1 := mustNextFence(t, ctx, pool, c, k)
 			if _, err := pool.Exec(ctx, "CREATE TABLE public.ledger (fence bigint)"); err != nil {
@@ -301,7 +298,7 @@ func TestCheckFenceHoldsOffNewerFence(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-			if err := CheckFence(ctx, tx, k, f1); err != nil {
+			if err := CheckFence(ctx, tx, k, Term(f1)); err != nil {
 				t.Fatalf("CheckFence: %v", err)
 			}
 			if _, err := tx.Exec(ctx, "INSERT INTO public.ledger VALUES ($1)", f1); err != nil {
@@ -357,7 +354,7 @@ func TestCheckFenceHoldsOffNewerFence(t *testing.T) {
 			if want := map[string]int{"commit": 1, "rollback": 0}[end]; rows != want {
 				t.Fatalf("ledger has %d rows after %s, want %d", rows, end, want)
 			}
-			if err := checkInTx(t, ctx, pool, k, f1); !errors.Is(err, ErrStaleFence) {
+			if err := checkInTx(t, ctx, pool, k, Term(f1)); !errors.Is(err, ErrStaleFence) {
 				t.Fatalf("CheckFence(%d) after fence %d was issued = %v, want ErrStaleFence", f1, r.fence, err)
 			}
 		})
@@ -372,14 +369,14 @@ func TestFenceHostileSchemaNames(t *testing.T) {
 		if err := Migrate(ctx, pool, WithSchema(name)); err != nil {
 			t.Fatalf("Migrate(WithSchema(%q)): %v", name, err)
 		}
-		c := mustFenceConfig(t, scopeClient, WithSchema(name))
+		c := mustFenceConfig(t, WithSchema(name))
 		k := Int64Key(int64(i))
 		mustNextFence(t, ctx, pool, c, k)
 		f := mustNextFence(t, ctx, pool, c, k)
 		if f != 2 {
 			t.Fatalf("schema %q: second fence = %d, want 2", name, f)
 		}
-		if err := checkInTx(t, ctx, pool, k, f, WithSchema(name)); err != nil {
+		if err := checkInTx(t, ctx, pool, k, Term(f), WithSchema(name)); err != nil {
 			t.Fatalf("schema %q: CheckFence: %v", name, err)
 		}
 		var n int

@@ -47,7 +47,7 @@ func TestFencesIncreaseAcrossClientsAndRestart(t *testing.T) {
 						return
 					}
 					mu.Lock()
-					fences = append(fences, l.Fence())
+					fences = append(fences, int64(l.Fence()))
 					mu.Unlock()
 					if err := l.Unlock(ctx); err != nil {
 						t.Errorf("client %d: Unlock: %v", i, err)
@@ -108,18 +108,18 @@ func TestPausedHolderWriteIsFenced(t *testing.T) {
 	}
 	write := func(fence int64, who string, amount int) error {
 		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			if err := CheckFence(ctx, tx, k, fence); err != nil {
+			if err := CheckFence(ctx, tx, k, Term(fence)); err != nil {
 				return err
 			}
 			_, err := tx.Exec(ctx, "UPDATE balance SET amount = $1, writer = $2 WHERE id = 1", amount, who)
 			return err
 		})
 	}
-	if err := write(lb.Fence(), "B", 200); err != nil {
+	if err := write(int64(lb.Fence()), "B", 200); err != nil {
 		t.Fatalf("B's write: %v", err)
 	}
 	// A wakes up, unaware, and writes with its old fence.
-	if err := write(fenceA, "A", 999); !errors.Is(err, ErrStaleFence) {
+	if err := write(int64(fenceA), "A", 999); !errors.Is(err, ErrStaleFence) {
 		t.Fatalf("A's late write: %v, want ErrStaleFence", err)
 	}
 	var amount int
@@ -245,7 +245,7 @@ func TestDoFenceFromContext(t *testing.T) {
 				t.Fatalf("LockFromContext in Do: %v, %v", l, ok)
 			}
 			heldOnlyBy(t, dsn, k, l.s.PID())
-			fences = append(fences, l.Fence())
+			fences = append(fences, int64(l.Fence()))
 			return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 				return CheckFence(ctx, tx, k, l.Fence())
 			})

@@ -39,7 +39,7 @@ func newTestClientOn(t testing.TB, pool *pgxpool.Pool, opts ...Option) *Client {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		if err := c.Close(); err != nil {
+		if err := c.Close(context.Background()); err != nil {
 			t.Errorf("Close: %v", err)
 		}
 	})

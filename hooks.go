@@ -107,7 +107,7 @@ type LossEvent struct {
 type LeadershipEvent struct {
 	Election string
 	Identity string
-	Term     int64
+	Term     Term
 	Leading  bool
 	Err      error
 }
@@ -115,7 +115,7 @@ type LeadershipEvent struct {
 // WithHooks sets functions called on the Client's lock events; see
 // [Hooks]. Calling WithHooks again replaces them.
 func WithHooks(h Hooks) Option {
-	return optionFunc{"WithHooks", scopeClient, func(c *config) error {
+	return optionFunc{"WithHooks", func(c *config) error {
 		c.hooks = h
 		return nil
 	}}

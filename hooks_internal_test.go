@@ -1,6 +1,7 @@
 package pgcoord
 
 import (
+	"context"
 	"fmt"
 	"sync"
 	"testing"
@@ -115,7 +116,7 @@ func TestHooksReportOnlyTheUsersLocks(t *testing.T) {
 		t.Fatal(err)
 	}
 	mustUnlock(t, l)
-	if err := c.Close(); err != nil { // delivers the queued events
+	if err := c.Close(context.Background()); err != nil { // delivers the queued events
 		t.Fatal(err)
 	}
 

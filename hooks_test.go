@@ -174,7 +174,7 @@ func TestHooks(t *testing.T) {
 	if _, err := c.Lock(ctx, job); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.Close(); err != nil {
+	if err := c.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	a, rel, _, _ := rec.counts()

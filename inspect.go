@@ -83,7 +83,7 @@ func WithKeyNames(names map[Key]string) Option {
 	for k, n := range names {
 		m[k] = n
 	}
-	return optionFunc{"WithKeyNames", scopeClient, func(c *config) error {
+	return optionFunc{"WithKeyNames", func(c *config) error {
 		for k := range m {
 			if err := k.check(); err != nil {
 				return err

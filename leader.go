@@ -13,20 +13,24 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// Term is a leader's term: the fence issued for the election's key when
-// the leader won. Terms of one election only grow. Check a leader's writes
-// with CheckFence(ctx, tx, e.Key(), int64(term)).
+// Term is a fencing token: the fence that a lock taken with [WithFence]
+// got ([Lock.Fence]), or a leader's term ([Leadership.Term]), which is the
+// fence issued for the election's key when the leader won. The fences of
+// one key only grow, across processes and restarts, so a greater Term is
+// a later holder. Check a holder's writes with [CheckFence] (or
+// [Client.CheckFence]) and the key; to store one, int64(term) fits a
+// bigint column.
 type Term int64
 
 // LeaderInfo describes a leader: its identity, term, when it won, and the
-// backend pid that holds the election's lock (pg_terminate_backend(Pid)
+// backend pid that holds the election's lock (pg_terminate_backend(PID)
 // forces a new election). The zero LeaderInfo, from Observe, means no
 // leader.
 type LeaderInfo struct {
 	Identity string
 	Term     Term
 	Since    time.Time
-	Pid      int32
+	PID      int32
 }
 
 // ElectionOption configures an Election.
@@ -394,7 +398,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 		done:   make(chan struct{}),
 	}
 	ld.ctx, ld.cancel = context.WithCancelCause(context.WithValue(leaderParent{c.closing, ctx}, leadershipKey{}, ld))
-	c.hooks.leadership(LeadershipEvent{Election: e.name, Identity: e.identity, Term: int64(term), Leading: true})
+	c.hooks.leadership(LeadershipEvent{Election: e.name, Identity: e.identity, Term: term, Leading: true})
 	c.cfg.infoLogger().Info("pgcoord: leading", "election", e.name, "identity", e.identity, "term", int64(term))
 	c.wg.Add(1)
 	go ld.watch()
@@ -600,7 +604,7 @@ func (ld *Leadership) end(why error) {
 	ld.err = errorf("election %q: term %d ended: %w", ld.e.name, ld.term, why)
 	ld.mu.Unlock()
 	c := ld.e.c
-	ev := LeadershipEvent{Election: ld.e.name, Identity: ld.e.identity, Term: int64(ld.term)}
+	ev := LeadershipEvent{Election: ld.e.name, Identity: ld.e.identity, Term: ld.term}
 	if errors.Is(why, ErrLockLost) {
 		ev.Err = ld.err
 		c.cfg.warnLogger().Warn("pgcoord: leadership lost", "election", ld.e.name, "identity", ld.e.identity, "term", int64(ld.term), "error", why)
@@ -634,7 +638,7 @@ func (e *Election) Leader(ctx context.Context) (LeaderInfo, error) {
 			WHERE k.locktype = 'advisory' AND k.granted AND k.pid = l.pid
 			AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 			AND k.classid::bigint = $2 AND k.objid::bigint = $3 AND k.objsubid = 1)`,
-		e.name, int64(classid), int64(objid)).Scan(&info.Identity, &term, &info.Since, &info.Pid)
+		e.name, int64(classid), int64(objid)).Scan(&info.Identity, &term, &info.Since, &info.PID)
 	info.Term = Term(term)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
@@ -802,7 +806,7 @@ func (o *observer) leader(info LeaderInfo) {
 }
 
 func (o *observer) none() {
-	if !o.started || o.cur.Pid != 0 {
+	if !o.started || o.cur.PID != 0 {
 		o.cur, o.started = LeaderInfo{}, true
 		o.pending = append(o.pending, LeaderInfo{})
 	}
@@ -893,7 +897,7 @@ func (e *Election) observed(o *observer, payload string, check func(bool)) {
 		if err1 != nil || err2 != nil || err3 != nil {
 			return
 		}
-		o.leader(LeaderInfo{Identity: f[3], Term: Term(term), Since: time.UnixMicro(micros), Pid: int32(pid)})
+		o.leader(LeaderInfo{Identity: f[3], Term: Term(term), Since: time.UnixMicro(micros), PID: int32(pid)})
 	case "end":
 		if term, err := strconv.ParseInt(rest, 10, 64); err == nil && Term(term) == o.cur.Term {
 			o.none()

@@ -50,7 +50,7 @@ func TestElectionTermWaitKeepsOtherLocks(t *testing.T) {
 			}
 			defer tx.Rollback(context.Background())
 			if tc.hold == "" {
-				err = CheckFence(ctx, tx, e.Key(), int64(old.Term()))
+				err = CheckFence(ctx, tx, e.Key(), old.Term())
 			} else {
 				_, err = tx.Exec(ctx, tc.hold, e.Name())
 			}
@@ -291,7 +291,7 @@ func TestCloseBoundedWithPoolExhausted(t *testing.T) {
 	case <-time.After(2 * loss):
 	}
 	start := time.Now()
-	if err := c.Close(); err != nil {
+	if err := c.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	if took := time.Since(start); took > loss {
@@ -470,7 +470,7 @@ func TestCloseCancelsLeaderBeforeRelease(t *testing.T) {
 		pgtest.Eventually(t, testTimeout, "the follower to wait for the election", func() bool {
 			return waitingOn(t, dsn, la.e.key) == 1
 		})
-		if err := a.Close(); err != nil {
+		if err := a.Close(context.Background()); err != nil {
 			t.Fatal(err)
 		}
 		if cause := context.Cause(la.Context()); !errors.Is(cause, ErrClosed) {

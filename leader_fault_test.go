@@ -41,7 +41,7 @@ func (e electionTarget) acquire(ctx context.Context, c *Client) (faultHold, erro
 }
 
 func (e electionTarget) check(ctx context.Context, tx pgx.Tx, fence int64) error {
-	return CheckFence(ctx, tx, e.key(), fence)
+	return CheckFence(ctx, tx, e.key(), Term(fence))
 }
 
 func (e electionTarget) holders(t testing.TB, dsn string) ([]int32, int) {
@@ -51,7 +51,7 @@ func (e electionTarget) holders(t testing.TB, dsn string) ([]int32, int) {
 
 type leaderHold struct{ *Leadership }
 
-func (h leaderHold) Fence() int64                      { return int64(h.Term()) }
+func (h leaderHold) Fence() Term                       { return h.Term() }
 func (h leaderHold) pid() int32                        { return h.lock.s.PID() }
 func (h leaderHold) release(ctx context.Context) error { return h.Resign(ctx) }
 
@@ -82,7 +82,7 @@ func runCandidateChild(out *childOut) error {
 		return err
 	}
 	defer pool.Close()
-	defer c.Close()
+	defer c.Close(context.Background())
 	et, ok := target.(electionTarget)
 	if !ok {
 		return fmt.Errorf("candidate: %v is not an election", target)
@@ -482,7 +482,7 @@ func watchElection(t testing.TB, dsn string, e *Election) (w *electionWatch, sto
 			case errors.Is(err2, ErrNoLeader):
 			case err2 != nil:
 				w.violate("Leader: %v", err2)
-			case !slices.Contains(before.pids, info.Pid) && !slices.Contains(after.pids, info.Pid):
+			case !slices.Contains(before.pids, info.PID) && !slices.Contains(after.pids, info.PID):
 				w.violate("Leader reported %+v, but pg_locks showed the lock held by %v just before and by %v just after", info, before.pids, after.pids)
 			case int64(info.Term) < reported:
 				w.violate("Leader reported term %d after term %d", info.Term, reported)
@@ -607,7 +607,7 @@ func TestElectionOneLeaderUnderFaults(t *testing.T) {
 				t.Fatal(err)
 			}
 		case "terminate":
-			at = terminateBackend(t, pool, info.Pid)
+			at = terminateBackend(t, pool, info.PID)
 		case "kill":
 			cur.proc.Kill(t)
 			log.killed(cur.term, at)
@@ -698,7 +698,7 @@ func TestElectionTakeover(t *testing.T) {
 					cur.proc.Kill(t)
 					log.killed(cur.term, at)
 				} else {
-					at = terminateBackend(t, pool, info.Pid)
+					at = terminateBackend(t, pool, info.PID)
 				}
 				next := log.awaitLead(t, cur.term)
 				took = append(took, next.start.Sub(at))
@@ -762,7 +762,7 @@ func TestElectionNoLeaderAfterDeath(t *testing.T) {
 			p := startFaultChild(t, "holder", dsn, target, childOptions(time.Second, 100*time.Millisecond))
 			term, pid := p.held(t)
 			info, err := e.Leader(ctx)
-			if err != nil || info.Term != Term(term) || info.Pid != pid || info.Identity != childIdentity(t, p) {
+			if err != nil || info.Term != Term(term) || info.PID != pid || info.Identity != childIdentity(t, p) {
 				t.Fatalf("Leader: %+v, %v; want term %d, backend %d", info, err, term, pid)
 			}
 			rec.awaitLast(t, info)
@@ -875,12 +875,12 @@ func (o *observed) deliveredWithin(t testing.TB, want LeaderInfo, since time.Tim
 }
 
 func sameLeader(a, b LeaderInfo) bool {
-	return a.Identity == b.Identity && a.Term == b.Term && a.Pid == b.Pid && a.Since.Equal(b.Since)
+	return a.Identity == b.Identity && a.Term == b.Term && a.PID == b.PID && a.Since.Equal(b.Since)
 }
 
 // leaderOf describes an in-process leadership as Leader would.
 func leaderOf(ld *Leadership, identity string) LeaderInfo {
-	return LeaderInfo{Identity: identity, Term: ld.Term(), Since: ld.Since(), Pid: ld.lock.s.PID()}
+	return LeaderInfo{Identity: identity, Term: ld.Term(), Since: ld.Since(), PID: ld.lock.s.PID()}
 }
 
 // Observe delivers every change, in order, through a sequence of known
@@ -1197,8 +1197,8 @@ func TestElectionConnectionUse(t *testing.T) {
 		if err != nil || info.Identity != "follows" || info.Term <= leads[i].Term() {
 			t.Fatalf("%s: Leader %+v, %v; want the following Client with a term after %d", name(i), info, err, leads[i].Term())
 		}
-		if !slices.Contains(backendsOf(fc), info.Pid) {
-			t.Fatalf("%s: lock held by backend %d, not one of the following Client's %v", name(i), info.Pid, backendsOf(fc))
+		if !slices.Contains(backendsOf(fc), info.PID) {
+			t.Fatalf("%s: lock held by backend %d, not one of the following Client's %v", name(i), info.PID, backendsOf(fc))
 		}
 		return took
 	}

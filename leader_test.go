@@ -66,8 +66,8 @@ func TestElectionCampaignLeaderResign(t *testing.T) {
 	if info.Identity != "pod-a" || info.Term != la.Term() || info.Term < 1 {
 		t.Fatalf("Leader = %+v, want pod-a with term %d", info, la.Term())
 	}
-	heldOnlyBy(t, dsn, ea.Key(), info.Pid)
-	if got := nextInfo(t, obs); got.Identity != "pod-a" || got.Term != la.Term() || got.Pid != info.Pid {
+	heldOnlyBy(t, dsn, ea.Key(), info.PID)
+	if got := nextInfo(t, obs); got.Identity != "pod-a" || got.Term != la.Term() || got.PID != info.PID {
 		t.Fatalf("observed %+v, want %+v", got, info)
 	}
 
@@ -109,10 +109,10 @@ func TestElectionCampaignLeaderResign(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
-	if err := CheckFence(ctx, tx, ea.Key(), int64(la.Term())); !errors.Is(err, ErrStaleFence) {
+	if err := CheckFence(ctx, tx, ea.Key(), la.Term()); !errors.Is(err, ErrStaleFence) {
 		t.Fatalf("CheckFence(old term) = %v, want ErrStaleFence", err)
 	}
-	if err := CheckFence(ctx, tx, ea.Key(), int64(lb.Term())); err != nil {
+	if err := CheckFence(ctx, tx, ea.Key(), lb.Term()); err != nil {
 		t.Fatalf("CheckFence(new term) = %v", err)
 	}
 	if err := lb.Resign(ctx); err != nil {
@@ -171,7 +171,7 @@ func TestElectionTerminatedLeaderBackend(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pgtest.Terminate(t, dsn, info.Pid)
+	pgtest.Terminate(t, dsn, info.PID)
 	w := <-won
 	if w.aErr == nil {
 		t.Fatal("b's fn started while a's leader context was not cancelled")
@@ -258,7 +258,7 @@ func TestElectionRequestResign(t *testing.T) {
 		if err != nil || info.Identity != second.who || info.Term != second.term {
 			t.Fatalf("Leader: %+v, %v; want %s with term %d", info, err, second.who, second.term)
 		}
-		heldOnlyBy(t, dsn, e.Key(), info.Pid)
+		heldOnlyBy(t, dsn, e.Key(), info.PID)
 		first = second
 	}
 	stop()
@@ -274,7 +274,7 @@ func TestElectionBadInput(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 	ctx := testCtx(t)
 	for _, tc := range []struct {
 		e    *Election
@@ -356,7 +356,7 @@ func TestElectionCampaignPreparesTakeover(t *testing.T) {
 	if got := prepared(guard); !slices.Contains(got, try) {
 		t.Errorf("the guard session has not prepared the guard's try; prepared: %q", got)
 	}
-	if info, err := ea.Leader(ctx); err != nil || info.Identity != "b" || info.Term != lb.Term() || info.Pid != lb.lock.s.PID() {
+	if info, err := ea.Leader(ctx); err != nil || info.Identity != "b" || info.Term != lb.Term() || info.PID != lb.lock.s.PID() {
 		t.Fatalf("Leader = %+v, %v; want b, term %d, backend %d", info, err, lb.Term(), lb.lock.s.PID())
 	}
 }

@@ -48,7 +48,7 @@ func (l *Lock) Keys() []Key { return append([]Key(nil), l.keys...) }
 
 // Fence returns the fencing token issued when the lock was taken with
 // [WithFence], or 0 if none was asked for.
-func (l *Lock) Fence() int64 { return l.fence }
+func (l *Lock) Fence() Term { return Term(l.fence) }
 
 // Done returns a channel that is closed when the lock ends: by Unlock, by
 // the end of its session or Client, or by loss.

@@ -396,7 +396,7 @@ func TestClientCloseReleaseBoundedByLossDeadlineOnSilentNetwork(t *testing.T) {
 	closed := false
 	t.Cleanup(func() {
 		if !closed {
-			_ = c.Close()
+			_ = c.Close(context.Background())
 		}
 	})
 	l, err := c.Lock(ctx, Int64Key(7401))
@@ -415,7 +415,7 @@ func TestClientCloseReleaseBoundedByLossDeadlineOnSilentNetwork(t *testing.T) {
 	proxy.Blackhole()
 	t.Cleanup(proxy.CloseAll) // end the partition before the database's cleanup
 	start := time.Now()
-	err = c.Close()
+	err = c.Close(context.Background())
 	closed = true
 	took := time.Since(start)
 	if took > loss+500*time.Millisecond {
@@ -474,7 +474,7 @@ func TestClientCloseDuringAcquiresLeavesNothing(t *testing.T) {
 			t.Fatal("no locks taken")
 		}
 		start := time.Now()
-		if err := c.Close(); err != nil {
+		if err := c.Close(context.Background()); err != nil {
 			t.Errorf("round %d: Close: %v", round, err)
 		}
 		if took := time.Since(start); took > time.Second+500*time.Millisecond {

@@ -439,7 +439,7 @@ func runLockCoreProcess(ctx context.Context, dsn string, proc int, seed uint64, 
 		c, err := New(pool, spec.options(lcAppName(proc, i))...)
 		if err != nil {
 			for _, cl := range p.clients {
-				_ = cl.c.Close()
+				_ = cl.c.Close(context.Background())
 			}
 			return err
 		}
@@ -460,7 +460,7 @@ func runLockCoreProcess(ctx context.Context, dsn string, proc int, seed uint64, 
 
 	for _, cl := range p.clients {
 		op := &lcOp{ID: fmt.Sprintf("p%d-c%d-close", proc, cl.idx), Proc: proc, Client: cl.idx, Kind: "Client.Close", Start: lcNow()}
-		err := cl.c.Close()
+		err := cl.c.Close(context.Background())
 		op.Ret, op.UnlockAt, op.Outcome, op.UnlockErr = lcNow(), lcNow(), lcOutcome(err, nil), lcErrString(err)
 		p.emit(lcEvent{Op: op})
 	}
@@ -808,7 +808,7 @@ func (w *lcWorker) round(ctx context.Context, on lcLocker, s *Session, kind lcKi
 		}
 		return
 	}
-	op.PID, op.Fence = lockBackendPID(l), l.Fence()
+	op.PID, op.Fence = lockBackendPID(l), int64(l.Fence())
 	var doneAt int64
 	var doneErr error
 	watched := make(chan struct{})

@@ -133,8 +133,8 @@ func loadMigrations(fsys fs.FS) ([]migration, error) {
 // and a table schema_version in it that records each applied version and
 // when; then it runs each migration newer than the recorded version, in
 // order, with search_path set to the schema, and commits. On any error
-// nothing is applied. Migrate needs READ COMMITTED, the default isolation
-// level.
+// nothing is applied. The transaction runs at READ COMMITTED whatever the
+// default isolation level of the server, database or role.
 //
 // Privileges: CREATE on the database if the schema does not exist yet;
 // otherwise CREATE and USAGE on the schema while there is something to
@@ -144,15 +144,26 @@ func loadMigrations(fsys fs.FS) ([]migration, error) {
 // error (SQLSTATE 42501), wrapped.
 //
 // ctx governs the whole call, including the wait for other Migrate calls to
-// finish; if it ends first, the transaction is rolled back. Options: only
-// [WithSchema] and [WithLogger] apply; others are rejected with an error.
+// finish; if it ends first, the transaction is rolled back. Options:
+// [WithSchema] and [WithLogger].
 // Errors from PostgreSQL are wrapped, so *pgconn.PgError stays reachable with
 // errors.As.
-func Migrate(ctx context.Context, db TxBeginner, opts ...Option) error {
-	c, err := newConfig(scopeMigrate, opts)
+func Migrate(ctx context.Context, db TxBeginner, opts ...MigrateOption) error {
+	c, err := newMigrateConfig(opts)
 	if err != nil {
 		return err
 	}
+	return migrate(ctx, c, db)
+}
+
+// Migrate is [Migrate] on the Client's pool, in the Client's schema
+// ([WithSchema]) and with its logger ([WithLogger]). ctx and the errors
+// are as for [Migrate].
+func (c *Client) Migrate(ctx context.Context) error {
+	return migrate(ctx, c.cfg, c.pool)
+}
+
+func migrate(ctx context.Context, c *config, db TxBeginner) error {
 	if db == nil {
 		return errors.New("pgcoord: Migrate: db is nil")
 	}
@@ -210,8 +221,8 @@ func Migrate(ctx context.Context, db TxBeginner, opts ...Option) error {
 // and deleting their rows from schema_version, in one transaction under the
 // same advisory lock as Migrate. At target 0 it also drops schema_version,
 // leaving the schema itself, which may hold other objects, in place.
-func migrateDown(ctx context.Context, db TxBeginner, target int64, opts ...Option) error {
-	c, err := newConfig(scopeMigrate, opts)
+func migrateDown(ctx context.Context, db TxBeginner, target int64, opts ...MigrateOption) error {
+	c, err := newMigrateConfig(opts)
 	if err != nil {
 		return err
 	}

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"io/fs"
+	"log/slog"
 	"slices"
 	"strings"
 	"sync"
@@ -320,17 +321,48 @@ func TestMigrateHostileSchemaNames(t *testing.T) {
 	}
 }
 
+// The options of New, Migrate and CheckFence are types of their own: an
+// option that does not apply somewhere does not compile there. WithSchema
+// serves all three, WithLogger New and Migrate, and no other option is a
+// MigrateOption or a FenceOption.
+func TestOptionTypes(t *testing.T) {
+	var _ Option = WithSchema("s")
+	var _ MigrateOption = WithSchema("s")
+	var _ FenceOption = WithSchema("s")
+	var _ Option = WithLogger(slog.Default())
+	var _ MigrateOption = WithLogger(slog.Default())
+	if _, ok := any(WithLogger(slog.Default())).(FenceOption); ok {
+		t.Error("WithLogger is a FenceOption")
+	}
+	for name, o := range map[string]Option{
+		"WithHeartbeat":       WithHeartbeat(time.Second),
+		"WithLossDeadline":    WithLossDeadline(10 * time.Second),
+		"WithApplicationName": WithApplicationName("x"),
+		"WithMaxWaits":        WithMaxWaits(1),
+		"WithSharedBackends":  WithSharedBackends(1),
+		"WithHandoff":         WithHandoff(1, time.Second),
+		"WithSessionPooler":   WithSessionPooler(),
+		"WithHooks":           WithHooks(Hooks{}),
+		"WithKeyNames":        WithKeyNames(nil),
+	} {
+		if _, ok := o.(MigrateOption); ok {
+			t.Errorf("%s is a MigrateOption", name)
+		}
+		if _, ok := o.(FenceOption); ok {
+			t.Errorf("%s is a FenceOption", name)
+		}
+	}
+}
+
 func TestMigrateRejectsOptions(t *testing.T) {
 	ctx := testCtx(t)
 	dsn := pgtest.DB(t)
 	pool := pgtest.Pool(t, dsn)
-	for _, opts := range [][]Option{
-		{WithHeartbeat(time.Second)},
-		{WithLossDeadline(10 * time.Second)},
-		{WithApplicationName("x")},
+	for _, opts := range [][]MigrateOption{
 		{nil},
 		{WithLogger(nil)},
-		{WithSchema("ok"), WithHeartbeat(time.Second)},
+		{WithSchema("ok"), nil},
+		{WithSchema("ok"), WithLogger(nil)},
 	} {
 		err := Migrate(ctx, pool, opts...)
 		if err == nil || !strings.HasPrefix(err.Error(), "pgcoord: ") {

@@ -20,49 +20,53 @@ const (
 	DefaultSchema       = "pgcoord"
 )
 
-// Option configures a [Client] (New, Open), [Migrate] or [CheckFence]. Invalid values and
-// options that do not apply are reported as errors by the function they are
-// passed to, never silently replaced.
+// Option configures a [Client] ([New], [Open]). Invalid values are
+// reported as errors by New or Open, never silently replaced. The options
+// of [Migrate] ([MigrateOption]) and [CheckFence] ([FenceOption]) are
+// types of their own, so an option that does not apply there does not
+// compile; [WithSchema] and [WithLogger] serve more than one.
 type Option interface {
 	apply(*config) error
 }
 
-type optionFunc struct {
-	name  string
-	where scope
-	f     func(*config) error
+// MigrateOption configures [Migrate]: [WithSchema] and [WithLogger].
+type MigrateOption interface {
+	applyMigrate(*config) error
 }
 
-type scope uint8
+// FenceOption configures [CheckFence]: [WithSchema].
+type FenceOption interface {
+	applyFence(*config) error
+}
 
-const (
-	scopeClient scope = 1 << iota
-	scopeMigrate
-	scopeFence
-)
+type optionFunc struct {
+	name string
+	f    func(*config) error
+}
 
 func (o optionFunc) apply(c *config) error {
-	if o.where&c.scope == 0 {
-		return errorf("option %s does not apply to %s", o.name, c.scope)
-	}
 	if err := o.f(c); err != nil {
 		return errorf("option %s: %w", o.name, err)
 	}
 	return nil
 }
 
-func (s scope) String() string {
-	switch s {
-	case scopeMigrate:
-		return "Migrate"
-	case scopeFence:
-		return "CheckFence"
-	}
-	return "New/Open"
-}
+// SchemaOption is the option of [WithSchema]: an [Option], a
+// [MigrateOption] and a [FenceOption].
+type SchemaOption struct{ o optionFunc }
+
+func (o SchemaOption) apply(c *config) error        { return o.o.apply(c) }
+func (o SchemaOption) applyMigrate(c *config) error { return o.o.apply(c) }
+func (o SchemaOption) applyFence(c *config) error   { return o.o.apply(c) }
+
+// LoggerOption is the option of [WithLogger]: an [Option] and a
+// [MigrateOption].
+type LoggerOption struct{ o optionFunc }
+
+func (o LoggerOption) apply(c *config) error        { return o.o.apply(c) }
+func (o LoggerOption) applyMigrate(c *config) error { return o.o.apply(c) }
 
 type config struct {
-	scope          scope
 	heartbeat      time.Duration
 	lossDeadline   time.Duration
 	logger         *slog.Logger
@@ -84,9 +88,40 @@ type config struct {
 // healthy connection.
 func (c *config) waitSlice() time.Duration { return (c.lossDeadline - c.heartbeat) / 2 }
 
-func newConfig(s scope, opts []Option) (*config, error) {
+func newConfig(opts []Option) (*config, error) {
+	fs := make([]func(*config) error, len(opts))
+	for i, o := range opts {
+		if o != nil {
+			fs[i] = o.apply
+		}
+	}
+	return buildConfig("Option", fs)
+}
+
+func newMigrateConfig(opts []MigrateOption) (*config, error) {
+	fs := make([]func(*config) error, len(opts))
+	for i, o := range opts {
+		if o != nil {
+			fs[i] = o.applyMigrate
+		}
+	}
+	return buildConfig("MigrateOption", fs)
+}
+
+func newFenceConfig(opts []FenceOption) (*config, error) {
+	fs := make([]func(*config) error, len(opts))
+	for i, o := range opts {
+		if o != nil {
+			fs[i] = o.applyFence
+		}
+	}
+	return buildConfig("FenceOption", fs)
+}
+
+// buildConfig applies the options fs (nil for a nil option of the given
+// kind) to the defaults.
+func buildConfig(kind string, fs []func(*config) error) (*config, error) {
 	c := &config{
-		scope:        s,
 		heartbeat:    DefaultHeartbeat,
 		lossDeadline: DefaultLossDeadline,
 		appName:      "pgcoord",
@@ -98,12 +133,12 @@ func newConfig(s scope, opts []Option) (*config, error) {
 		handoffWindow:  DefaultHandoffWindow,
 	}
 	var errs []error
-	for _, o := range opts {
-		if o == nil {
-			errs = append(errs, errors.New("pgcoord: nil Option"))
+	for _, f := range fs {
+		if f == nil {
+			errs = append(errs, errors.New("pgcoord: nil "+kind))
 			continue
 		}
-		errs = append(errs, o.apply(c))
+		errs = append(errs, f(c))
 	}
 	if c.heartbeat*2 > c.lossDeadline {
 		errs = append(errs, errorf("heartbeat %v must be at most half the loss deadline %v, so one missed beat is not a loss", c.heartbeat, c.lossDeadline))
@@ -118,7 +153,7 @@ func newConfig(s scope, opts []Option) (*config, error) {
 // (default [DefaultHeartbeat]). It must be positive and at most half the loss
 // deadline.
 func WithHeartbeat(d time.Duration) Option {
-	return optionFunc{"WithHeartbeat", scopeClient, func(c *config) error {
+	return optionFunc{"WithHeartbeat", func(c *config) error {
 		if d <= 0 {
 			return errorf("interval must be positive, got %v", d)
 		}
@@ -133,7 +168,7 @@ func WithHeartbeat(d time.Duration) Option {
 // client's locks after about 2L (see the package documentation), so the old
 // holder gives up before anyone else can acquire. It must be at least 1s.
 func WithLossDeadline(d time.Duration) Option {
-	return optionFunc{"WithLossDeadline", scopeClient, func(c *config) error {
+	return optionFunc{"WithLossDeadline", func(c *config) error {
 		if d < time.Second {
 			return errorf("deadline must be at least 1s, got %v", d)
 		}
@@ -149,21 +184,21 @@ func WithLossDeadline(d time.Duration) Option {
 // records go to slog.Default() (a lost lock is never silent) and the
 // others are discarded. Debug records cost nothing unless the logger is
 // enabled for Debug. It must not be nil.
-func WithLogger(l *slog.Logger) Option {
-	return optionFunc{"WithLogger", scopeClient | scopeMigrate, func(c *config) error {
+func WithLogger(l *slog.Logger) LoggerOption {
+	return LoggerOption{optionFunc{"WithLogger", func(c *config) error {
 		if l == nil {
 			return errors.New("logger is nil")
 		}
 		c.logger = l
 		return nil
-	}}
+	}}}
 }
 
 // WithApplicationName sets application_name on pgcoord's connections
 // (default "pgcoord"), which shows in pg_stat_activity next to their locks.
 // It must be non-empty and shorter than 64 bytes.
 func WithApplicationName(name string) Option {
-	return optionFunc{"WithApplicationName", scopeClient, func(c *config) error {
+	return optionFunc{"WithApplicationName", func(c *config) error {
 		if name == "" || len(name) >= 64 {
 			return errorf("name must be 1 to 63 bytes, got %d bytes", len(name))
 		}
@@ -173,10 +208,12 @@ func WithApplicationName(name string) Option {
 }
 
 // WithSchema sets the schema that holds pgcoord's tables (default
-// [DefaultSchema]). Pass the same schema to [Migrate], to [New] or [Open],
-// and to [CheckFence]. The name is always quoted, so it is used exactly as given.
-func WithSchema(name string) Option {
-	return optionFunc{"WithSchema", scopeClient | scopeMigrate | scopeFence, func(c *config) error {
+// [DefaultSchema]). Pass the same schema to [New] or [Open], to [Migrate]
+// and to [CheckFence], or use a Client's [Client.Migrate] and
+// [Client.CheckFence], which take the Client's. The name is always quoted,
+// so it is used exactly as given.
+func WithSchema(name string) SchemaOption {
+	return SchemaOption{optionFunc{"WithSchema", func(c *config) error {
 		if name == "" || len(name) >= 64 {
 			return errorf("schema name must be 1 to 63 bytes, got %d bytes", len(name))
 		}
@@ -187,7 +224,7 @@ func WithSchema(name string) Option {
 		}
 		c.schema = name
 		return nil
-	}}
+	}}}
 }
 
 // WithMaxWaits sets how many blocking acquires of the Client's own locks
@@ -201,7 +238,7 @@ func WithSchema(name string) Option {
 // connection meanwhile, and never holds up other acquires. It must be 1 to
 // 1000.
 func WithMaxWaits(n int) Option {
-	return optionFunc{"WithMaxWaits", scopeClient, func(c *config) error {
+	return optionFunc{"WithMaxWaits", func(c *config) error {
 		if n < 1 || n > 1000 {
 			return errorf("must be 1 to 1000, got %d", n)
 		}
@@ -216,7 +253,7 @@ func WithMaxWaits(n int) Option {
 // one of them or on a connection that waited for it (see [WithMaxWaits]).
 // It must be 1 to 64.
 func WithSharedBackends(n int) Option {
-	return optionFunc{"WithSharedBackends", scopeClient, func(c *config) error {
+	return optionFunc{"WithSharedBackends", func(c *config) error {
 		if n < 1 || n > 64 {
 			return errorf("must be 1 to 64, got %d", n)
 		}
@@ -244,7 +281,7 @@ const (
 // [DefaultHandoffWindow]. max must be 0 to 1000 and window 0 to 1s, and
 // both zero or both positive.
 func WithHandoff(max int, window time.Duration) Option {
-	return optionFunc{"WithHandoff", scopeClient, func(c *config) error {
+	return optionFunc{"WithHandoff", func(c *config) error {
 		if max < 0 || max > 1000 || window < 0 || window > time.Second || (max == 0) != (window == 0) {
 			return errorf("want max 0 to 1000 and window 0 to 1s, both zero or both positive; got %d and %v", max, window)
 		}
@@ -265,7 +302,7 @@ func WithHandoff(max int, window time.Duration) Option {
 // another. TCP-level proxies (HAProxy, cloud-sql-proxy) are not poolers
 // and need no option.
 func WithSessionPooler() Option {
-	return optionFunc{"WithSessionPooler", scopeClient, func(c *config) error {
+	return optionFunc{"WithSessionPooler", func(c *config) error {
 		c.sessionPooler = true
 		return nil
 	}}

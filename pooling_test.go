@@ -231,7 +231,7 @@ func TestTransactionPoolingBusyPool(t *testing.T) {
 		if !errors.Is(err, ErrTransactionPooling) {
 			t.Errorf("attempt %d: Lock behind a busy transaction pool: (%v, %v), want ErrTransactionPooling", i, l, err)
 		}
-		if err := c.Close(); err != nil {
+		if err := c.Close(context.Background()); err != nil {
 			t.Fatal(err)
 		}
 		if n := len(lockState(t, dsn)); n != 0 {

@@ -652,7 +652,7 @@ type Holder struct {
 	Slot     int       // the permit's slot
 	Identity string    // who holds it (see WithHolderIdentity); "" if its row is missing
 	Since    time.Time // when it was granted; zero if its row is missing
-	Pid      int32     // server backend that holds it; pg_terminate_backend(Pid) frees it, with every other lock of that backend
+	PID      int32     // server backend that holds it; pg_terminate_backend(PID) frees it, with every other lock of that backend
 }
 
 // Holders returns the live holders of the semaphore's permits, oldest
@@ -684,7 +684,7 @@ func (s *Semaphore) Holders(ctx context.Context) ([]Holder, error) {
 		var h Holder
 		var slot int32
 		var since *time.Time
-		err := row.Scan(&slot, &h.Pid, &h.Identity, &since)
+		err := row.Scan(&slot, &h.PID, &h.Identity, &since)
 		h.Slot = int(slot)
 		if since != nil {
 			h.Since = *since

@@ -87,7 +87,7 @@ func (s semaphoreTarget) holders(t testing.TB, dsn string) ([]int32, int) {
 
 type permitHold struct{ *Permit }
 
-func (h permitHold) Fence() int64                      { return 0 }
+func (h permitHold) Fence() Term                       { return 0 }
 func (h permitHold) pid() int32                        { return h.l.s.PID() }
 func (h permitHold) release(ctx context.Context) error { return h.Release(ctx) }
 
@@ -349,7 +349,7 @@ func TestSemaphoreFaultServerRestart(t *testing.T) {
 			}
 			var got, want []int32
 			for i, h := range hs {
-				got, want = append(got, h.Pid), append(want, again[i].l.s.PID())
+				got, want = append(got, h.PID), append(want, again[i].l.s.PID())
 			}
 			slices.Sort(got)
 			slices.Sort(want)

@@ -219,7 +219,7 @@ func TestSemaphoreHolders(t *testing.T) {
 		identity string
 	}{{pa, wantA}, {pb, "worker b"}} {
 		h := hs[i]
-		if h.Slot != want.p.Slot() || h.Identity != want.identity || h.Pid != slots[h.Slot] || h.Pid != want.p.l.s.pid {
+		if h.Slot != want.p.Slot() || h.Identity != want.identity || h.PID != slots[h.Slot] || h.PID != want.p.l.s.pid {
 			t.Errorf("holder %d = %+v, want slot %d, identity %q, pid %d (pg_locks: %d)", i, h, want.p.Slot(), want.identity, want.p.l.s.pid, slots[h.Slot])
 		}
 		if h.Since.Before(before.Add(-time.Minute)) || h.Since.After(time.Now().Add(time.Minute)) {
@@ -321,7 +321,7 @@ func TestSemaphoreHolderBackendTerminated(t *testing.T) {
 	if err != nil || len(hs) != 1 || hs[0].Identity != "a" {
 		t.Fatalf("Holders = %+v, %v; want a", hs, err)
 	}
-	pgtest.Terminate(t, dsn, hs[0].Pid)
+	pgtest.Terminate(t, dsn, hs[0].PID)
 	gone := time.Now()
 	r := receivePermit(t, waiter)
 	if r.err != nil {
@@ -339,7 +339,7 @@ func TestSemaphoreHolderBackendTerminated(t *testing.T) {
 		t.Fatalf("dead holder's Err = %v, want ErrLockLost", err)
 	}
 	hs, err = b.Holders(ctx)
-	if err != nil || len(hs) != 1 || hs[0].Identity != "b" || hs[0].Pid != r.p.l.s.pid {
+	if err != nil || len(hs) != 1 || hs[0].Identity != "b" || hs[0].PID != r.p.l.s.pid {
 		t.Fatalf("Holders after the death = %+v, %v; want only b on backend %d", hs, err, r.p.l.s.pid)
 	}
 	mustRelease(t, r.p)
@@ -357,7 +357,7 @@ func TestSemaphoreHolderProcessKilled(t *testing.T) {
 
 	sem := newTestClient(t, dsn).Semaphore(target.name, 1, WithHolderIdentity("parent"))
 	hs, err := sem.Holders(ctx)
-	if err != nil || len(hs) != 1 || hs[0].Identity == "parent" || hs[0].Pid != childPid {
+	if err != nil || len(hs) != 1 || hs[0].Identity == "parent" || hs[0].PID != childPid {
 		t.Fatalf("Holders = %+v, %v; want the child on backend %d", hs, err, childPid)
 	}
 	waiter := goAcquire(ctx, sem)
@@ -656,7 +656,7 @@ func TestSemaphoreClientClose(t *testing.T) {
 	p := mustAcquire(t, sem, true)
 	waiter := goAcquire(ctx, sem)
 	awaitHead(t, dsn, sem)
-	if err := c.Close(); err != nil {
+	if err := c.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	if r := receivePermit(t, waiter); !errors.Is(r.err, ErrClosed) {

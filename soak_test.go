@@ -225,7 +225,7 @@ func runSoakChild(out *childOut) error {
 		return err
 	}
 	defer pool.Close()
-	defer c.Close()
+	defer c.Close(context.Background())
 	var targets []faultTarget
 	for _, s := range strings.Split(os.Getenv(soakTargetsEnv), ",") {
 		target, err := parseFaultTarget(s)
@@ -263,11 +263,11 @@ func runSoakChild(out *childOut) error {
 			time.Sleep(50 * time.Millisecond) // the server may be restarting
 			continue
 		}
-		emit(soakEvent{Ev: "ret", ID: id, Result: "ok", Fence: h.Fence()})
+		emit(soakEvent{Ev: "ret", ID: id, Result: "ok", Fence: int64(h.Fence())})
 		lossChecked := false
 		for w := range 2 {
 			wid := fmt.Sprintf("%s-w%d", id, w)
-			emit(soakEvent{Ev: "call", ID: wid, Op: "write", Target: target.String(), Holder: id, Fence: h.Fence()})
+			emit(soakEvent{Ev: "call", ID: wid, Op: "write", Target: target.String(), Holder: id, Fence: int64(h.Fence())})
 			wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 			held, err := soakWrite(wctx, pool, target, h, me, wid)
 			cancel()
@@ -323,7 +323,7 @@ func soakWrite(ctx context.Context, pool *pgxpool.Pool, target faultTarget, h fa
 		return false, fmt.Errorf("%v: not a bigint key", target)
 	}
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if err := target.check(ctx, tx, h.Fence()); err != nil {
+		if err := target.check(ctx, tx, int64(h.Fence())); err != nil {
 			return err
 		}
 		if err := tx.QueryRow(ctx, soakHeldSQL, h.pid(), k).Scan(&held); err != nil {

@@ -309,8 +309,8 @@ func TestBinary(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if h := holdersOf(t, edb, c.Election("alpha").Key()); len(h) != 1 || h[0] != info.Pid {
-			t.Fatalf("alpha's lock held by %v, Leader says %d", h, info.Pid)
+		if h := holdersOf(t, edb, c.Election("alpha").Key()); len(h) != 1 || h[0] != info.PID {
+			t.Fatalf("alpha's lock held by %v, Leader says %d", h, info.PID)
 		}
 		if h := holdersOf(t, edb, c.Election("beta").Key()); len(h) != 0 {
 			t.Fatalf("beta's lock held by %v after the resign", h)
@@ -321,8 +321,8 @@ func TestBinary(t *testing.T) {
 			t.Fatalf("elections --json: exit %d, %q, %q", r.code, r.stdout, r.stderr)
 		}
 		a, b := lines[0], lines[1]
-		if a["election"] != "alpha" || a["identity"] != "pod-a" || a["leading"] != true || a["pid"] != float64(info.Pid) || a["term"] != float64(live.Term()) {
-			t.Errorf("alpha: %v; want pod-a leading, pid %d, term %d", a, info.Pid, live.Term())
+		if a["election"] != "alpha" || a["identity"] != "pod-a" || a["leading"] != true || a["pid"] != float64(info.PID) || a["term"] != float64(live.Term()) {
+			t.Errorf("alpha: %v; want pod-a leading, pid %d, term %d", a, info.PID, live.Term())
 		}
 		if b["election"] != "beta" || b["identity"] != "pod-b" || b["leading"] != false || b["term"] != float64(ended.Term()) {
 			t.Errorf("beta: %v; want pod-b not leading, term %d", b, ended.Term())
@@ -428,7 +428,7 @@ func newClient(t *testing.T, db string) *pgcoord.Client {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { c.Close() })
+	t.Cleanup(func() { c.Close(context.Background()) })
 	return c
 }
 

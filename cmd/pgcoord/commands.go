@@ -329,7 +329,7 @@ func leaderCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		if err != nil {
 			return err
 		}
-		defer c.Close()
+		defer c.Close(context.Background())
 		el := c.Election(args[0])
 		info, err := el.Leader(ctx)
 		if err != nil {
@@ -341,12 +341,12 @@ func leaderCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			}
 		}
 		if *asJSON {
-			return json.NewEncoder(e.stdout).Encode(leaderJSON{args[0], info.Identity, int64(info.Term), info.Since, info.Pid, *resign})
+			return json.NewEncoder(e.stdout).Encode(leaderJSON{args[0], info.Identity, int64(info.Term), info.Since, info.PID, *resign})
 		}
 		tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "ELECTION\tIDENTITY\tTERM\tSINCE\tLEADING FOR\tPID")
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%d\n", args[0], info.Identity, info.Term,
-			info.Since.Format(time.RFC3339), time.Since(info.Since).Round(time.Millisecond), info.Pid)
+			info.Since.Format(time.RFC3339), time.Since(info.Since).Round(time.Millisecond), info.PID)
 		if err := tw.Flush(); err != nil {
 			return err
 		}
@@ -414,7 +414,7 @@ func semaphoresCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error
 			if err != nil {
 				return err
 			}
-			defer c.Close()
+			defer c.Close(context.Background())
 			for i := range sems {
 				hs, err := c.Semaphore(sems[i].Name, 1).Holders(ctx)
 				if err != nil {
@@ -422,7 +422,7 @@ func semaphoresCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error
 				}
 				sems[i].Holders = make([]holderJSON, len(hs))
 				for j, h := range hs {
-					sems[i].Holders[j] = holderJSON{h.Slot, h.Identity, h.Since, h.Pid}
+					sems[i].Holders[j] = holderJSON{h.Slot, h.Identity, h.Since, h.PID}
 				}
 			}
 		}

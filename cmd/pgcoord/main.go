@@ -492,5 +492,5 @@ func openClient(ctx context.Context, e *env, opts ...pgcoord.Option) (c *pgcoord
 		pool.Close()
 		return nil, nil, err
 	}
-	return c, func() { _ = c.Close(); pool.Close() }, nil
+	return c, func() { _ = c.Close(context.Background()); pool.Close() }, nil
 }

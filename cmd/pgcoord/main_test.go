@@ -359,7 +359,7 @@ func TestLeaderCommand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 	ld, err := c.Election("cron", pgcoord.WithIdentity("pod-7")).Campaign(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -375,13 +375,13 @@ func TestLeaderCommand(t *testing.T) {
 	var got struct {
 		Identity string `json:"identity"`
 		Term     int64  `json:"term"`
-		Pid      int32  `json:"pid"`
+		PID      int32  `json:"pid"`
 	}
 	if err := json.Unmarshal([]byte(stdout), &got); err != nil {
 		t.Fatalf("leader --json output %q: %v", stdout, err)
 	}
-	if got.Identity != "pod-7" || got.Term != int64(ld.Term()) || got.Pid != info.Pid {
-		t.Fatalf("leader --json = %+v, want pod-7, term %d, pid %d", got, ld.Term(), info.Pid)
+	if got.Identity != "pod-7" || got.Term != int64(ld.Term()) || got.PID != info.PID {
+		t.Fatalf("leader --json = %+v, want pod-7, term %d, pid %d", got, ld.Term(), info.PID)
 	}
 	code, stdout, stderr = cli(t, db, "leader", "--resign", "cron")
 	if code != exitOK || !strings.Contains(stdout, "pod-7") || !strings.Contains(stdout, "asked term") {
@@ -408,7 +408,7 @@ func TestSemaphoresCommand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 	sem := c.Semaphore("exports", 2, pgcoord.WithHolderIdentity("worker-1"))
 	p1, err := sem.Acquire(ctx)
 	if err != nil {
@@ -439,7 +439,7 @@ func TestSemaphoresCommand(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(got) != 2 || got[0].Name != "exports" || got[0].Limit != 2 || got[0].Held != 1 || got[0].Queued != 0 ||
-		len(got[0].Holders) != 1 || got[0].Holders[0].Identity != "worker-1" || got[0].Holders[0].PID != hs[0].Pid ||
+		len(got[0].Holders) != 1 || got[0].Holders[0].Identity != "worker-1" || got[0].Holders[0].PID != hs[0].PID ||
 		got[1].Name != "idle" || got[1].Limit != 5 || got[1].Held != 0 {
 		t.Fatalf("semaphores --json = %+v", got)
 	}

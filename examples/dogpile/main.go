@@ -169,7 +169,7 @@ func run(nolock bool) error {
 		if err != nil {
 			return err
 		}
-		defer c.Close()
+		defer c.Close(context.Background())
 		caches[i] = &cache{pool: pool, c: c, nolock: nolock, computed: &computed}
 	}
 

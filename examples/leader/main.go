@@ -72,7 +72,7 @@ func candidate(name string) error {
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 	e := c.Election(election, pgcoord.WithIdentity(name))
 	fmt.Println("ready")
 	err = e.Run(ctx, func(ctx context.Context, term pgcoord.Term) error {
@@ -134,7 +134,7 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	defer obs.Close()
+	defer obs.Close(context.Background())
 	e := obs.Election(election)
 
 	events := make(chan event, 64)
@@ -214,7 +214,7 @@ func run() error {
 		return err
 	}
 	fmt.Printf("   %s leads, term %d (Leader(): identity %s, backend pid %d, since %s)\n",
-		first.name, first.term, info.Identity, info.Pid, info.Since.Format(time.TimeOnly))
+		first.name, first.term, info.Identity, info.PID, info.Since.Format(time.TimeOnly))
 
 	fmt.Printf("\n2. kill -9 the leader's process, %d times, and time the takeover\n", kills)
 	var takeovers []time.Duration
@@ -293,7 +293,7 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	if _, err := pool.Exec(ctx, "SELECT pg_terminate_backend($1)", before.Pid); err != nil {
+	if _, err := pool.Exec(ctx, "SELECT pg_terminate_backend($1)", before.PID); err != nil {
 		return err
 	}
 	end, ev, err = handover()

@@ -63,12 +63,12 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	defer a.Close()
+	defer a.Close(context.Background())
 	b, err := pgcoord.New(pool, pgcoord.WithApplicationName("worker-b"))
 	if err != nil {
 		return err
 	}
-	defer b.Close()
+	defer b.Close(context.Background())
 
 	job := pgcoord.HashKey("report", "daily")
 	fmt.Printf("\n1. worker-a locks %v (HashKey(\"report\", \"daily\")) with a fencing token\n", job)
@@ -203,10 +203,10 @@ func electLeader(ctx context.Context, pool *pgxpool.Pool, a, b *pgcoord.Client) 
 	if err != nil {
 		return err
 	}
-	fmt.Printf("   %s leads, term %d, on backend %d; worker-b waits\n", first.who, first.term, info.Pid)
+	fmt.Printf("   %s leads, term %d, on backend %d; worker-b waits\n", first.who, first.term, info.PID)
 	fmt.Println("   an operator terminates the leader's backend")
 	killed := time.Now()
-	if _, err := pool.Exec(ctx, "SELECT pg_terminate_backend($1)", info.Pid); err != nil {
+	if _, err := pool.Exec(ctx, "SELECT pg_terminate_backend($1)", info.PID); err != nil {
 		return err
 	}
 	end, err := next(ends)
@@ -225,7 +225,7 @@ func electLeader(ctx context.Context, pool *pgxpool.Pool, a, b *pgcoord.Client) 
 
 // writeReport writes the report in a transaction that first checks the
 // writer's fence.
-func writeReport(ctx context.Context, pool *pgxpool.Pool, job pgcoord.Key, fence int64, body string) error {
+func writeReport(ctx context.Context, pool *pgxpool.Pool, job pgcoord.Key, fence pgcoord.Term, body string) error {
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if err := pgcoord.CheckFence(ctx, tx, job, fence); err != nil {
 			return err

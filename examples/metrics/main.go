@@ -177,12 +177,12 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	defer a.Close()
+	defer a.Close(context.Background())
 	b, err := pgcoord.New(pool, opts...)
 	if err != nil {
 		return err
 	}
-	defer b.Close()
+	defer b.Close(context.Background())
 
 	fmt.Println("8 goroutines of two Clients take 3 keys 50 times each ...")
 	var wg sync.WaitGroup
@@ -247,10 +247,10 @@ func run() error {
 		return ctx.Err()
 	}
 	// The hooks run on their own goroutine: Close delivers what is left.
-	if err := a.Close(); err != nil {
+	if err := a.Close(context.Background()); err != nil {
 		return err
 	}
-	if err := b.Close(); err != nil {
+	if err := b.Close(context.Background()); err != nil {
 		return err
 	}
 

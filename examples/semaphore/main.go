@@ -80,7 +80,7 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 	sem := c.Semaphore(semName, limit)
 	if err := sem.SetLimit(ctx, limit); err != nil {
 		return err
@@ -180,7 +180,7 @@ func worker(name string) error {
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer c.Close(context.Background())
 	host, _ := os.Hostname()
 	sem := c.Semaphore(semName, limit, pgcoord.WithHolderIdentity(fmt.Sprintf("%s %s pid %d", name, host, os.Getpid())))
 	var wg sync.WaitGroup
