@@ -96,8 +96,17 @@ func TestFenceWaitSeesNoDeadlockWithoutCycle(t *testing.T) {
 		l, err := c.Lock(ctx, y, WithFence())
 		cch <- result{l, err}
 	}()
-	pgtest.Eventually(t, 10*time.Second, "C's fence to wait for T on the shared backend", func() bool {
-		return waitsNotGranted(t, obs, b1, "") > 0
+	// The fence waits for T's row: first on the shared backend, then, if
+	// T has not ended within a glance, on a backend of C's Client that
+	// holds nothing. Either way a backend of the Client waits for a lock.
+	pgtest.Eventually(t, 10*time.Second, "C's fence to wait for T", func() bool {
+		var n int
+		err := obs.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND application_name = 'pgcoord' AND wait_event_type = 'Lock'`).Scan(&n)
+		if err != nil {
+			t.Fatalf("read pg_stat_activity: %v", err)
+		}
+		return n > 0
 	})
 
 	// T now wants X, which A holds: T waits for A.
@@ -147,6 +156,7 @@ func TestFenceWaitSeesNoDeadlockWithoutCycle(t *testing.T) {
 			t.Fatal("T did not get X after A unlocked it")
 		}
 	}
+	tStarted = false // T's XactLock has returned: nothing for the cleanup to wait for
 	if tr.err != nil {
 		t.Fatalf("T's XactLock: %v", tr.err)
 	}
