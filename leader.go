@@ -732,8 +732,11 @@ func (e *Election) Run(ctx context.Context, fn func(ctx context.Context, term Te
 	}
 }
 
-// yield waits until a leader with a term after term leads, at most the
-// loss deadline or until ctx ends.
+// yield waits until a leader with a term after term has won, at most the
+// loss deadline or until ctx ends. A later term counts even if its leader
+// has ended already: two candidates that were each asked to resign in turn
+// must not both wait out the loss deadline for a leader that came and
+// went.
 func (e *Election) yield(ctx context.Context, term Term) {
 	ctx, cancel := context.WithTimeout(ctx, e.c.cfg.lossDeadline)
 	defer cancel()
@@ -743,7 +746,9 @@ func (e *Election) yield(ctx context.Context, term Term) {
 	}
 	defer sub.close()
 	for {
-		if info, err := e.Leader(ctx); err == nil && info.Term > term {
+		var recorded int64
+		err := e.c.pool.QueryRow(ctx, "SELECT term FROM "+e.c.cfg.table("leaders")+" WHERE name = $1", e.name).Scan(&recorded)
+		if err == nil && Term(recorded) > term {
 			return
 		}
 		if _, err := sub.next(ctx, nil); err != nil {

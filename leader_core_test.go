@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 
@@ -493,6 +494,63 @@ func TestCloseCancelsLeaderBeforeRelease(t *testing.T) {
 		}
 		if err := next.Resign(ctx); err != nil {
 			t.Fatal(err)
+		}
+	}
+}
+
+// Two resignations on request in a row leave no gap: the first leader
+// yields until a later term has won, and that term's leader is asked to
+// resign as soon as it starts. Whether or not the first saw it lead, a
+// leader starts within 1 s (the loss deadline is 5 s: a candidate that
+// waited for a leader that came and went would wait it out). Ten rounds.
+func TestRunAfterTwoResignRequestsLeavesNoGap(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	type start struct {
+		term Term
+		at   time.Time
+	}
+	starts := make(chan start, 100)
+	runCtx, stop := context.WithCancel(ctx)
+	var running sync.WaitGroup
+	defer func() { stop(); running.Wait() }()
+	for _, who := range []string{"a", "b"} {
+		e := newTestClient(t, dsn, WithLossDeadline(5*time.Second)).Election("no-gap", WithIdentity(who))
+		running.Go(func() {
+			_ = e.Run(runCtx, func(lctx context.Context, term Term) error {
+				starts <- start{term, time.Now()}
+				<-lctx.Done()
+				return nil
+			})
+		})
+	}
+	outsider := newTestClient(t, dsn).Election("no-gap")
+	next := func() start {
+		t.Helper()
+		select {
+		case s := <-starts:
+			return s
+		case <-time.After(testTimeout):
+			t.Fatalf("no leader started within %v", testTimeout)
+		}
+		return start{}
+	}
+	last := next()
+	for round := range 10 {
+		for range 2 {
+			if err := outsider.RequestResign(ctx); err != nil {
+				t.Fatal(err)
+			}
+			asked := time.Now()
+			s := next()
+			if s.term <= last.term {
+				t.Fatalf("round %d: term %d started after term %d", round, s.term, last.term)
+			}
+			if gap := s.at.Sub(asked); gap > time.Second {
+				t.Fatalf("round %d: the next leader started %v after the resign request, want within 1 s", round, gap)
+			}
+			last = s
 		}
 	}
 }
