@@ -271,3 +271,34 @@ func (x closingContext) Value(key any) any {
 	}
 	return x.closing.Value(key)
 }
+
+// onPool runs the statements that queue adds to a batch on a connection of
+// the Client's pool, in a transaction of its own at READ COMMITTED,
+// whatever default_transaction_isolation the database, role or connection
+// sets: one round trip for BEGIN, the statements and COMMIT. The
+// bookkeeping tables of elections and semaphores are updated by several
+// Clients at once, which at REPEATABLE READ or SERIALIZABLE would fail
+// with serialization errors that READ COMMITTED resolves by re-reading the
+// row. If a statement fails, the transaction is rolled back, so the
+// connection goes back to the pool clean. ctx bounds the acquire and the
+// batch.
+func (c *Client) onPool(ctx context.Context, queue func(b *pgx.Batch)) error {
+	conn, err := c.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Release()
+	b := &pgx.Batch{}
+	b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
+	queue(b)
+	b.Queue("COMMIT")
+	err = conn.SendBatch(ctx, b).Close()
+	if pc := conn.Conn().PgConn(); !pc.IsClosed() && pc.TxStatus() != 'I' {
+		// A failed statement left the transaction open. Should the
+		// rollback fail too, Release discards the connection.
+		rctx, cancel := withoutCancel(ctx, c.cfg.lossDeadline)
+		_, _ = conn.Exec(rctx, "ROLLBACK")
+		cancel()
+	}
+	return err
+}

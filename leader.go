@@ -633,12 +633,16 @@ func (e *Election) Leader(ctx context.Context) (LeaderInfo, error) {
 	classid, objid, _ := e.key.lockColumns()
 	var info LeaderInfo
 	var term int64
-	err := e.c.pool.QueryRow(ctx, `SELECT l.identity, l.term, l.since, l.pid FROM `+e.c.cfg.table("leaders")+` AS l
-		WHERE l.name = $1 AND EXISTS (SELECT 1 FROM pg_locks AS k
-			WHERE k.locktype = 'advisory' AND k.granted AND k.pid = l.pid
-			AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-			AND k.classid::bigint = $2 AND k.objid::bigint = $3 AND k.objsubid = 1)`,
-		e.name, int64(classid), int64(objid)).Scan(&info.Identity, &term, &info.Since, &info.PID)
+	err := e.c.onPool(ctx, func(b *pgx.Batch) {
+		b.Queue(`SELECT l.identity, l.term, l.since, l.pid FROM `+e.c.cfg.table("leaders")+` AS l
+			WHERE l.name = $1 AND EXISTS (SELECT 1 FROM pg_locks AS k
+				WHERE k.locktype = 'advisory' AND k.granted AND k.pid = l.pid
+				AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+				AND k.classid::bigint = $2 AND k.objid::bigint = $3 AND k.objsubid = 1)`,
+			e.name, int64(classid), int64(objid)).QueryRow(func(row pgx.Row) error {
+			return row.Scan(&info.Identity, &term, &info.Since, &info.PID)
+		})
+	})
 	info.Term = Term(term)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
@@ -671,10 +675,12 @@ func (e *Election) RequestResign(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	_, err = e.c.pool.Exec(ctx, `WITH asked AS (
-			UPDATE `+e.c.cfg.table("leaders")+` SET resign_term = term WHERE name = $1 AND term = $2 RETURNING term)
-		SELECT pg_notify($3, $4) FROM asked`,
-		e.name, int64(info.Term), leaderChannel, e.prefix+"resign:"+strconv.FormatInt(int64(info.Term), 10))
+	err = e.c.onPool(ctx, func(b *pgx.Batch) {
+		b.Queue(`WITH asked AS (
+				UPDATE `+e.c.cfg.table("leaders")+` SET resign_term = term WHERE name = $1 AND term = $2 RETURNING term)
+			SELECT pg_notify($3, $4) FROM asked`,
+			e.name, int64(info.Term), leaderChannel, e.prefix+"resign:"+strconv.FormatInt(int64(info.Term), 10))
+	})
 	if err != nil {
 		return notMigrated(e.c.cfg, fmt.Sprintf("election %q: request resign", e.name), err)
 	}
@@ -747,7 +753,11 @@ func (e *Election) yield(ctx context.Context, term Term) {
 	defer sub.close()
 	for {
 		var recorded int64
-		err := e.c.pool.QueryRow(ctx, "SELECT term FROM "+e.c.cfg.table("leaders")+" WHERE name = $1", e.name).Scan(&recorded)
+		err := e.c.onPool(ctx, func(b *pgx.Batch) {
+			b.Queue("SELECT term FROM "+e.c.cfg.table("leaders")+" WHERE name = $1", e.name).QueryRow(func(row pgx.Row) error {
+				return row.Scan(&recorded)
+			})
+		})
 		if err == nil && Term(recorded) > term {
 			return
 		}

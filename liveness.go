@@ -50,6 +50,13 @@ func sessionSettings(c *config, major int) map[string]string {
 		// the connection must answer within its lease whatever runs on it.
 		"lock_timeout":     strconv.FormatInt(c.waitSlice().Milliseconds(), 10),
 		"application_name": c.appName,
+		// The bookkeeping statements of fences, elections and semaphores
+		// run on lock connections as single statements that update rows
+		// other Clients update at the same moment; they rely on READ
+		// COMMITTED's re-check of a row changed meanwhile. Under a
+		// database's or role's REPEATABLE READ or SERIALIZABLE default
+		// they would fail with a serialization error instead.
+		"default_transaction_isolation": "read committed",
 	}
 	if major >= 14 {
 		// A backend that is waiting for a lock notices a closed client

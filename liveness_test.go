@@ -28,6 +28,7 @@ func TestSessionAppliesServerLiveness(t *testing.T) {
 		"statement_timeout":                "0",
 		"lock_timeout":                     "1500ms", // a wait slice: (L - H) / 2
 		"application_name":                 "liveness-test",
+		"default_transaction_isolation":    "read committed",
 	}
 	err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 		for name, w := range want {

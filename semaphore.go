@@ -669,27 +669,30 @@ func (s *Semaphore) Holders(ctx context.Context) ([]Holder, error) {
 		return nil, s.fail(ctx, "holders", err)
 	}
 	defer s.c.wg.Done()
-	rows, err := s.c.pool.Query(ctx, `SELECT (l.k & 65535)::int4, l.pid, coalesce(h.identity, ''), h.since
-		FROM (SELECT pid, (classid::bigint << 32) | objid::bigint AS k
-			FROM pg_catalog.pg_locks
-			WHERE locktype = 'advisory' AND objsubid = 1 AND granted
-			  AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())) l
-		LEFT JOIN `+s.c.cfg.table("semaphore_holders")+` h ON h.name = $1 AND h.slot = (l.k & 65535)::int4 AND h.pid = l.pid
-		WHERE l.k >> 16 = $2 AND l.k & 65535 <> 65535
-		ORDER BY h.since NULLS LAST, 1`, s.name, s.prefix)
-	if err != nil {
-		return nil, s.fail(ctx, "holders", s.c.notMigratedSemaphore(err))
-	}
-	hs, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Holder, error) {
-		var h Holder
-		var slot int32
-		var since *time.Time
-		err := row.Scan(&slot, &h.PID, &h.Identity, &since)
-		h.Slot = int(slot)
-		if since != nil {
-			h.Since = *since
-		}
-		return h, err
+	var hs []Holder
+	err := s.c.onPool(ctx, func(b *pgx.Batch) {
+		b.Queue(`SELECT (l.k & 65535)::int4, l.pid, coalesce(h.identity, ''), h.since
+			FROM (SELECT pid, (classid::bigint << 32) | objid::bigint AS k
+				FROM pg_catalog.pg_locks
+				WHERE locktype = 'advisory' AND objsubid = 1 AND granted
+				  AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())) l
+			LEFT JOIN `+s.c.cfg.table("semaphore_holders")+` h ON h.name = $1 AND h.slot = (l.k & 65535)::int4 AND h.pid = l.pid
+			WHERE l.k >> 16 = $2 AND l.k & 65535 <> 65535
+			ORDER BY h.since NULLS LAST, 1`, s.name, s.prefix).Query(func(rows pgx.Rows) error {
+			var err error
+			hs, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (Holder, error) {
+				var h Holder
+				var slot int32
+				var since *time.Time
+				err := row.Scan(&slot, &h.PID, &h.Identity, &since)
+				h.Slot = int(slot)
+				if since != nil {
+					h.Since = *since
+				}
+				return h, err
+			})
+			return err
+		})
 	})
 	if err != nil {
 		return nil, s.fail(ctx, "holders", s.c.notMigratedSemaphore(err))
@@ -710,7 +713,11 @@ func (s *Semaphore) Limit(ctx context.Context) (int, error) {
 	}
 	defer s.c.wg.Done()
 	var limit int32
-	err := s.c.pool.QueryRow(ctx, `SELECT "limit" FROM `+s.c.cfg.table("semaphores")+` WHERE name = $1`, s.name).Scan(&limit)
+	err := s.c.onPool(ctx, func(b *pgx.Batch) {
+		b.Queue(`SELECT "limit" FROM `+s.c.cfg.table("semaphores")+` WHERE name = $1`, s.name).QueryRow(func(row pgx.Row) error {
+			return row.Scan(&limit)
+		})
+	})
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return s.limit, nil
@@ -741,9 +748,11 @@ func (s *Semaphore) SetLimit(ctx context.Context, n int) error {
 	}
 	defer s.c.wg.Done()
 	t := s.c.cfg.table("semaphores")
-	_, err := s.c.pool.Exec(ctx, `INSERT INTO `+t+` AS s (name, "limit", lock_key) VALUES ($1, $2, $3)
-		ON CONFLICT (name) DO UPDATE SET "limit" = excluded."limit", updated_at = now()
-		WHERE s."limit" <> excluded."limit"`, s.name, int32(n), s.key.v)
+	err := s.c.onPool(ctx, func(b *pgx.Batch) {
+		b.Queue(`INSERT INTO `+t+` AS s (name, "limit", lock_key) VALUES ($1, $2, $3)
+			ON CONFLICT (name) DO UPDATE SET "limit" = excluded."limit", updated_at = now()
+			WHERE s."limit" <> excluded."limit"`, s.name, int32(n), s.key.v)
+	})
 	if err != nil {
 		return s.fail(ctx, "set limit", s.c.notMigratedSemaphore(err))
 	}
