@@ -148,7 +148,7 @@ type Election struct {
 // returned Election: a name must be 1 to 1024 bytes of UTF-8 without NUL.
 // Elections need the tables of Migrate.
 func (c *Client) Election(name string, opts ...ElectionOption) *Election {
-	e := &Election{c: c, name: name, key: HashKey("pgcoord.election", name), guard: HashKey("pgcoord.election.guard", name)}
+	e := &Election{c: c, name: name, key: electionKey(c.cfg.schema, name), guard: HashKey("pgcoord.election.guard", c.cfg.schema, name)}
 	k, _ := e.key.Int64()
 	e.prefix = strconv.FormatInt(k, 10) + ":"
 	if err := checkText("election name", name, maxElectionName); err != nil {
@@ -174,8 +174,14 @@ func (c *Client) Election(name string, opts ...ElectionOption) *Election {
 func (e *Election) Name() string { return e.name }
 
 // Key returns the election's lock key: pass it, with a leader's term, to
-// CheckFence. It is HashKey("pgcoord.election", name).
+// CheckFence. It is HashKey("pgcoord.election", schema, name), with the
+// schema of the Client's tables (WithSchema): elections of one name in two
+// schemas of a database are independent, as their rows are.
 func (e *Election) Key() Key { return e.key }
+
+// electionKey returns the lock key of the election called name whose row
+// is in schema.
+func electionKey(schema, name string) Key { return HashKey("pgcoord.election", schema, name) }
 
 // Leadership is a won election: it lasts until Resign, a RequestResign
 // from any process, the loss of a connection it rests on, or the Client's

@@ -29,7 +29,7 @@ import (
 // the fence.
 type electionTarget struct{ name string }
 
-func (e electionTarget) key() Key       { return HashKey("pgcoord.election", e.name) }
+func (e electionTarget) key() Key       { return electionKey(DefaultSchema, e.name) }
 func (e electionTarget) String() string { return "election:" + e.name }
 
 func (e electionTarget) acquire(ctx context.Context, c *Client) (faultHold, error) {
@@ -1118,7 +1118,7 @@ func TestElectionConnectionUse(t *testing.T) {
 		held = map[int]int32{}
 		state := lockState(t, dsn)
 		for i := range elections {
-			for _, h := range state[HashKey("pgcoord.election", name(i))] {
+			for _, h := range state[electionKey(DefaultSchema, name(i))] {
 				if h.granted {
 					held[i] = h.pid
 				} else {

@@ -212,6 +212,14 @@ func WithApplicationName(name string) Option {
 // and to [CheckFence], or use a Client's [Client.Migrate] and
 // [Client.CheckFence], which take the Client's. The name is always quoted,
 // so it is used exactly as given.
+//
+// A schema is a namespace for the Client's elections and semaphores: their
+// advisory keys include the schema's name (see [Election.Key] and
+// [Semaphore.Key]), so applications that share a database, each with its
+// own schema, can use the same names without meeting. The keys of the
+// application's own locks ([HashKey], [Int64Key], [PairKey]) are the same
+// in every schema, as advisory locks are per database; their fences are
+// counted in the schema's fences table.
 func WithSchema(name string) SchemaOption {
 	return SchemaOption{optionFunc{"WithSchema", func(c *config) error {
 		if name == "" || len(name) >= 64 {

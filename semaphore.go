@@ -69,7 +69,9 @@ func WithHolderIdentity(identity string) SemaphoreOption {
 // A permit is a session-level advisory lock on a slot key, held on
 // one of the Client's shared backends like any lock of the Client. All the
 // advisory locks of a semaphore share the upper 48 bits of its key
-// K = HashKey("pgcoord.semaphore", name): slot s, for s in [0, limit), is
+// K = HashKey("pgcoord.semaphore", schema, name), with the schema of the
+// Client's tables (WithSchema), so that semaphores of one name in two
+// schemas of a database are independent: slot s, for s in [0, limit), is
 // the bigint key (K >> 16 << 16) | s, and the key with the low 16 bits all
 // set is its queue. The locks are the truth: a permit is held exactly while
 // its slot key is granted in pg_locks, so the permit of a holder whose
@@ -153,7 +155,7 @@ type Semaphore struct {
 	c        *Client
 	name     string
 	limit    int
-	key      Key   // HashKey("pgcoord.semaphore", name)
+	key      Key   // semaphoreKey(schema, name)
 	prefix   int64 // key >> 16: the upper 48 bits of every key of the semaphore
 	identity string
 	err      error // invalid name, limit or option: every method returns it
@@ -204,7 +206,7 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 			return errorf("semaphore %s: %w", quoteName(s.name), err)
 		}
 	}
-	s.key = HashKey("pgcoord.semaphore", s.name)
+	s.key = semaphoreKey(s.c.cfg.schema, s.name)
 	s.prefix = s.key.v >> 16
 	s.payload = strconv.FormatInt(s.key.v, 10) + ":"
 	cfg := s.c.cfg
@@ -241,11 +243,16 @@ func quoteName(name string) string {
 func (s *Semaphore) Name() string { return s.name }
 
 // Key returns the semaphore's advisory lock key,
-// HashKey("pgcoord.semaphore", name). In pg_locks, its permits are the
+// HashKey("pgcoord.semaphore", schema, name) with the schema of the
+// Client's tables (WithSchema). In pg_locks, its permits are the
 // bigint keys that share the key's upper 48 bits, with the slot number in
 // the low 16 bits; the key with those bits all set is the queue of
 // waiters.
 func (s *Semaphore) Key() Key { return s.key }
+
+// semaphoreKey returns the key of the semaphore called name whose rows are
+// in schema.
+func semaphoreKey(schema, name string) Key { return HashKey("pgcoord.semaphore", schema, name) }
 
 func (s *Semaphore) slotKey(slot int) Key { return Int64Key(s.prefix<<16 | int64(slot)) }
 

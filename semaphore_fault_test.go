@@ -57,7 +57,7 @@ func parseSemaphoreTarget(s string) (faultTarget, error) {
 func (s semaphoreTarget) sem(c *Client) *Semaphore { return c.Semaphore(s.name, s.limit) }
 
 // prefix is the upper 48 bits of every advisory lock key of the semaphore.
-func (s semaphoreTarget) prefix() int64 { return HashKey("pgcoord.semaphore", s.name).v >> 16 }
+func (s semaphoreTarget) prefix() int64 { return semaphoreKey(DefaultSchema, s.name).v >> 16 }
 
 func (s semaphoreTarget) acquire(ctx context.Context, c *Client) (faultHold, error) {
 	p, err := s.sem(c).Acquire(ctx)

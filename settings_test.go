@@ -5,6 +5,7 @@ package pgcoord
 // whose default isolation is REPEATABLE READ or SERIALIZABLE.
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -184,5 +185,66 @@ func TestBookkeepingUnderStrictIsolation(t *testing.T) {
 				t.Errorf("terms sum to %d, want %d; the lock key's fence is %d, want 10", terms, 2*names, fence)
 			}
 		})
+	}
+}
+
+// Two applications in one database, each with its own schema, have
+// independent elections and semaphores of the same names: each leads its
+// own election "sched" and holds the one permit of its own semaphore
+// "jobs" at the same time, on distinct keys in pg_locks, and a third Client
+// of the first schema sees the first's leader and gets no permit.
+func TestSchemasIsolateElectionsAndSemaphores(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	pool := pgtest.Pool(t, dsn)
+	schemas := []string{"app_a", "app_b"}
+	leaders := map[string]*Leadership{}
+	permits := map[string]*Permit{}
+	for _, schema := range schemas {
+		if err := Migrate(ctx, pool, WithSchema(schema)); err != nil {
+			t.Fatal(err)
+		}
+		c := newTestClient(t, dsn, WithSchema(schema))
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		ld, err := c.Election("sched").Campaign(cctx)
+		cancel()
+		if err != nil {
+			t.Fatalf("schema %s: Campaign: %v", schema, err)
+		}
+		leaders[schema] = ld
+		p, err := c.Semaphore("jobs", 1).TryAcquire(ctx)
+		if err != nil {
+			t.Fatalf("schema %s: TryAcquire: %v", schema, err)
+		}
+		permits[schema] = p
+	}
+	a, b := leaders["app_a"], leaders["app_b"]
+	if a.e.Key() == b.e.Key() || permits["app_a"].l.Key() == permits["app_b"].l.Key() {
+		t.Fatalf("the schemas share keys: elections %v and %v, permits %v and %v",
+			a.e.Key(), b.e.Key(), permits["app_a"].l.Key(), permits["app_b"].l.Key())
+	}
+	for _, schema := range schemas {
+		heldOnlyBy(t, dsn, leaders[schema].e.Key(), leaders[schema].lock.s.PID())
+		heldOnlyBy(t, dsn, permits[schema].l.Key(), permits[schema].l.s.PID())
+		if leaders[schema].Err() != nil || permits[schema].Err() != nil {
+			t.Fatalf("schema %s: leadership %v, permit %v", schema, leaders[schema].Err(), permits[schema].Err())
+		}
+	}
+	other := newTestClient(t, dsn, WithSchema("app_a"))
+	info, err := other.Election("sched").Leader(ctx)
+	if err != nil || info.Term != a.Term() || info.PID != a.lock.s.PID() {
+		t.Fatalf("Leader in app_a = %+v, %v; want term %d on backend %d", info, err, a.Term(), a.lock.s.PID())
+	}
+	if _, err := other.Semaphore("jobs", 1).TryAcquire(ctx); !errors.Is(err, ErrNoPermit) {
+		t.Fatalf("a second permit of app_a's jobs: %v, want ErrNoPermit", err)
+	}
+	for _, schema := range schemas {
+		if err := leaders[schema].Resign(ctx); err != nil {
+			t.Error(err)
+		}
+		if err := permits[schema].Release(ctx); err != nil {
+			t.Error(err)
+		}
 	}
 }

@@ -448,3 +448,58 @@ func TestSemaphoresCommand(t *testing.T) {
 		t.Fatalf("semaphores: exit %d, output %q", code, stdout)
 	}
 }
+
+// Two applications in one database, each with its own schema, lead
+// elections and hold semaphores of the same names; each command given a
+// schema finds that schema's leader and permits, on their own keys.
+func TestCommandsPerSchema(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	pids := map[string]int32{}
+	for _, schema := range []string{"app_a", "app_b"} {
+		if code, _, stderr := cli(t, db, "migrate", "--schema", schema); code != exitOK {
+			t.Fatalf("migrate --schema %s: exit %d: %s", schema, code, stderr)
+		}
+		c, err := pgcoord.New(pgtest.Pool(t, db), pgcoord.WithSchema(schema))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close(context.Background())
+		ld, err := c.Election("sched", pgcoord.WithIdentity(schema)).Campaign(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ld.Resign(ctx)
+		p, err := c.Semaphore("jobs", 1).TryAcquire(ctx)
+		if err != nil {
+			t.Fatalf("schema %s: TryAcquire: %v", schema, err)
+		}
+		defer p.Release(ctx)
+		info, err := c.Election("sched").Leader(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pids[schema] = info.PID
+	}
+	for _, schema := range []string{"app_a", "app_b"} {
+		code, stdout, stderr := cli(t, db, "leader", "--schema", schema, "--json", "sched")
+		var got leaderJSON
+		if code != exitOK || json.Unmarshal([]byte(stdout), &got) != nil {
+			t.Fatalf("leader --schema %s: exit %d, stdout %q, stderr %q", schema, code, stdout, stderr)
+		}
+		if got.Identity != schema || got.PID != pids[schema] {
+			t.Errorf("leader --schema %s = %+v, want identity %s on backend %d", schema, got, schema, pids[schema])
+		}
+		code, stdout, stderr = cli(t, db, "elections", "--schema", schema, "--json")
+		var el electionJSON
+		if code != exitOK || json.Unmarshal([]byte(stdout), &el) != nil || !el.Leading || el.Identity != schema {
+			t.Errorf("elections --schema %s: exit %d, stdout %q, stderr %q; want %s leading", schema, code, stdout, stderr, schema)
+		}
+		code, stdout, stderr = cli(t, db, "semaphores", "--schema", schema, "--json")
+		var sem semaphoreRow
+		if code != exitOK || json.Unmarshal([]byte(stdout), &sem) != nil || sem.Name != "jobs" || sem.Held != 1 {
+			t.Errorf("semaphores --schema %s: exit %d, stdout %q, stderr %q; want jobs with 1 permit held", schema, code, stdout, stderr)
+		}
+	}
+}
