@@ -587,4 +587,5 @@ func ExampleMigrations() {
 	// 000002_leaders.up.sql
 	// 000003_semaphores.up.sql
 	// 000004_resign_requests.up.sql
+	// 000005_leader_handover.up.sql
 }

@@ -151,10 +151,10 @@ func TestFaultPoolRecycling(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if ld.guard == nil {
+	if ld.guardLock() == nil {
 		t.Fatal("the leadership holds no guard")
 	}
-	locks := []*Lock{fenced, multi, sl, ld.lock, ld.guard}
+	locks := []*Lock{fenced, multi, sl, ld.lock, ld.guardLock()}
 	owners := map[Key]int32{}
 	for _, l := range locks {
 		for _, k := range l.Keys() {

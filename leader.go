@@ -105,10 +105,26 @@ func WithIdentity(identity string) ElectionOption {
 // context (within a heartbeat interval of the loss, normally); a new
 // leader waits for the guard at most the loss deadline, after which the
 // old leader has declared the loss by its own clock, and then starts
-// without the guard (the next takeover then waits the loss deadline too).
-// A process paused longer than that (a stopped process, a long GC pause)
-// cannot know it was replaced; its term is then older than the new
-// leader's, and CheckFence rejects its writes.
+// without the guard. It records that in the leaders row, and keeps trying
+// to take the guard while it leads; until it has, a candidate that takes
+// over from it waits the loss deadline after winning before it starts. A
+// new leader waits the same after a server restart or a failover ended its
+// predecessor's term (the leaders row records the server's start time),
+// since both of the predecessor's connections ended at once and its
+// process may live on. A process paused longer than L (a stopped process,
+// a long GC pause) cannot know it was replaced; its term is then older
+// than the new leader's, and CheckFence rejects its writes.
+//
+// Two cases look to a new leader like a killed process, which it must
+// take over from at once, although the old leader's process may live: both
+// of the old leader's connections terminated at the same moment by an
+// administrator (pg_terminate_backend on the lock's and the guard's
+// backends), and a crash-restart of the server after a backend crashed,
+// which ends every connection but keeps the server's start time. The new
+// leader then starts at once, and the old leader's context is cancelled
+// within a heartbeat interval after (at most L, its own lease): the two
+// may overlap that long, and the old leader's writes are stale meanwhile,
+// so CheckFence rejects them.
 //
 // # Bounds
 //
@@ -119,7 +135,10 @@ func WithIdentity(identity string) ElectionOption {
 //     at once; their exits take milliseconds, more on a busy server);
 //   - leader's backend terminated, process alive: the old leader's context
 //     is cancelled within a heartbeat interval, and the new leader starts
-//     right after, never before; at most L;
+//     right after, never before; at most L; L after winning when the old
+//     leader led without the guard;
+//   - server restarted, or failed over to a standby: the new leader starts
+//     L after it won, so after the old leader's context was cancelled;
 //   - network to the leader silent: the old leader's context is cancelled
 //     within L, the server frees the lock within 2L, and a candidate leads
 //     then;
@@ -189,7 +208,7 @@ func electionKey(schema, name string) Key { return HashKey("pgcoord.election", s
 type Leadership struct {
 	e     *Election
 	lock  *Lock // on one of the Client's shared backends
-	guard *Lock // on the Client's guard session; nil if taken without it
+	guard *Lock // on the Client's guard session; nil while leading without it (guarded by mu)
 	sub   *subscription
 	term  Term
 	since time.Time
@@ -328,7 +347,7 @@ func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 			sub.close()
 			return nil, err
 		}
-		ld, err := e.lead(ctx, l, sub)
+		ld, err := e.lead(ctx, l, time.Now(), sub)
 		if err == nil {
 			return ld, nil
 		}
@@ -362,8 +381,10 @@ func (e *Election) wait(ctx context.Context) (*Lock, error) {
 	}
 }
 
-// lead turns a held election lock into a leadership: guard, row, notice.
-func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leadership, error) {
+// lead turns a held election lock, won at won, into a leadership: guard,
+// row, notice, and the wait for a predecessor that may still live without
+// a guard to show it (see handover).
+func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscription) (*Leadership, error) {
 	c := e.c
 	fail := func(g *Lock, err error) (*Leadership, error) {
 		rctx, cancel := withoutCancel(ctx, c.cfg.lossDeadline)
@@ -383,7 +404,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 		defer close(guarded)
 		g, gerr = e.takeGuard(ctx)
 	}()
-	term, since, err := e.record(ctx, l)
+	term, since, wait, prevLoss, err := e.record(ctx, l)
 	<-guarded
 	if gerr != nil {
 		return fail(g, gerr)
@@ -395,7 +416,39 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 		return fail(g, errLostWhileWinning)
 	case err != nil:
 		return fail(g, notMigrated(c.cfg, fmt.Sprintf("election %q: record leader", e.name), err))
-	case l.Err() != nil:
+	}
+	if g == nil {
+		// The guard wait covered this Client's loss deadline since the
+		// win; a predecessor's may be longer.
+		wait = max(wait, prevLoss)
+		// Leading without the guard: say so in the row, on the lock's
+		// backend, before fn starts. A successor that wins once this
+		// backend is gone reads it and waits out this leader's lease.
+		if err := e.mark(ctx, l, term, "guarded = false", ""); err != nil {
+			if l.Err() != nil {
+				return fail(g, errLostWhileWinning)
+			}
+			return fail(g, notMigrated(c.cfg, fmt.Sprintf("election %q: record leading without the guard", e.name), err))
+		}
+	}
+	if wait > 0 {
+		// The predecessor may live on without knowing it lost: it led
+		// without the guard, or a restart or failover ended its term. Its
+		// context is cancelled at the latest its loss deadline after it
+		// lost the lock, which was before this candidate won it.
+		c.cfg.warnLogger().Warn("pgcoord: the previous leader may not know yet that it lost; waiting out its loss deadline before leading",
+			"election", e.name, "wait", wait)
+		timer := time.NewTimer(time.Until(won.Add(wait)))
+		select {
+		case <-timer.C:
+		case <-l.Done():
+		case <-ctx.Done():
+			timer.Stop()
+			return fail(g, errorf("election %q: campaign: %w", e.name, context.Cause(ctx)))
+		}
+		timer.Stop()
+	}
+	if l.Err() != nil {
 		return fail(g, errLostWhileWinning)
 	}
 	ld := &Leadership{
@@ -417,52 +470,123 @@ func (e *Election) lead(ctx context.Context, l *Lock, sub *subscription) (*Leade
 // the election's lock. Parameters: $1 and $2 the
 // fence row (fenceRow), $3 the election's name, $4 its lock key, $5 the
 // identity, $6 the pid of the backend that holds the election's lock, $7
-// the notification channel, $8 the lock_timeout of its waits for rows (see
-// Session.block). It returns the term, and the time the leadership began,
-// or no row if the leaders table holds a newer term.
+// the notification channel, $8 the leader's loss deadline in milliseconds,
+// $9 the lock_timeout of its waits for rows (see Session.block). It
+// returns the term, the time the leadership began (no row if the leaders
+// table holds a newer term), whether observers were not notified, whether
+// the predecessor may not know yet that it lost, and the predecessor's
+// loss deadline in milliseconds (0 if unknown; see handover).
 func recordSQL(c *config) string {
-	return `WITH fence AS (` + issueFenceSQL(c, 8, 0) + `),
+	return `WITH fence AS (` + issueFenceSQL(c, 9, 0) + `),
+		prev AS (SELECT p.guarded, p.server_start, p.ended, p.loss_deadline_ms FROM ` + c.table("leaders") + ` AS p WHERE p.name = $3),
 		won AS (
-			INSERT INTO ` + c.table("leaders") + ` AS l (name, lock_key, identity, term, since, pid)
-			SELECT $3, $4, $5, fence.fence, now(), $6 FROM fence
+			INSERT INTO ` + c.table("leaders") + ` AS l (name, lock_key, identity, term, since, pid, guarded, server_start, ended, loss_deadline_ms)
+			SELECT $3, $4, $5, fence.fence, now(), $6, true, pg_catalog.pg_postmaster_start_time(), false, $8 FROM fence
 			ON CONFLICT (name) DO UPDATE SET lock_key = EXCLUDED.lock_key, identity = EXCLUDED.identity,
-				term = EXCLUDED.term, since = EXCLUDED.since, pid = EXCLUDED.pid
+				term = EXCLUDED.term, since = EXCLUDED.since, pid = EXCLUDED.pid,
+				guarded = true, server_start = EXCLUDED.server_start, ended = false, loss_deadline_ms = EXCLUDED.loss_deadline_ms
 			WHERE l.term < EXCLUDED.term
 			RETURNING term, since)
 		SELECT fence.fence, won.since, CASE WHEN won.term IS NOT NULL THEN
 			pg_notify($7, format('%s:lead:%s:%s:%s:%s', $4::bigint, won.term, $6::int,
-				(extract(epoch FROM won.since) * 1000000)::bigint, $5::text)) END IS NULL
+				(extract(epoch FROM won.since) * 1000000)::bigint, $5::text)) END IS NULL,
+			coalesce((SELECT NOT p.ended AND (NOT p.guarded OR p.server_start <> pg_catalog.pg_postmaster_start_time()) FROM prev p), false),
+			coalesce((SELECT p.loss_deadline_ms FROM prev p), 0)
 		FROM fence LEFT JOIN won ON true`
 }
 
+// The handover from one leader to the next. A new leader starts only once
+// its predecessor's context has been cancelled, by the predecessor's own
+// clock. The guard proves it while the predecessor holds it: a predecessor
+// that lives frees its guard only after cancelling its context. Where the
+// guard proves nothing, the leaders row tells the new leader to wait out
+// the predecessor's loss deadline L after winning (the predecessor's
+// context is cancelled at most L after the lock was lost, which was before
+// the win; the row records each leader's L, and the wait is the longer of
+// the two Clients' L):
+//   - guarded = false: the predecessor led without the guard, because its
+//     own predecessor did not free it within L (a paused process); it
+//     keeps trying to take the guard, and sets guarded back once it has;
+//   - server_start differs from the server's pg_postmaster_start_time(): a
+//     restart or a failover ended the predecessor's term, and with it both
+//     of its backends, so its guard was freed with its lock whether or not
+//     its process lives.
+//
+// ended = true, which a leader sets when it ends its term itself, after its
+// context was cancelled, removes the wait. A predecessor whose lock and
+// guard backends are both terminated at once by an administrator, or that
+// loses them in a crash-restart of the server (which keeps the postmaster
+// and its start time), cannot be told from a killed process: its
+// successor starts at once, and the predecessor's context is cancelled
+// within a heartbeat interval (at most L) after; its writes are stale by
+// then, and CheckFence rejects them.
+
 // record runs recordSQL, which the campaign's acquire prepared, on the
-// backend of l, the election's lock. It returns pgx.ErrNoRows, with the
-// fence issued, when the leaders table holds a newer term.
-func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, error) {
+// backend of l, the election's lock. It returns the term, when it began,
+// how long after winning the new leader must wait before it starts (see
+// handoverWait), and the predecessor's loss deadline (0 if unknown). It returns pgx.ErrNoRows, with the fence issued, when the
+// leaders table holds a newer term.
+func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, time.Duration, time.Duration, error) {
 	c := e.c
 	space, fkey := fenceRow(e.key)
 	k, _ := e.key.Int64()
-	var term int64
+	var term, prevLoss int64
 	var since *time.Time
+	var unsure bool
 	// The statement waits for the fences row while a transaction that
 	// checked the previous term is open: in slices, like a lock wait, so
 	// that the backend's other locks keep proving themselves alive.
 	err := l.s.block(ctx, blockingStatement{
 		sql:   recordSQL(c.cfg),
-		args:  []any{space, fkey, e.name, k, e.identity, l.s.pid, leaderChannel, ""},
+		args:  []any{space, fkey, e.name, k, e.identity, l.s.pid, leaderChannel, c.cfg.lossDeadline.Milliseconds(), ""},
 		locks: 2, // the fences row, then the leaders row
 		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
-			return conn.QueryRow(ctx, sql, args...).Scan(&term, &since, new(bool))
+			return conn.QueryRow(ctx, sql, args...).Scan(&term, &since, new(bool), &unsure, &prevLoss)
 		},
 		quick: true,
 	})
 	if err != nil {
-		return Term(term), time.Time{}, err
+		return Term(term), time.Time{}, 0, 0, err
 	}
 	if since == nil {
-		return Term(term), time.Time{}, pgx.ErrNoRows
+		return Term(term), time.Time{}, 0, 0, pgx.ErrNoRows
 	}
-	return Term(term), *since, nil
+	prev := time.Duration(prevLoss) * time.Millisecond
+	return Term(term), *since, handoverWait(c.cfg.lossDeadline, prev, unsure), prev, nil
+}
+
+// handoverWait is how long after winning a new leader whose loss deadline
+// is loss waits before it starts, given its predecessor's loss deadline
+// prev (0 if not recorded) and whether the leaders row says the
+// predecessor may live on without knowing it lost (see handover).
+func handoverWait(loss, prev time.Duration, unsure bool) time.Duration {
+	if unsure {
+		return max(loss, prev)
+	}
+	return 0
+}
+
+// mark sets columns of term's row in the leaders table (set is the SET
+// clause) on the backend of l, the election's lock, which proves that
+// backend held the lock when the change committed, and notifies notice to
+// observers, unless it is empty. Like record, it waits for the row in
+// slices. It returns an error if the row holds another term.
+func (e *Election) mark(ctx context.Context, l *Lock, term Term, set, notice string) error {
+	var n int64
+	err := l.s.block(ctx, blockingStatement{
+		sql: `WITH t AS (SELECT pg_catalog.set_config('lock_timeout', $5, true)),
+			u AS (UPDATE ` + e.c.cfg.table("leaders") + ` AS l SET ` + set + ` FROM t WHERE l.name = $1 AND l.term = $2 RETURNING 1)
+			SELECT count(*), bool_or(CASE WHEN $4 <> '' THEN pg_catalog.pg_notify($3, $4) END IS NULL) FROM u`,
+		args: []any{e.name, int64(term), leaderChannel, notice, ""},
+		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+			return conn.QueryRow(ctx, sql, args...).Scan(&n, new(*bool))
+		},
+		quick: true,
+	})
+	if err == nil && n != 1 {
+		err = errorf("the leaders row of election %q no longer holds term %d", e.name, term)
+	}
+	return err
 }
 
 // takeGuard takes the election's guard on the Client's guard session,
@@ -523,13 +647,49 @@ func (c *Client) guardSession(ctx context.Context) (*Session, error) {
 	return s, nil
 }
 
+// guardLock returns the leadership's guard, nil while it leads without.
+func (ld *Leadership) guardLock() *Lock {
+	ld.mu.Lock()
+	defer ld.mu.Unlock()
+	return ld.guard
+}
+
+// retakeGuard tries, once and without waiting, to take the guard that a
+// leader that started without it lacks, and records in the leaders row
+// that it holds it (see handover). It returns the guard, or nil.
+func (ld *Leadership) retakeGuard() *Lock {
+	e := ld.e
+	ctx, cancel := context.WithTimeout(ld.ctx, e.c.cfg.heartbeat)
+	defer cancel()
+	s, err := e.c.guardSession(ctx)
+	if err != nil {
+		return nil
+	}
+	g, err := s.TryLock(ctx, e.guard, withoutHooks())
+	if err != nil {
+		return nil
+	}
+	if err := e.mark(ctx, ld.lock, ld.term, "guarded = true", ""); err != nil {
+		rctx, rcancel := withoutCancel(ctx, e.c.cfg.lossDeadline)
+		_ = g.Unlock(rctx)
+		rcancel()
+		return nil
+	}
+	ld.mu.Lock()
+	ld.guard = g
+	ld.mu.Unlock()
+	e.c.cfg.infoLogger().Info("pgcoord: leader took the election's guard", "election", e.name, "term", int64(ld.term))
+	return g
+}
+
 // watch ends the leadership when something ends it.
 func (ld *Leadership) watch() {
 	c := ld.e.c
 	defer c.wg.Done()
 	var guardDone <-chan struct{}
-	if ld.guard != nil {
-		guardDone = ld.guard.Done()
+	guard := ld.guardLock()
+	if guard != nil {
+		guardDone = guard.Done()
 	}
 	requested := ld.e.prefix + "resign:" + strconv.FormatInt(int64(ld.term), 10)
 	// A request to resign is notified and recorded in the leaders row:
@@ -542,6 +702,11 @@ func (ld *Leadership) watch() {
 	for why == nil {
 		select {
 		case now := <-tick.C:
+			if guard == nil {
+				if guard = ld.retakeGuard(); guard != nil {
+					guardDone = guard.Done()
+				}
+			}
 			if !c.listening.Load() || now.Sub(read) >= c.cfg.lossDeadline {
 				read = now
 				if ld.resignRecorded() {
@@ -551,7 +716,7 @@ func (ld *Leadership) watch() {
 		case <-ld.lock.Done():
 			why = errorf("election lock: %w", ld.lock.Err())
 		case <-guardDone:
-			why = errorf("election guard: %w", ld.guard.Err())
+			why = errorf("election guard: %w", guard.Err())
 		case <-ld.resign:
 			why = errResigned
 		case <-c.closing.Done():
@@ -596,14 +761,12 @@ func (ld *Leadership) end(why error) {
 	ctx, cancel := withoutCancel(context.Background(), ld.e.c.cfg.lossDeadline)
 	defer cancel()
 	if errors.Is(why, ErrNotHeld) && ld.lock.Err() == nil {
-		_ = ld.lock.s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-			_, err := conn.Exec(ctx, "SELECT pg_notify($1, $2)", leaderChannel,
-				ld.e.prefix+"end:"+strconv.FormatInt(int64(ld.term), 10))
-			return err
-		})
+		// The term ended here, its context cancelled: the successor need
+		// not wait for it (see handover), and observers learn at once.
+		_ = ld.e.mark(ctx, ld.lock, ld.term, "ended = true", ld.e.prefix+"end:"+strconv.FormatInt(int64(ld.term), 10))
 	}
-	if ld.guard != nil {
-		_ = ld.guard.Unlock(ctx)
+	if g := ld.guardLock(); g != nil {
+		_ = g.Unlock(ctx)
 	}
 	_ = ld.lock.Unlock(ctx)
 	ld.mu.Lock()
@@ -626,8 +789,9 @@ func (ld *Leadership) end(why error) {
 // backend holds the election's lock, so never a dead one. A new leader is
 // reported as soon as it has recorded its term, which it does while it
 // takes the election's guard: its fn starts only after that (normally
-// within a round trip; after a predecessor that did not free the guard, up
-// to the loss deadline later), and the previous leader's context may still
+// within a round trip; up to the loss deadline later after a predecessor
+// that did not free the guard, that led without it, or whose term a
+// restart or failover ended), and the previous leader's context may still
 // be live until then. To route work to a leader, have the leader itself
 // announce when it is ready, or expect it to refuse work until its fn
 // runs. ctx bounds the query, which runs on the Client's pool. Other

@@ -1,0 +1,304 @@
+package pgcoord
+
+// The handover between leaders where the guard alone proves nothing: a
+// leader that leads without the guard, and a term that a server restart
+// ended. Candidates run in child processes; each reports when its fn
+// started and when its context was cancelled, by its own clock, and writes
+// its term through CheckFence.
+
+import (
+	"context"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// leaderRow reads the handover columns of an election's row.
+func leaderRow(t testing.TB, pool *pgxpool.Pool, name string) (term Term, guarded, ended bool) {
+	t.Helper()
+	var n int64
+	if err := pool.QueryRow(testCtx(t), "SELECT term, guarded, ended FROM pgcoord.leaders WHERE name = $1", name).Scan(&n, &guarded, &ended); err != nil {
+		t.Fatal(err)
+	}
+	return Term(n), guarded, ended
+}
+
+// A leader whose process is paused (SIGSTOP) has its lock backend
+// terminated: the next leader waits L for the guard, which the paused
+// process holds, and leads without it, saying so in the leaders row. Then
+// the paused leader's guard backend and the guardless leader's lock
+// backend are terminated at the same moment, so the guard is free while
+// the guardless leader's process lives: the third leader's fn must not
+// start before the guardless leader's context was cancelled. Once resumed,
+// the paused leader (the documented exception) learns of its loss, and no
+// write of an older term is accepted after a newer one.
+func TestElectionHandoverAfterGuardlessLeader(t *testing.T) {
+	t.Parallel()
+	const loss, beat = time.Second, 100 * time.Millisecond
+	ctx := testCtx(t)
+	dsn, pool := faultDB(t)
+	target := electionTarget{"guardless"}
+	c := newTestClient(t, dsn)
+	e := c.Election(target.name)
+	guardKey := HashKey("pgcoord.election.guard", DefaultSchema, target.name)
+	log := newCandidateLog()
+	opts := childOptions(loss, beat)
+	first := log.start(t, dsn, target, opts)
+	t1 := log.awaitLead(t, 0)
+	procs := []*faultProc{first, log.start(t, dsn, target, opts), log.start(t, dsn, target, opts)}
+	pgtest.Eventually(t, testTimeout, "both other candidates wait for the lock", func() bool {
+		return waitingOn(t, dsn, target.key()) >= 2
+	})
+	info1, err := e.Leader(ctx)
+	if err != nil || info1.Term != t1.term {
+		t.Fatalf("Leader = %+v, %v; want term %d", info1, err, t1.term)
+	}
+	guards := grantedTo(t, dsn, guardKey)
+	if len(guards) != 1 {
+		t.Fatalf("the guard is granted to %v, want one backend", guards)
+	}
+	guard1 := guards[0]
+
+	first.Signal(syscall.SIGSTOP)
+	resumed := false
+	t.Cleanup(func() {
+		if !resumed {
+			first.Signal(syscall.SIGCONT)
+		}
+	})
+	at1 := terminateBackend(t, pool, info1.PID)
+	t2 := log.awaitLead(t, t1.term)
+	if d := t2.start.Sub(at1); d < loss {
+		t.Errorf("term %d started %v after the paused leader's lock backend was terminated; its guard is held, so it must wait L = %v", t2.term, d, loss)
+	}
+	if term, guarded, _ := leaderRow(t, pool, target.name); term != t2.term || guarded {
+		t.Fatalf("leaders row: term %d, guarded %v; want term %d led without the guard", term, guarded, t2.term)
+	}
+	info2, err := e.Leader(ctx)
+	if err != nil || info2.Term != t2.term {
+		t.Fatalf("Leader = %+v, %v; want term %d", info2, err, t2.term)
+	}
+	pgtest.Eventually(t, testTimeout, "the remaining candidate waits for the lock", func() bool {
+		return waitingOn(t, dsn, target.key()) >= 1
+	})
+
+	// Free the paused leader's guard and end the guardless leader's lock
+	// together.
+	terminateBackend(t, pool, guard1)
+	at2 := terminateBackend(t, pool, info2.PID)
+	t3 := log.awaitLead(t, t2.term)
+	old := log.awaitEnd(t, t2.term)
+	if t3.start.Before(old.end) {
+		t.Errorf("two leaders: term %d started %v before the guardless term %d had its context cancelled", t3.term, old.end.Sub(t3.start), t2.term)
+	}
+	if d := old.end.Sub(at2); d > lossNoticeBound(&config{heartbeat: beat}) {
+		t.Errorf("term %d: context cancelled %v after its backend was terminated, want within 2H = %v", t2.term, d, 2*beat)
+	}
+	t.Logf("guardless takeover after %v; next takeover %v after the guardless leader's backend was terminated (its context cancelled after %v)",
+		t2.start.Sub(at1).Round(time.Millisecond), t3.start.Sub(at2).Round(time.Millisecond), old.end.Sub(at2).Round(time.Millisecond))
+
+	first.Signal(syscall.SIGCONT)
+	resumed = true
+	log.awaitEnd(t, t1.term)
+	stopCandidates(t, log, procs)
+	fencesInOrder(t, dsn, target)
+}
+
+// A server restart ends every connection, so the leader's lock and guard
+// are freed together while its process lives on; it learns of the loss
+// only at its next heartbeat. The next leader, of another Client, must not
+// start before the old leader's context was cancelled: it waits out the
+// old leader's loss deadline, which it knows to do because the leaders row
+// records the server's start time and the leader's loss deadline. The old
+// leader has H = 2 s and L = 4 s, so it may take up to two seconds to
+// notice; the candidate has H = 100 ms and L = 1 s, and reconnects within
+// a few hundred milliseconds of the restart.
+func TestElectionHandoverAfterServerRestart(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	srv := pgtest.NewServer(t)
+	dsn := srv.DB(t)
+	if err := Migrate(ctx, pgtest.Pool(t, dsn)); err != nil {
+		t.Fatal(err)
+	}
+	type term struct {
+		who        string
+		start, end time.Time
+	}
+	var mu sync.Mutex
+	terms := map[Term]*term{}
+	changed := make(chan struct{}, 16)
+	runCtx, stop := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	run := func(who string, loss, beat time.Duration) {
+		c := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(beat))
+		wg.Go(func() {
+			for runCtx.Err() == nil {
+				err := c.Election("restart").Run(runCtx, func(lctx context.Context, n Term) error {
+					mu.Lock()
+					terms[n] = &term{who: who, start: time.Now()}
+					mu.Unlock()
+					changed <- struct{}{}
+					<-lctx.Done()
+					mu.Lock()
+					terms[n].end = leadershipOf(lctx).cancelledAt()
+					mu.Unlock()
+					changed <- struct{}{}
+					return nil
+				})
+				if err != nil && runCtx.Err() == nil {
+					t.Logf("%s: Run: %v (campaigning again)", who, err)
+				}
+			}
+		})
+	}
+	await := func(what string, cond func() bool) {
+		t.Helper()
+		for {
+			mu.Lock()
+			ok := cond()
+			mu.Unlock()
+			if ok {
+				return
+			}
+			select {
+			case <-changed:
+			case <-ctx.Done():
+				t.Fatalf("not within %v: %s", testTimeout, what)
+			}
+		}
+	}
+	run("slow", 4*time.Second, 2*time.Second)
+	await("a first leader", func() bool { return len(terms) == 1 })
+	run("quick", time.Second, 100*time.Millisecond)
+	var first Term
+	for n := range terms {
+		first = n
+	}
+	pgtest.Eventually(t, testTimeout, "the other Client waits for the lock", func() bool {
+		return waitingOn(t, dsn, electionKey(DefaultSchema, "restart")) >= 1
+	})
+	srv.Restart(t)
+	await("a leader after the restart", func() bool {
+		for n := range terms {
+			if n > first {
+				return true
+			}
+		}
+		return false
+	})
+	await("the end of the first term", func() bool { return !terms[first].end.IsZero() })
+	stop()
+	wg.Wait()
+	mu.Lock()
+	defer mu.Unlock()
+	old := terms[first]
+	for n, tm := range terms {
+		if n > first && tm.start.Before(old.end) {
+			t.Errorf("two leaders: term %d (%s) started %v before term %d (%s), whose server restarted, had its context cancelled",
+				n, tm.who, old.end.Sub(tm.start), first, old.who)
+		}
+		if n > first {
+			t.Logf("after the restart, term %d (%s) started %v after term %d (%s) had its context cancelled",
+				n, tm.who, tm.start.Sub(old.end).Round(time.Millisecond), first, old.who)
+		}
+	}
+}
+
+// A leader that started without the guard (held here by a plain
+// connection, as by a paused process) says so in the leaders row, takes
+// the guard as soon as it is free and says that too; and when it resigns,
+// the row says its term ended, so the next leader starts at once instead
+// of waiting out its loss deadline.
+func TestElectionGuardlessLeaderRetakesGuard(t *testing.T) {
+	t.Parallel()
+	const loss, beat = time.Second, 100 * time.Millisecond
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	pool := pgtest.Pool(t, dsn)
+	name := "retake"
+	guardKey := HashKey("pgcoord.election.guard", DefaultSchema, name)
+	squatter := pgtest.Conn(t, dsn)
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+	a := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(beat))
+	start := time.Now()
+	ld, err := a.Election(name).Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(start); d < loss {
+		t.Fatalf("led %v after the campaign began, with the guard held elsewhere; want the guard wait of L = %v first", d, loss)
+	}
+	if term, guarded, ended := leaderRow(t, pool, name); term != ld.Term() || guarded || ended {
+		t.Fatalf("leaders row: term %d, guarded %v, ended %v; want term %d led without the guard", term, guarded, ended, ld.Term())
+	}
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Eventually(t, testTimeout, "the leader takes the freed guard and records it", func() bool {
+		_, guarded, _ := leaderRow(t, pool, name)
+		return guarded
+	})
+	guard := ld.guardLock()
+	if guard == nil {
+		t.Fatal("the row says guarded, the leadership holds no guard")
+	}
+	heldOnlyBy(t, dsn, guardKey, guard.s.PID())
+	if ld.Err() != nil || ld.Context().Err() != nil {
+		t.Fatalf("the leadership ended: %v", ld.Err())
+	}
+
+	if err := ld.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, ended := leaderRow(t, pool, name); !ended {
+		t.Fatal("leaders row: the resigned term is not marked ended")
+	}
+
+	// Another leader without the guard, asked to resign the moment the
+	// guard is free, before it can take it: the row says its term ended,
+	// so the waiting candidate starts at once, not a loss deadline later.
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+	b := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(beat))
+	ldb, err := b.Election(name).Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	next := make(chan *Leadership, 1)
+	go func() {
+		ld, err := a.Election(name).Campaign(ctx)
+		if err != nil {
+			t.Error(err)
+		}
+		next <- ld
+	}()
+	pgtest.Eventually(t, testTimeout, "the next candidate waits for the lock", func() bool {
+		return waitingOn(t, dsn, electionKey(DefaultSchema, name)) >= 1
+	})
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Election(name).RequestResign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	<-ldb.Done()
+	ended := ldb.cancelledAt()
+	ldc := <-next
+	if ldc == nil {
+		t.Fatal("no next leader")
+	}
+	if d := time.Since(ended); d >= loss/2 {
+		t.Errorf("the next leader started %v after a leader without the guard resigned; want at once, well within L = %v", d, loss)
+	}
+	if err := ldc.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,4 @@
+ALTER TABLE leaders DROP COLUMN loss_deadline_ms;
+ALTER TABLE leaders DROP COLUMN ended;
+ALTER TABLE leaders DROP COLUMN server_start;
+ALTER TABLE leaders DROP COLUMN guarded;
