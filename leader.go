@@ -31,6 +31,11 @@ type LeaderInfo struct {
 	Term     Term
 	Since    time.Time
 	PID      int32
+	// Err, set only by Observe, says that the election could not be read
+	// (ErrNotMigrated, a role without the privilege, a pool or connection
+	// error); the other fields are then zero, and the leader is unknown
+	// until a later LeaderInfo without Err.
+	Err error
 }
 
 // ElectionOption configures an Election.
@@ -950,22 +955,36 @@ func (e *Election) yield(ctx context.Context, term Term) {
 // closed when ctx ends or the Client closes, or at once if the Election is
 // invalid. Observe uses the Client's listener connection and one query on
 // the pool per heartbeat interval, each bounded by the loss deadline and
-// by Close. A read that fails (a pool with no free connection, a
-// connection error, a role that may not read the leaders table) is logged
-// and tried again every heartbeat interval: a change missed meanwhile,
-// while the listener was away too, is delivered once a read works.
+// by Close. A read that fails (the tables of Migrate missing, a pool with
+// no free connection, a connection error, a role that may not read the
+// leaders table) is delivered as a LeaderInfo whose Err says why, once
+// while the same error lasts, and logged; it is tried again every
+// heartbeat interval, and once a read works the leader (or the zero
+// LeaderInfo) is delivered again, with any change missed meanwhile. An
+// invalid Election, or a closed Client, delivers its error in one
+// LeaderInfo, then the channel is closed.
 func (e *Election) Observe(ctx context.Context) <-chan LeaderInfo {
-	out := make(chan LeaderInfo)
-	if e.err != nil || e.c.enter() != nil {
+	err := e.err
+	if err == nil {
+		if err = e.c.enter(); err != nil {
+			err = errorf("election %q: observe: %w", e.name, err)
+		}
+	}
+	if err != nil {
+		out := make(chan LeaderInfo, 1)
+		out <- LeaderInfo{Err: err}
 		close(out)
 		return out
 	}
 	sub, err := e.c.subscribe(leaderChannel, e.prefix)
 	if err != nil {
 		e.c.wg.Done()
+		out := make(chan LeaderInfo, 1)
+		out <- LeaderInfo{Err: errorf("election %q: observe: %w", e.name, err)}
 		close(out)
 		return out
 	}
+	out := make(chan LeaderInfo)
 	go func() {
 		defer e.c.wg.Done()
 		defer close(out)
@@ -980,19 +999,26 @@ type observer struct {
 	cur     LeaderInfo // zero: no leader
 	maxTerm Term
 	started bool
+	failed  bool // the last report was an error: report the next leader, or none, even if unchanged
 	pending []LeaderInfo
 }
 
+// fail reports that the election could not be read.
+func (o *observer) fail(err error) {
+	o.failed = true
+	o.pending = append(o.pending, LeaderInfo{Err: err})
+}
+
 func (o *observer) leader(info LeaderInfo) {
-	if info.Term > o.maxTerm {
-		o.maxTerm, o.cur, o.started = info.Term, info, true
+	if info.Term > o.maxTerm || o.failed && info.Term == o.maxTerm {
+		o.maxTerm, o.cur, o.started, o.failed = info.Term, info, true, false
 		o.pending = append(o.pending, info)
 	}
 }
 
 func (o *observer) none() {
-	if !o.started || o.cur.PID != 0 {
-		o.cur, o.started = LeaderInfo{}, true
+	if !o.started || o.cur.PID != 0 || o.failed {
+		o.cur, o.started, o.failed = LeaderInfo{}, true, false
 		o.pending = append(o.pending, LeaderInfo{})
 	}
 }
@@ -1030,8 +1056,9 @@ func (e *Election) observe(ctx context.Context, sub *subscription, out chan<- Le
 			}
 			resync = false
 		case qctx.Err() == nil && err.Error() != failed:
-			failed = err.Error() // logged once while it lasts
+			failed = err.Error() // reported and logged once while it lasts
 			e.c.cfg.warnLogger().Warn("pgcoord: observe: read the leader; trying again every heartbeat", "election", e.name, "error", err)
+			o.fail(err)
 			return
 		}
 		if err == nil || errors.Is(err, ErrNoLeader) {

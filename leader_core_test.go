@@ -242,12 +242,21 @@ func TestObserveRetriesFailedResync(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The read fails: Observe says why, once.
+	select {
+	case info, ok := <-obs:
+		if !ok || info.Err == nil || pgCode(info.Err) != "42501" || info.Term != 0 {
+			t.Fatalf("observed %+v (channel open: %v), want the read's error (SQLSTATE 42501)", info, ok)
+		}
+	case <-ctx.Done():
+		t.Fatal("the failed read was not reported")
+	}
 	// The listener comes back; its resync cannot read the leader.
 	exec("ALTER ROLE " + role + " LOGIN")
 	pgtest.Eventually(t, testTimeout, "the listener to listen again", func() bool { return listener() != 0 })
 	select {
 	case info, ok := <-obs:
-		t.Fatalf("observed %+v (channel open: %v) while the role could not read the leaders table", info, ok)
+		t.Fatalf("observed %+v (channel open: %v) while the role could not read the leaders table, after its error was reported", info, ok)
 	case <-time.After(5 * heartbeat):
 	}
 	exec("GRANT SELECT ON pgcoord.leaders TO " + role)
@@ -552,5 +561,35 @@ func TestRunAfterTwoResignRequestsLeavesNoGap(t *testing.T) {
 			}
 			last = s
 		}
+	}
+}
+
+// Observe on a database without the tables of Migrate says so, once,
+// then keeps trying: after Migrate it reports that nobody leads, then the
+// leader.
+func TestObserveReportsNotMigrated(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	c := newTestClient(t, dsn, WithHeartbeat(50*time.Millisecond))
+	obs := c.Election("early").Observe(ctx)
+	if info := nextInfo(t, obs); !errors.Is(info.Err, ErrNotMigrated) || info.Term != 0 {
+		t.Fatalf("first observation %+v, want an error wrapping ErrNotMigrated", info)
+	}
+	if err := c.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if info := nextInfo(t, obs); info != (LeaderInfo{}) {
+		t.Fatalf("observation after Migrate %+v, want no leader and no error", info)
+	}
+	ld, err := c.Election("early").Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info := nextInfo(t, obs); info.Term != ld.Term() || info.Err != nil {
+		t.Fatalf("observation %+v, want the leader of term %d", info, ld.Term())
+	}
+	if err := ld.Resign(ctx); err != nil {
+		t.Fatal(err)
 	}
 }

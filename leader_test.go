@@ -292,6 +292,13 @@ func TestElectionBadInput(t *testing.T) {
 		if _, err := tc.e.Leader(ctx); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("Leader: %v, want an error containing %q", err, tc.want)
 		}
+		obs := tc.e.Observe(ctx)
+		if info, ok := <-obs; !ok || info.Err == nil || !strings.Contains(info.Err.Error(), tc.want) {
+			t.Errorf("Observe: %+v (open: %v), want an error containing %q", info, ok, tc.want)
+		}
+		if _, ok := <-obs; ok {
+			t.Error("Observe of an invalid election: the channel is still open after its error")
+		}
 	}
 	// Hostile but valid names are data, never SQL.
 	for _, name := range []string{`'; DROP TABLE leaders; --`, `"quoted"`, strings.Repeat("é", 500)} {
