@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -246,5 +247,71 @@ func TestSchemasIsolateElectionsAndSemaphores(t *testing.T) {
 		if err := permits[schema].Release(ctx); err != nil {
 			t.Error(err)
 		}
+	}
+}
+
+// A Client whose pool has no free connection (the caller holds its only
+// one) still campaigns, leads, steps down on request, and acquires and
+// releases permits: none of it waits for the pool. What reads through the
+// pool (Leader, Holders) is bounded by its ctx, and Close by the loss
+// deadline.
+func TestElectionsAndSemaphoresWithExhaustedPool(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	const loss = time.Second
+	pool := pgtest.Pool(t, dsn, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 })
+	c, err := New(pool, WithLossDeadline(loss), WithHeartbeat(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	held, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Release()
+	other := newTestClient(t, dsn)
+
+	ld, err := c.Election("starved").Campaign(ctx)
+	if err != nil {
+		t.Fatalf("Campaign with the pool exhausted: %v", err)
+	}
+	heldOnlyBy(t, dsn, ld.e.Key(), ld.lock.s.PID())
+	if err := other.Election("starved").RequestResign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-ld.Done():
+	case <-ctx.Done():
+		t.Fatal("the leader did not step down on request with its pool exhausted")
+	}
+	notHeld(t, dsn, ld.e.Key())
+
+	sem := c.Semaphore("starved", 1)
+	p, err := sem.Acquire(ctx)
+	if err != nil {
+		t.Fatalf("Acquire with the pool exhausted: %v", err)
+	}
+	heldOnlyBy(t, dsn, p.l.Key(), p.l.s.PID())
+	if _, err := other.Semaphore("starved", 1).TryAcquire(ctx); !errors.Is(err, ErrNoPermit) {
+		t.Fatalf("a second permit: %v, want ErrNoPermit", err)
+	}
+	if err := p.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	notHeld(t, dsn, p.l.Key())
+
+	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	_, err = c.Election("starved").Leader(short)
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Leader with the pool exhausted: %v, want the ctx's deadline", err)
+	}
+	start := time.Now()
+	if err := c.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(start); took > loss {
+		t.Fatalf("Close took %v, want within the loss deadline %v", took, loss)
 	}
 }
