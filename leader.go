@@ -224,8 +224,9 @@ type Leadership struct {
 	once      sync.Once
 	done      chan struct{}
 	mu        sync.Mutex
-	err       error     // why it ended
-	cancelled time.Time // when ctx had been cancelled, before anything was released
+	err       error         // why it ended
+	cancelled time.Time     // when ctx had been cancelled, before anything was released
+	stamped   chan struct{} // closed once cancelled is set
 }
 
 // leaderParent is the parent of a leader's context: it is the Client's
@@ -260,6 +261,9 @@ func leadershipOf(ctx context.Context) *Leadership {
 // while leading): by the process's clock, before the guard and the lock
 // were released.
 func (ld *Leadership) cancelledAt() time.Time {
+	if ld.ctx.Err() != nil {
+		<-ld.stamped // end sets it right after the cancel
+	}
 	ld.mu.Lock()
 	defer ld.mu.Unlock()
 	return ld.cancelled
@@ -372,13 +376,14 @@ func (e *Election) wait(ctx context.Context) (*Lock, error) {
 	for {
 		round, cancel := context.WithTimeout(ctx, e.campaignRound())
 		l, err := e.c.Lock(round, e.key, withPrepared(recordSQL(e.c.cfg)), withoutHooks())
+		ended := round.Err() != nil // before cancel, which ends it too
 		cancel()
 		switch {
 		case err == nil:
 			return l, nil
 		case ctx.Err() != nil:
 			return nil, errorf("election %q: campaign: %w", e.name, context.Cause(ctx))
-		case round.Err() != nil:
+		case ended && errors.Is(err, context.DeadlineExceeded):
 			continue // the round ended: wait again
 		default:
 			return nil, errorf("election %q: campaign: %w", e.name, err)
@@ -409,7 +414,8 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 		defer close(guarded)
 		g, gerr = e.takeGuard(ctx)
 	}()
-	term, since, wait, prevLoss, err := e.record(ctx, l)
+	term, since, wait, loss, err := e.record(ctx, l)
+	until := time.Now().Add(wait) // the server's now() was a little earlier
 	<-guarded
 	if gerr != nil {
 		return fail(g, gerr)
@@ -424,26 +430,30 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 	}
 	if g == nil {
 		// The guard wait covered this Client's loss deadline since the
-		// win; a predecessor's may be longer.
-		wait = max(wait, prevLoss)
+		// win; a predecessor's may be longer, and so is the wait.
+		if u := won.Add(loss); u.After(until) {
+			until = u
+		}
 		// Leading without the guard: say so in the row, on the lock's
-		// backend, before fn starts. A successor that wins once this
-		// backend is gone reads it and waits out this leader's lease.
-		if err := e.mark(ctx, l, term, "guarded = false", ""); err != nil {
+		// backend, before fn starts, and how long this leader waits. A
+		// successor that wins once this backend is gone reads it and
+		// waits out this leader's lease, or the rest of that wait.
+		set := fmt.Sprintf("guarded = false, not_before = GREATEST(l.not_before, l.since + %d * interval '1 millisecond')", loss.Milliseconds())
+		if err := e.mark(ctx, l, term, set, ""); err != nil {
 			if l.Err() != nil {
 				return fail(g, errLostWhileWinning)
 			}
 			return fail(g, notMigrated(c.cfg, fmt.Sprintf("election %q: record leading without the guard", e.name), err))
 		}
 	}
-	if wait > 0 {
+	if wait := time.Until(until); wait > 0 {
 		// The predecessor may live on without knowing it lost: it led
 		// without the guard, or a restart or failover ended its term. Its
 		// context is cancelled at the latest its loss deadline after it
 		// lost the lock, which was before this candidate won it.
 		c.cfg.warnLogger().Warn("pgcoord: the previous leader may not know yet that it lost; waiting out its loss deadline before leading",
 			"election", e.name, "wait", wait)
-		timer := time.NewTimer(time.Until(won.Add(wait)))
+		timer := time.NewTimer(wait)
 		select {
 		case <-timer.C:
 		case <-l.Done():
@@ -458,8 +468,9 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 	}
 	ld := &Leadership{
 		e: e, lock: l, guard: g, sub: sub, term: term, since: since,
-		resign: make(chan struct{}),
-		done:   make(chan struct{}),
+		resign:  make(chan struct{}),
+		done:    make(chan struct{}),
+		stamped: make(chan struct{}),
 	}
 	ld.ctx, ld.cancel = context.WithCancelCause(context.WithValue(leaderParent{c.closing, ctx}, leadershipKey{}, ld))
 	c.hooks.leadership(LeadershipEvent{Election: e.name, Identity: e.identity, Term: term, Leading: true})
@@ -478,25 +489,35 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 // the notification channel, $8 the leader's loss deadline in milliseconds,
 // $9 the lock_timeout of its waits for rows (see Session.block). It
 // returns the term, the time the leadership began (no row if the leaders
-// table holds a newer term), whether observers were not notified, whether
-// the predecessor may not know yet that it lost, and the predecessor's
-// loss deadline in milliseconds (0 if unknown; see handover).
+// table holds a newer term), whether observers were not notified, how
+// many milliseconds the new leader must wait before it starts, and the
+// longest loss deadline among the leaders since the last clean end, its
+// own included (see handover).
 func recordSQL(c *config) string {
 	return `WITH fence AS (` + issueFenceSQL(c, 9, 0) + `),
-		prev AS (SELECT p.guarded, p.server_start, p.ended, p.loss_deadline_ms FROM ` + c.table("leaders") + ` AS p WHERE p.name = $3),
+		prev AS (SELECT p.guarded, p.server_start, p.ended, p.loss_deadline_ms, p.not_before
+			FROM ` + c.table("leaders") + ` AS p WHERE p.name = $3),
+		h AS (SELECT
+				CASE WHEN p.ended IS DISTINCT FROM false THEN $8::int8
+					ELSE GREATEST(p.loss_deadline_ms, $8::int8) END AS loss,
+				CASE WHEN p.ended IS DISTINCT FROM false THEN NULL
+					ELSE GREATEST(p.not_before, CASE WHEN NOT p.guarded OR p.server_start <> pg_catalog.pg_postmaster_start_time()
+						THEN now() + GREATEST(p.loss_deadline_ms, $8::int8) * interval '1 millisecond' END) END AS not_before
+			FROM (SELECT) AS one LEFT JOIN prev AS p ON true),
 		won AS (
-			INSERT INTO ` + c.table("leaders") + ` AS l (name, lock_key, identity, term, since, pid, guarded, server_start, ended, loss_deadline_ms)
-			SELECT $3, $4, $5, fence.fence, now(), $6, true, pg_catalog.pg_postmaster_start_time(), false, $8 FROM fence
+			INSERT INTO ` + c.table("leaders") + ` AS l (name, lock_key, identity, term, since, pid, guarded, server_start, ended, loss_deadline_ms, not_before)
+			SELECT $3, $4, $5, fence.fence, now(), $6, true, pg_catalog.pg_postmaster_start_time(), false, h.loss, h.not_before FROM fence, h
 			ON CONFLICT (name) DO UPDATE SET lock_key = EXCLUDED.lock_key, identity = EXCLUDED.identity,
 				term = EXCLUDED.term, since = EXCLUDED.since, pid = EXCLUDED.pid,
-				guarded = true, server_start = EXCLUDED.server_start, ended = false, loss_deadline_ms = EXCLUDED.loss_deadline_ms
+				guarded = true, server_start = EXCLUDED.server_start, ended = false,
+				loss_deadline_ms = EXCLUDED.loss_deadline_ms, not_before = EXCLUDED.not_before
 			WHERE l.term < EXCLUDED.term
-			RETURNING term, since)
+			RETURNING term, since, not_before)
 		SELECT fence.fence, won.since, CASE WHEN won.term IS NOT NULL THEN
 			pg_notify($7, format('%s:lead:%s:%s:%s:%s', $4::bigint, won.term, $6::int,
 				(extract(epoch FROM won.since) * 1000000)::bigint, $5::text)) END IS NULL,
-			coalesce((SELECT NOT p.ended AND (NOT p.guarded OR p.server_start <> pg_catalog.pg_postmaster_start_time()) FROM prev p), false),
-			coalesce((SELECT p.loss_deadline_ms FROM prev p), 0)
+			GREATEST(ceil(extract(epoch FROM won.not_before - now()) * 1000), 0)::int8,
+			(SELECT loss FROM h)
 		FROM fence LEFT JOIN won ON true`
 }
 
@@ -507,8 +528,8 @@ func recordSQL(c *config) string {
 // guard proves nothing, the leaders row tells the new leader to wait out
 // the predecessor's loss deadline L after winning (the predecessor's
 // context is cancelled at most L after the lock was lost, which was before
-// the win; the row records each leader's L, and the wait is the longer of
-// the two Clients' L):
+// the win; the row carries the longest L of the leaders since the last
+// clean end, the new leader's own included, and the wait is that long):
 //   - guarded = false: the predecessor led without the guard, because its
 //     own predecessor did not free it within L (a paused process); it
 //     keeps trying to take the guard, and sets guarded back once it has;
@@ -517,8 +538,12 @@ func recordSQL(c *config) string {
 //     of its backends, so its guard was freed with its lock whether or not
 //     its process lives.
 //
-// ended = true, which a leader sets when it ends its term itself, after its
-// context was cancelled, removes the wait. A predecessor whose lock and
+// The wait is recorded as not_before in the new leader's row, as it wins:
+// should it give up before it starts (its campaign's ctx ends, its lock is
+// lost, its Client closes), the next winner, which finds a row that says
+// nothing else to fear, still waits until then. ended = true, which a
+// leader sets when it ends its term itself, after its context was
+// cancelled, removes the wait. A predecessor whose lock and
 // guard backends are both terminated at once by an administrator, or that
 // loses them in a crash-restart of the server (which keeps the postmaster
 // and its start time), cannot be told from a killed process: its
@@ -528,16 +553,16 @@ func recordSQL(c *config) string {
 
 // record runs recordSQL, which the campaign's acquire prepared, on the
 // backend of l, the election's lock. It returns the term, when it began,
-// how long after winning the new leader must wait before it starts (see
-// handoverWait), and the predecessor's loss deadline (0 if unknown). It returns pgx.ErrNoRows, with the fence issued, when the
+// how long from now the new leader must wait before it starts, and the
+// longest loss deadline of the leaders since the last clean end (see
+// handover). It returns pgx.ErrNoRows, with the fence issued, when the
 // leaders table holds a newer term.
 func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, time.Duration, time.Duration, error) {
 	c := e.c
 	space, fkey := fenceRow(e.key)
 	k, _ := e.key.Int64()
-	var term, prevLoss int64
+	var term, waitMS, loss int64
 	var since *time.Time
-	var unsure bool
 	// The statement waits for the fences row while a transaction that
 	// checked the previous term is open: in slices, like a lock wait, so
 	// that the backend's other locks keep proving themselves alive.
@@ -546,7 +571,7 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, time.D
 		args:  []any{space, fkey, e.name, k, e.identity, l.s.pid, leaderChannel, c.cfg.lossDeadline.Milliseconds(), ""},
 		locks: 2, // the fences row, then the leaders row
 		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
-			return conn.QueryRow(ctx, sql, args...).Scan(&term, &since, new(bool), &unsure, &prevLoss)
+			return conn.QueryRow(ctx, sql, args...).Scan(&term, &since, new(bool), &waitMS, &loss)
 		},
 		quick: true,
 	})
@@ -556,19 +581,7 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, time.D
 	if since == nil {
 		return Term(term), time.Time{}, 0, 0, pgx.ErrNoRows
 	}
-	prev := time.Duration(prevLoss) * time.Millisecond
-	return Term(term), *since, handoverWait(c.cfg.lossDeadline, prev, unsure), prev, nil
-}
-
-// handoverWait is how long after winning a new leader whose loss deadline
-// is loss waits before it starts, given its predecessor's loss deadline
-// prev (0 if not recorded) and whether the leaders row says the
-// predecessor may live on without knowing it lost (see handover).
-func handoverWait(loss, prev time.Duration, unsure bool) time.Duration {
-	if unsure {
-		return max(loss, prev)
-	}
-	return 0
+	return Term(term), *since, time.Duration(waitMS) * time.Millisecond, time.Duration(loss) * time.Millisecond, nil
 }
 
 // mark sets columns of term's row in the leaders table (set is the SET
@@ -597,44 +610,56 @@ func (e *Election) mark(ctx context.Context, l *Lock, term Term, set, notice str
 // takeGuard takes the election's guard on the Client's guard session,
 // waiting at most the loss deadline for a previous leader that lives to
 // free it. It returns a nil Lock, and no error, when that wait ran out.
+//
+// The wait is a series of tries, never a blocking statement: the guard
+// session serves every election of the Client, and its blocking
+// statements run one at a time, so one election's wait for a guard that
+// is slow to come would hold up another's. A previous leader that frees
+// its guard after a loss notifies it (guardFreed), which ends the wait at
+// once; the tries also come every few milliseconds, growing to 100 ms, in
+// case the notification is lost.
 func (e *Election) takeGuard(ctx context.Context) (*Lock, error) {
 	c := e.c
-	var err error
-	for range 3 {
-		var s *Session
-		if s, err = c.guardSession(ctx); err != nil {
-			return nil, err
-		}
-		var g *Lock
-		g, err = s.TryLock(ctx, e.guard, withoutHooks())
-		if errors.Is(err, ErrLocked) {
-			wctx, cancel := context.WithTimeout(ctx, c.cfg.lossDeadline)
-			g, err = s.Lock(wctx, e.guard, withoutHooks())
-			for errors.Is(err, ErrDeadlock) && wctx.Err() == nil {
-				// The guard session holds other leaderships' guards, so
-				// two Clients that take over from each other at once can
-				// wait for each other's guards: the old leader frees its
-				// guard once it notices its loss, so wait on.
-				g, err = s.Lock(wctx, e.guard, withoutHooks())
-			}
-			// The wait's deadline may have passed by the clock a moment
-			// before wctx reports it.
-			expired := ctx.Err() == nil && (wctx.Err() != nil || errors.Is(err, context.DeadlineExceeded))
-			cancel()
-			if err != nil && expired {
-				c.cfg.warnLogger().Warn("pgcoord: the previous leader did not free the election's guard within the loss deadline; leading without it",
-					"election", e.name, "loss_deadline", c.cfg.lossDeadline)
-				return nil, nil
-			}
-		}
-		if err == nil {
-			return g, nil
-		}
-		if !errorIsLoss(err) || ctx.Err() != nil {
-			break
-		}
+	freed, err := c.subscribe(leaderChannel, e.prefix+"free:")
+	if err != nil {
+		return nil, errorf("election %q: take guard: %w", e.name, err)
 	}
-	return nil, errorf("election %q: take guard: %w", e.name, err)
+	defer freed.close()
+	deadline := time.Now().Add(c.cfg.lossDeadline)
+	pause := 2 * time.Millisecond
+	tries := 0
+	for {
+		var s *Session
+		var g *Lock
+		s, err = c.guardSession(ctx)
+		if err == nil {
+			g, err = s.TryLock(ctx, e.guard, withoutHooks())
+		}
+		switch {
+		case err == nil:
+			return g, nil
+		case ctx.Err() != nil:
+			return nil, errorf("election %q: take guard: %w", e.name, context.Cause(ctx))
+		case errors.Is(err, ErrLocked):
+		case errorIsLoss(err) && tries < 3:
+			tries++ // the guard session was lost: a new one is opened
+		default:
+			return nil, errorf("election %q: take guard: %w", e.name, err)
+		}
+		left := time.Until(deadline)
+		if left <= 0 {
+			c.cfg.warnLogger().Warn("pgcoord: the previous leader did not free the election's guard within the loss deadline; leading without it",
+				"election", e.name, "loss_deadline", c.cfg.lossDeadline)
+			return nil, nil
+		}
+		timer := time.NewTimer(min(pause, left))
+		_, err = freed.next(ctx, timer.C)
+		timer.Stop()
+		if err != nil {
+			return nil, errorf("election %q: take guard: %w", e.name, err)
+		}
+		pause = min(2*pause, 100*time.Millisecond)
+	}
 }
 
 // guardSession returns the Client's guard session, opening it if needed.
@@ -703,20 +728,30 @@ func (ld *Leadership) watch() {
 	tick := time.NewTicker(c.cfg.heartbeat)
 	defer tick.Stop()
 	read := time.Now()
+	// A leader without the guard tries to take it every heartbeat, in a
+	// goroutine of its own: the try runs on the guard session, which may
+	// itself be slow to answer or to reconnect, and must not keep the
+	// watch from seeing the end of the leadership.
+	retaken := make(chan *Lock, 1)
+	retaking := false
 	var why error
 	for why == nil {
 		select {
 		case now := <-tick.C:
-			if guard == nil {
-				if guard = ld.retakeGuard(); guard != nil {
-					guardDone = guard.Done()
-				}
+			if guard == nil && !retaking {
+				retaking = true
+				go func() { retaken <- ld.retakeGuard() }()
 			}
 			if !c.listening.Load() || now.Sub(read) >= c.cfg.lossDeadline {
 				read = now
 				if ld.resignRecorded() {
 					why = errResignRequested
 				}
+			}
+		case g := <-retaken:
+			retaking = false
+			if g != nil {
+				guard, guardDone = g, g.Done()
 			}
 		case <-ld.lock.Done():
 			why = errorf("election lock: %w", ld.lock.Err())
@@ -744,12 +779,19 @@ func (ld *Leadership) watch() {
 			}
 		}
 	}
-	ld.end(why)
+	ld.end(why, func() {
+		// A try still in flight ends within a heartbeat (its ctx, a
+		// child of the leader's, is cancelled now); a guard it took is
+		// freed with the rest.
+		if retaking {
+			<-retaken
+		}
+	})
 }
 
-// end cancels the leader's context, then tells observers (after a
-// resign) and frees the guard and the lock.
-func (ld *Leadership) end(why error) {
+// end cancels the leader's context, then, once settle has returned, tells
+// observers (after a resign) and frees the guard and the lock.
+func (ld *Leadership) end(why error, settle func()) {
 	ld.cancel(why)
 	at := time.Now()
 	if errors.Is(context.Cause(ld.ctx), ErrClosed) {
@@ -762,6 +804,8 @@ func (ld *Leadership) end(why error) {
 	ld.mu.Lock()
 	ld.cancelled = at
 	ld.mu.Unlock()
+	close(ld.stamped)
+	settle()
 	ld.sub.close()
 	ctx, cancel := withoutCancel(context.Background(), ld.e.c.cfg.lossDeadline)
 	defer cancel()
@@ -770,8 +814,13 @@ func (ld *Leadership) end(why error) {
 		// not wait for it (see handover), and observers learn at once.
 		_ = ld.e.mark(ctx, ld.lock, ld.term, "ended = true", ld.e.prefix+"end:"+strconv.FormatInt(int64(ld.term), 10))
 	}
-	if g := ld.guardLock(); g != nil {
-		_ = g.Unlock(ctx)
+	if g := ld.guardLock(); g != nil && g.Unlock(ctx) == nil && errors.Is(why, ErrLockLost) {
+		// A candidate that won the lost lock waits for this guard: tell it
+		// that it is free (see takeGuard).
+		_ = g.s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+			_, err := conn.Exec(ctx, "SELECT pg_notify($1, $2)", leaderChannel, ld.e.prefix+"free:"+strconv.FormatInt(int64(ld.term), 10))
+			return err
+		})
 	}
 	_ = ld.lock.Unlock(ctx)
 	ld.mu.Lock()

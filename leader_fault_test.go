@@ -1225,6 +1225,16 @@ func TestElectionConnectionUse(t *testing.T) {
 	var slowest time.Duration
 	for _, i := range lost {
 		slowest = max(slowest, takeOver(i, at))
+		// The new leader started after the old one's context was
+		// cancelled; the old one's release may still be finishing.
+		if leads[i].Context().Err() == nil {
+			t.Fatalf("%s: taken over while the old leader's context was live", name(i))
+		}
+		select {
+		case <-leads[i].Done():
+		case <-time.After(testTimeout):
+			t.Fatalf("%s: the old leadership did not end", name(i))
+		}
 		if !errors.Is(leads[i].Err(), ErrLockLost) {
 			t.Fatalf("%s: the old leadership ended with %v, want ErrLockLost", name(i), leads[i].Err())
 		}
