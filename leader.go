@@ -376,14 +376,17 @@ func (e *Election) wait(ctx context.Context) (*Lock, error) {
 	for {
 		round, cancel := context.WithTimeout(ctx, e.campaignRound())
 		l, err := e.c.Lock(round, e.key, withPrepared(recordSQL(e.c.cfg)), withoutHooks())
-		ended := round.Err() != nil // before cancel, which ends it too
+		// The round ended if its deadline passed: by round.Err(), read
+		// before cancel (which ends it too), or by the clock a moment
+		// before round.Err() reports it.
+		ended := round.Err() != nil || errors.Is(err, context.DeadlineExceeded)
 		cancel()
 		switch {
 		case err == nil:
 			return l, nil
 		case ctx.Err() != nil:
 			return nil, errorf("election %q: campaign: %w", e.name, context.Cause(ctx))
-		case ended && errors.Is(err, context.DeadlineExceeded):
+		case ended && !errors.Is(err, ErrClosed):
 			continue // the round ended: wait again
 		default:
 			return nil, errorf("election %q: campaign: %w", e.name, err)
@@ -611,56 +614,56 @@ func (e *Election) mark(ctx context.Context, l *Lock, term Term, set, notice str
 // waiting at most the loss deadline for a previous leader that lives to
 // free it. It returns a nil Lock, and no error, when that wait ran out.
 //
-// The wait is a series of tries, never a blocking statement: the guard
-// session serves every election of the Client, and its blocking
-// statements run one at a time, so one election's wait for a guard that
-// is slow to come would hold up another's. A previous leader that frees
-// its guard after a loss notifies it (guardFreed), which ends the wait at
-// once; the tries also come every few milliseconds, growing to 100 ms, in
-// case the notification is lost.
+// The wait runs on the server, so the guard is granted the moment it is
+// freed (a killed leader's guard backend exits), but in short slices
+// (guardSlice): the guard session serves every election of the Client, and
+// its blocking statements run one at a time, so one election's wait for a
+// guard that is slow to come must not hold up another's for longer than a
+// slice. Slices that short also end before the server would look for a
+// deadlock between two Clients that take over from each other at once.
 func (e *Election) takeGuard(ctx context.Context) (*Lock, error) {
 	c := e.c
-	freed, err := c.subscribe(leaderChannel, e.prefix+"free:")
-	if err != nil {
-		return nil, errorf("election %q: take guard: %w", e.name, err)
-	}
-	defer freed.close()
 	deadline := time.Now().Add(c.cfg.lossDeadline)
-	pause := 2 * time.Millisecond
-	tries := 0
-	for {
+	var err error
+	for lost := 0; ; {
 		var s *Session
 		var g *Lock
 		s, err = c.guardSession(ctx)
 		if err == nil {
 			g, err = s.TryLock(ctx, e.guard, withoutHooks())
 		}
+		for errors.Is(err, ErrLocked) || errors.Is(err, ErrDeadlock) {
+			left := time.Until(deadline)
+			if left <= 0 {
+				c.cfg.warnLogger().Warn("pgcoord: the previous leader did not free the election's guard within the loss deadline; leading without it",
+					"election", e.name, "loss_deadline", c.cfg.lossDeadline)
+				return nil, nil
+			}
+			sctx, cancel := context.WithTimeout(ctx, min(guardSlice, left))
+			g, err = s.Lock(sctx, e.guard, withoutHooks())
+			// The slice's deadline may have passed by the clock a moment
+			// before sctx reports it.
+			if err != nil && ctx.Err() == nil && (sctx.Err() != nil || errors.Is(err, context.DeadlineExceeded)) {
+				err = ErrLocked // the slice ended: wait on
+			}
+			cancel()
+		}
 		switch {
 		case err == nil:
 			return g, nil
 		case ctx.Err() != nil:
 			return nil, errorf("election %q: take guard: %w", e.name, context.Cause(ctx))
-		case errors.Is(err, ErrLocked):
-		case errorIsLoss(err) && tries < 3:
-			tries++ // the guard session was lost: a new one is opened
+		case errorIsLoss(err) && lost < 3:
+			lost++ // the guard session was lost: a new one is opened
 		default:
 			return nil, errorf("election %q: take guard: %w", e.name, err)
 		}
-		left := time.Until(deadline)
-		if left <= 0 {
-			c.cfg.warnLogger().Warn("pgcoord: the previous leader did not free the election's guard within the loss deadline; leading without it",
-				"election", e.name, "loss_deadline", c.cfg.lossDeadline)
-			return nil, nil
-		}
-		timer := time.NewTimer(min(pause, left))
-		_, err = freed.next(ctx, timer.C)
-		timer.Stop()
-		if err != nil {
-			return nil, errorf("election %q: take guard: %w", e.name, err)
-		}
-		pause = min(2*pause, 100*time.Millisecond)
 	}
 }
+
+// guardSlice is how long one wait for a guard runs on the Client's guard
+// session before it lets the next election's statement run.
+const guardSlice = 20 * time.Millisecond
 
 // guardSession returns the Client's guard session, opening it if needed.
 func (c *Client) guardSession(ctx context.Context) (*Session, error) {
@@ -814,13 +817,8 @@ func (ld *Leadership) end(why error, settle func()) {
 		// not wait for it (see handover), and observers learn at once.
 		_ = ld.e.mark(ctx, ld.lock, ld.term, "ended = true", ld.e.prefix+"end:"+strconv.FormatInt(int64(ld.term), 10))
 	}
-	if g := ld.guardLock(); g != nil && g.Unlock(ctx) == nil && errors.Is(why, ErrLockLost) {
-		// A candidate that won the lost lock waits for this guard: tell it
-		// that it is free (see takeGuard).
-		_ = g.s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-			_, err := conn.Exec(ctx, "SELECT pg_notify($1, $2)", leaderChannel, ld.e.prefix+"free:"+strconv.FormatInt(int64(ld.term), 10))
-			return err
-		})
+	if g := ld.guardLock(); g != nil {
+		_ = g.Unlock(ctx)
 	}
 	_ = ld.lock.Unlock(ctx)
 	ld.mu.Lock()
