@@ -122,14 +122,16 @@ func WithIdentity(identity string) ElectionOption {
 //
 // Two cases look to a new leader like a killed process, which it must
 // take over from at once, although the old leader's process may live: both
-// of the old leader's connections terminated at the same moment by an
-// administrator (pg_terminate_backend on the lock's and the guard's
-// backends), and a crash-restart of the server after a backend crashed,
-// which ends every connection but keeps the server's start time. The new
-// leader then starts at once, and the old leader's context is cancelled
-// within a heartbeat interval after (at most L, its own lease): the two
-// may overlap that long, and the old leader's writes are stale meanwhile,
-// so CheckFence rejects them.
+// of the old leader's connections lost less than two heartbeat intervals
+// apart (terminated by an administrator at once or one after the other:
+// the old leader notices a lost connection only at its next heartbeat, so
+// a guard lost first may be gone unnoticed when the lock goes), and a
+// crash-restart of the server after a backend crashed, which ends every
+// connection but keeps the server's start time. The new leader then starts
+// at once, and the old leader's context is cancelled within two heartbeat
+// intervals of its first loss (at most L, its own lease): the two may
+// overlap that long, and the old leader's writes are stale meanwhile, so
+// CheckFence rejects them.
 //
 // # Bounds
 //
@@ -360,12 +362,24 @@ func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 		if err == nil {
 			return ld, nil
 		}
+		var asked errAskedWhileWaiting
+		if errors.As(err, &asked) {
+			e.yield(ctx, asked.term)
+			continue
+		}
 		if !errors.Is(err, errLostWhileWinning) {
 			sub.close()
 			return nil, err
 		}
 	}
 }
+
+// errAskedWhileWaiting means that term was asked to resign while its
+// leader waited out its predecessor's loss deadline, before it began; the
+// campaign yields to another candidate, then goes on.
+type errAskedWhileWaiting struct{ term Term }
+
+func (errAskedWhileWaiting) Error() string { return "pgcoord: asked to resign before leading" }
 
 // errLostWhileWinning means the lock was lost before the leadership
 // began; the campaign goes on.
@@ -456,15 +470,31 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 		// lost the lock, which was before this candidate won it.
 		c.cfg.warnLogger().Warn("pgcoord: the previous leader may not know yet that it lost; waiting out its loss deadline before leading",
 			"election", e.name, "wait", wait)
+		// A request to resign this term, which Leader may already
+		// report, is honoured during the wait: the candidate gives up,
+		// leaving the wait it owed recorded in the row for the next one.
+		requested := e.prefix + "resign:" + strconv.FormatInt(int64(term), 10)
 		timer := time.NewTimer(wait)
-		select {
-		case <-timer.C:
-		case <-l.Done():
-		case <-ctx.Done():
-			timer.Stop()
-			return fail(g, errorf("election %q: campaign: %w", e.name, context.Cause(ctx)))
+		defer timer.Stop()
+		for waiting := true; waiting; {
+			select {
+			case <-timer.C:
+				waiting = false
+			case <-l.Done():
+				waiting = false
+			case <-ctx.Done():
+				return fail(g, errorf("election %q: campaign: %w", e.name, context.Cause(ctx)))
+			case <-sub.kick:
+				for _, p := range sub.take() {
+					if p == requested || p == "" && e.resignRecorded(l, term) {
+						return fail(g, errAskedWhileWaiting{term})
+					}
+				}
+			}
 		}
-		timer.Stop()
+		if e.resignRecorded(l, term) {
+			return fail(g, errAskedWhileWaiting{term})
+		}
 	}
 	if l.Err() != nil {
 		return fail(g, errLostWhileWinning)
@@ -546,13 +576,13 @@ func recordSQL(c *config) string {
 // lost, its Client closes), the next winner, which finds a row that says
 // nothing else to fear, still waits until then. ended = true, which a
 // leader sets when it ends its term itself, after its context was
-// cancelled, removes the wait. A predecessor whose lock and
-// guard backends are both terminated at once by an administrator, or that
-// loses them in a crash-restart of the server (which keeps the postmaster
-// and its start time), cannot be told from a killed process: its
-// successor starts at once, and the predecessor's context is cancelled
-// within a heartbeat interval (at most L) after; its writes are stale by
-// then, and CheckFence rejects them.
+// cancelled, removes the wait. A predecessor whose lock and guard
+// connections are both lost less than 2H apart (it notices a loss only at
+// its next heartbeat), or that loses them in a crash-restart of the server
+// (which keeps the postmaster and its start time), cannot be told from a
+// killed process: its successor starts at once, and the predecessor's
+// context is cancelled within 2H of its first loss (at most L); its writes
+// are stale by then, and CheckFence rejects them.
 
 // record runs recordSQL, which the campaign's acquire prepared, on the
 // backend of l, the election's lock. It returns the term, when it began,
@@ -913,14 +943,18 @@ func (e *Election) RequestResign(ctx context.Context) error {
 // this leadership resign. It reads the row on the backend of the
 // election's lock, bounded by a heartbeat interval; an error counts as no
 // request (the next check tries again).
-func (ld *Leadership) resignRecorded() bool {
-	c := ld.e.c
+func (ld *Leadership) resignRecorded() bool { return ld.e.resignRecorded(ld.lock, ld.term) }
+
+// resignRecorded reports whether the leaders row records a request that
+// term resign, reading it on the backend of l, the election's lock.
+func (e *Election) resignRecorded(l *Lock, term Term) bool {
+	c := e.c
 	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.heartbeat)
 	defer cancel()
 	var asked bool
-	err := ld.lock.s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+	err := l.s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 		return conn.QueryRow(ctx, "SELECT coalesce(resign_term = $2, false) FROM "+c.cfg.table("leaders")+" WHERE name = $1",
-			ld.e.name, int64(ld.term)).Scan(&asked)
+			e.name, int64(term)).Scan(&asked)
 	})
 	return err == nil && asked
 }

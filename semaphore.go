@@ -641,13 +641,17 @@ func (p *Permit) Release(ctx context.Context) error {
 		return err
 	})
 	b.forgetKeys([]Key{k})
+	why := ErrNotHeld
 	if err != nil {
 		b.lose(err)
 		if e := b.Err(); e != nil {
 			err = e
 		}
+		if errorIsLoss(err) {
+			why = err // the permit was lost, not released: Err says so
+		}
 	}
-	l.end(ErrNotHeld)
+	l.end(why)
 	if err != nil {
 		return s.fail(ctx, "release", err)
 	}
