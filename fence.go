@@ -41,7 +41,13 @@ func fenceRow(k Key) (space int16, key int64) {
 // row otherwise. A fence issued on another backend than the lock's must
 // check this, or a backend lost meanwhile would get a fence newer than
 // its successor's.
-func issueFenceSQL(c *config, lockTimeout, holder int) string {
+//
+// If floor is not empty, it is an SQL expression for a fence the new one
+// must exceed, besides the key's last (NULL for none): an election passes
+// the term in its leaders row, so that its terms keep growing even where
+// the fences row of its key is newer than the leaders row (a key that
+// changed, a fences table restored from an older backup).
+func issueFenceSQL(c *config, lockTimeout, holder int, floor string) string {
 	timeout, held := "", ""
 	if lockTimeout != 0 {
 		timeout = fmt.Sprintf(", set_config('lock_timeout', $%d, true)", lockTimeout)
@@ -52,11 +58,16 @@ func issueFenceSQL(c *config, lockTimeout, holder int) string {
 			AND l.granted AND l.mode = 'ExclusiveLock' AND l.objsubid = $1 AND ((l.classid::int8 << 32) | l.objid::int8) = $2
 			AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()))`, holder)
 	}
+	first, next := "1", "f.fence + 1"
+	if floor != "" {
+		first = "coalesce((" + floor + "), 0) + 1"
+		next = "GREATEST(f.fence, (" + floor + ")) + 1"
+	}
 	return "INSERT INTO " + c.table("fences") + ` AS f (key_space, key, fence)
-		SELECT $1, $2, 1 FROM (SELECT set_config('synchronous_commit',
+		SELECT $1, $2, ` + first + ` FROM (SELECT set_config('synchronous_commit',
 			CASE current_setting('synchronous_commit') WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END,
 			true)` + timeout + `) AS durable` + held + `
-		ON CONFLICT (key_space, key) DO UPDATE SET fence = f.fence + 1
+		ON CONFLICT (key_space, key) DO UPDATE SET fence = ` + next + `
 		RETURNING f.fence`
 }
 
@@ -71,7 +82,7 @@ func nextFence(ctx context.Context, q interface {
 	}
 	space, key := fenceRow(k)
 	var fence int64
-	err := q.QueryRow(ctx, issueFenceSQL(c, 0, 0), space, key).Scan(&fence)
+	err := q.QueryRow(ctx, issueFenceSQL(c, 0, 0, ""), space, key).Scan(&fence)
 	if err != nil {
 		return 0, notMigrated(c, "issue fence for key "+k.String(), err)
 	}

@@ -570,14 +570,14 @@ func (s *Session) issueFence(ctx context.Context, l *Lock) error {
 		return err
 	}
 	err := s.c.blockAway(ctx, s, blockingStatement{
-		sql:   issueFenceSQL(s.c.cfg, 3, 0),
+		sql:   issueFenceSQL(s.c.cfg, 3, 0, ""),
 		args:  []any{space, key, ""},
 		run:   run,
 		quick: true,
 	}, blockingStatement{
 		// Away from l's backend, the fence checks that l's backend
 		// still holds the key.
-		sql:  issueFenceSQL(s.c.cfg, 4, 3),
+		sql:  issueFenceSQL(s.c.cfg, 4, 3, ""),
 		args: []any{space, key, s.pid, ""},
 		run:  run,
 	})

@@ -527,7 +527,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 // longest loss deadline among the leaders since the last clean end, its
 // own included (see handover).
 func recordSQL(c *config) string {
-	return `WITH fence AS (` + issueFenceSQL(c, 9, 0) + `),
+	return `WITH fence AS (` + issueFenceSQL(c, 9, 0, `SELECT t.term FROM `+c.table("leaders")+` AS t WHERE t.name = $3`) + `),
 		prev AS (SELECT p.guarded, p.server_start, p.ended, p.loss_deadline_ms, p.not_before
 			FROM ` + c.table("leaders") + ` AS p WHERE p.name = $3),
 		h AS (SELECT

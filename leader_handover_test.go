@@ -302,3 +302,48 @@ func TestElectionGuardlessLeaderRetakesGuard(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Terms keep growing where the fences row of the election's key is older
+// than the leaders row: after an upgrade that changed the election's key
+// (the row's term was issued for the old key), or a fences table restored
+// from an older backup. The next term follows the row's, and CheckFence
+// accepts it with the election's key.
+func TestElectionTermsGrowPastTheLeadersRow(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	pool := pgtest.Pool(t, dsn)
+	c := newTestClient(t, dsn)
+	e := c.Election("upgraded")
+	ld, err := e.Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ld.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The row's term is far ahead of the key's fences row, as if it had
+	// been issued under another key.
+	if _, err := pool.Exec(ctx, "UPDATE pgcoord.leaders SET term = 40 WHERE name = 'upgraded'"); err != nil {
+		t.Fatal(err)
+	}
+	ld, err = e.Campaign(ctx)
+	if err != nil {
+		t.Fatalf("Campaign with the leaders row ahead of the fences row: %v", err)
+	}
+	defer ld.Resign(ctx)
+	if ld.Term() != 41 {
+		t.Fatalf("term %d, want 41, after the row's 40", ld.Term())
+	}
+	if term, _, _ := leaderRow(t, pool, "upgraded"); term != 41 {
+		t.Fatalf("leaders row: term %d, want 41", term)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if err := c.CheckFence(ctx, tx, e.Key(), ld.Term()); err != nil {
+		t.Fatalf("CheckFence(term %d): %v", ld.Term(), err)
+	}
+}
