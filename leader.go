@@ -660,7 +660,7 @@ func (e *Election) takeGuard(ctx context.Context) (*Lock, error) {
 		var g *Lock
 		s, err = c.guardSession(ctx)
 		if err == nil {
-			g, err = s.TryLock(ctx, e.guard, withoutHooks())
+			err = ErrLocked // not tried yet: the first slice returns at once if the guard is free
 		}
 		for errors.Is(err, ErrLocked) || errors.Is(err, ErrDeadlock) {
 			left := time.Until(deadline)
