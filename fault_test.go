@@ -385,6 +385,8 @@ func faultChildMain(role string) int {
 		err = runSoakChild(out)
 	case "lockcore":
 		err = runLockCoreChild(out)
+	case "nemesis":
+		err = runNemesisChild(out)
 	default:
 		err = fmt.Errorf("unknown role %q", role)
 	}

@@ -125,7 +125,9 @@ func WithIdentity(identity string) ElectionOption {
 // of the old leader's connections lost less than two heartbeat intervals
 // apart (terminated by an administrator at once or one after the other:
 // the old leader notices a lost connection only at its next heartbeat, so
-// a guard lost first may be gone unnoticed when the lock goes), and a
+// a guard lost first may be gone unnoticed when the lock goes; or ended by
+// a server's fast shutdown, which terminates backends one after another,
+// so that a candidate may win on the server that is shutting down), and a
 // crash-restart of the server after a backend crashed, which ends every
 // connection but keeps the server's start time. The new leader then starts
 // at once, and the old leader's context is cancelled within two heartbeat
@@ -474,6 +476,10 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 		// report, is honoured during the wait: the candidate gives up,
 		// leaving the wait it owed recorded in the row for the next one.
 		requested := e.prefix + "resign:" + strconv.FormatInt(int64(term), 10)
+		var guardDone <-chan struct{}
+		if g != nil {
+			guardDone = g.Done()
+		}
 		timer := time.NewTimer(wait)
 		defer timer.Stop()
 		for waiting := true; waiting; {
@@ -482,6 +488,8 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 				waiting = false
 			case <-l.Done():
 				waiting = false
+			case <-guardDone:
+				return fail(g, errLostWhileWinning)
 			case <-ctx.Done():
 				return fail(g, errorf("election %q: campaign: %w", e.name, context.Cause(ctx)))
 			case <-sub.kick:
@@ -496,7 +504,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 			return fail(g, errAskedWhileWaiting{term})
 		}
 	}
-	if l.Err() != nil {
+	if l.Err() != nil || g != nil && g.Err() != nil {
 		return fail(g, errLostWhileWinning)
 	}
 	ld := &Leadership{
