@@ -348,9 +348,12 @@ func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 		return nil, errorf("election %q: %w", e.name, err)
 	}
 	// Open the guard session now, while following, so that a takeover
-	// does not wait for a connection. The guard's try, a bigint key's
-	// TryLock, is prepared on every session as it connects.
-	if _, err := e.c.guardSession(ctx); err != nil {
+	// does not wait for a connection. The guard's wait, a bigint key's
+	// Lock, is prepared on every session as it connects. If the server
+	// cannot be reached now (a restart, a failover), the campaign waits
+	// for the lock all the same, riding through as a Lock does, and the
+	// takeover opens the session.
+	if _, err := e.c.guardSession(ctx); err != nil && (!connectionTrouble(err) || ctx.Err() != nil) {
 		sub.close()
 		return nil, errorf("election %q: open guard session: %w", e.name, err)
 	}
