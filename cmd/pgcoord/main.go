@@ -18,6 +18,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/signal"
 	"runtime/debug"
@@ -473,7 +474,11 @@ func openPool(ctx context.Context, e *env) (*pgxpool.Pool, error) {
 	}
 	if err := pool.Ping(connectCtx); err != nil {
 		pool.Close()
-		if connectCtx.Err() != nil && ctx.Err() == nil {
+		// The connect timeout of pgx and connectCtx's deadline are the
+		// same: either may end the connect first.
+		var ne net.Error
+		timedOut := connectCtx.Err() != nil || errors.Is(err, context.DeadlineExceeded) || errors.As(err, &ne) && ne.Timeout()
+		if timeout > 0 && timedOut && ctx.Err() == nil {
 			err = fmt.Errorf("no connection within %v (--connect-timeout): %w", timeout, err)
 		}
 		return nil, fmt.Errorf("connect (%s): %w", e.where(&cfg.ConnConfig.Config), err)
