@@ -42,11 +42,12 @@ func fenceRow(k Key) (space int16, key int64) {
 // check this, or a backend lost meanwhile would get a fence newer than
 // its successor's.
 //
-// If floor is not empty, it is an SQL expression for a fence the new one
-// must exceed, besides the key's last (NULL for none): an election passes
-// the term in its leaders row, so that its terms keep growing even where
-// the fences row of its key is newer than the leaders row (a key that
-// changed, a fences table restored from an older backup).
+// If floor is not empty, it names a one-row relation of the statement
+// (a CTE) whose column floor holds a fence the new one must exceed,
+// besides the key's last (NULL for none): an election passes the term in
+// its leaders row, so that its terms keep growing even where the fences
+// row of its key is older than the leaders row (a key that changed, a
+// fences table restored from an older backup).
 func issueFenceSQL(c *config, lockTimeout, holder int, floor string) string {
 	timeout, held := "", ""
 	if lockTimeout != 0 {
@@ -58,15 +59,14 @@ func issueFenceSQL(c *config, lockTimeout, holder int, floor string) string {
 			AND l.granted AND l.mode = 'ExclusiveLock' AND l.objsubid = $1 AND ((l.classid::int8 << 32) | l.objid::int8) = $2
 			AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()))`, holder)
 	}
-	first, next := "1", "f.fence + 1"
+	first, from, next := "1", "", "f.fence + 1"
 	if floor != "" {
-		first = "coalesce((" + floor + "), 0) + 1"
-		next = "GREATEST(f.fence, (" + floor + ")) + 1"
+		first, from, next = "coalesce("+floor+".floor, 0) + 1", ", "+floor, "GREATEST(f.fence + 1, EXCLUDED.fence)"
 	}
 	return "INSERT INTO " + c.table("fences") + ` AS f (key_space, key, fence)
 		SELECT $1, $2, ` + first + ` FROM (SELECT set_config('synchronous_commit',
 			CASE current_setting('synchronous_commit') WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END,
-			true)` + timeout + `) AS durable` + held + `
+			true)` + timeout + `) AS durable` + from + held + `
 		ON CONFLICT (key_space, key) DO UPDATE SET fence = ` + next + `
 		RETURNING f.fence`
 }

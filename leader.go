@@ -538,16 +538,16 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 // longest loss deadline among the leaders since the last clean end, its
 // own included (see handover).
 func recordSQL(c *config) string {
-	return `WITH fence AS (` + issueFenceSQL(c, 9, 0, `SELECT t.term FROM `+c.table("leaders")+` AS t WHERE t.name = $3`) + `),
-		prev AS (SELECT p.guarded, p.server_start, p.ended, p.loss_deadline_ms, p.not_before
-			FROM ` + c.table("leaders") + ` AS p WHERE p.name = $3),
-		h AS (SELECT
-				CASE WHEN p.ended IS DISTINCT FROM false THEN $8::int8
-					ELSE GREATEST(p.loss_deadline_ms, $8::int8) END AS loss,
-				CASE WHEN p.ended IS DISTINCT FROM false THEN NULL
-					ELSE GREATEST(p.not_before, CASE WHEN NOT p.guarded OR p.server_start <> pg_catalog.pg_postmaster_start_time()
+	// h is the predecessor's row, as it was before this statement: what
+	// the new term must exceed, the longest loss deadline to carry on,
+	// and until when the new leader must wait (NULL: not at all).
+	return `WITH h AS (SELECT p.term AS floor,
+				CASE WHEN p.ended IS DISTINCT FROM false THEN $8::int8 ELSE GREATEST(p.loss_deadline_ms, $8::int8) END AS loss,
+				CASE WHEN NOT p.ended THEN GREATEST(p.not_before,
+					CASE WHEN NOT p.guarded OR p.server_start <> pg_catalog.pg_postmaster_start_time()
 						THEN now() + GREATEST(p.loss_deadline_ms, $8::int8) * interval '1 millisecond' END) END AS not_before
-			FROM (SELECT) AS one LEFT JOIN prev AS p ON true),
+			FROM (SELECT) AS one LEFT JOIN ` + c.table("leaders") + ` AS p ON p.name = $3),
+		fence AS (` + issueFenceSQL(c, 9, 0, "h") + `),
 		won AS (
 			INSERT INTO ` + c.table("leaders") + ` AS l (name, lock_key, identity, term, since, pid, guarded, server_start, ended, loss_deadline_ms, not_before)
 			SELECT $3, $4, $5, fence.fence, now(), $6, true, pg_catalog.pg_postmaster_start_time(), false, h.loss, h.not_before FROM fence, h
@@ -561,8 +561,8 @@ func recordSQL(c *config) string {
 			pg_notify($7, format('%s:lead:%s:%s:%s:%s', $4::bigint, won.term, $6::int,
 				(extract(epoch FROM won.since) * 1000000)::bigint, $5::text)) END IS NULL,
 			GREATEST(ceil(extract(epoch FROM won.not_before - now()) * 1000), 0)::int8,
-			(SELECT loss FROM h)
-		FROM fence LEFT JOIN won ON true`
+			h.loss
+		FROM fence CROSS JOIN h LEFT JOIN won ON true`
 }
 
 // The handover from one leader to the next. A new leader starts only once
