@@ -106,7 +106,10 @@ func nextFence(ctx context.Context, q interface {
 // (a new holder's Lock with [WithFence] waits) while tx is open. Hence a
 // write committed in tx after a nil CheckFence can never interleave with a
 // newer holder's writes: the newer holder gets its fence only after tx has
-// ended.
+// ended. A holder paused inside tx (a stopped process, a long GC pause)
+// holds the row as long, and the next holder's fence waits: set
+// idle_in_transaction_session_timeout for the role the application's pool
+// uses, so that the server ends such a transaction.
 //
 // It returns nil when the stored fence equals fence. It returns an error
 // wrapping [ErrStaleFence], naming both fences, when a newer fence has been

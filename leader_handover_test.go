@@ -41,6 +41,16 @@ func TestElectionHandoverAfterGuardlessLeader(t *testing.T) {
 	const loss, beat = time.Second, 100 * time.Millisecond
 	ctx := testCtx(t)
 	dsn, pool := faultDB(t)
+	// The paused leader may be stopped inside the transaction of a fenced
+	// write, which share-locks the fences row that the next term updates:
+	// as RELIABILITY.md advises, the server ends such a transaction
+	// (idle_in_transaction_session_timeout on the application's
+	// connections; pgcoord's own connections set it to 0).
+	if _, err := pool.Exec(ctx, `DO $$ BEGIN
+		EXECUTE format('ALTER DATABASE %I SET idle_in_transaction_session_timeout = %L', current_database(), '300ms');
+		END $$`); err != nil {
+		t.Fatal(err)
+	}
 	target := electionTarget{"guardless"}
 	c := newTestClient(t, dsn)
 	e := c.Election(target.name)
