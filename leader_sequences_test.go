@@ -126,9 +126,8 @@ func TestSemaphoreLostPermitReleasedReportsLoss(t *testing.T) {
 	}
 	pid := p.l.s.PID()
 	pgtest.Terminate(t, dsn, pid)
-	if p.Err() != nil {
-		t.Skipf("the session noticed the termination before the release: %v", p.Err())
-	}
+	// Whether or not the session has noticed the termination yet (with
+	// H = 5 s it rarely has), Release and Err must both report the loss.
 	rerr := p.Release(ctx)
 	if !errors.Is(rerr, ErrLockLost) {
 		t.Fatalf("Release of a permit whose backend was terminated = %v, want ErrLockLost", rerr)
