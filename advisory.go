@@ -13,7 +13,7 @@ type LockOption interface {
 
 type lockConfig struct {
 	fence    bool
-	prepare  []string
+	prepare  []preparedStatement
 	internal bool
 }
 
@@ -34,8 +34,21 @@ func WithFence() LockOption {
 // withPrepared has the acquire prepare statements (see Session.prepare) on
 // the backend it takes the keys on, before it tries or waits there: the
 // holder's first statements then run without a planning round trip.
-func withPrepared(sqls ...string) LockOption {
+func withPrepared(sqls ...preparedStatement) LockOption {
 	return lockOptionFunc(func(c *lockConfig) error { c.prepare = sqls; return nil })
+}
+
+// A preparedStatement is a statement that an acquire prepares on its
+// backend (withPrepared). If plan is not nil, it holds arguments for the
+// statement: the first time the statement is prepared on a connection, the
+// server also plans it with them (EXPLAIN, which runs nothing). A
+// connection's first use of a table and its indexes reads their metadata
+// from the catalogs, and planning reads more than parsing does; done while
+// the acquire waits, that work no longer delays the statement's first run
+// once the keys are taken (for an election, the new leader's record).
+type preparedStatement struct {
+	sql  string
+	plan []any
 }
 
 // withoutHooks marks the locks that elections and semaphores take for
@@ -51,10 +64,10 @@ type request struct {
 	shared  bool
 	try     bool
 	fence   bool
-	tried   bool     // a try of these keys just failed: wait at once
-	waiting bool     // the acquire waits on a backend that waitBackend gave it
-	again   bool     // the acquire tries again: its contention was reported
-	prepare []string // statements to prepare on the backend first
+	tried   bool                // a try of these keys just failed: wait at once
+	waiting bool                // the acquire waits on a backend that waitBackend gave it
+	again   bool                // the acquire tries again: its contention was reported
+	prepare []preparedStatement // statements to prepare on the backend first
 	// internal: a lock of an election or a semaphore, not reported to
 	// the hooks (withoutHooks)
 	internal bool

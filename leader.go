@@ -394,7 +394,7 @@ var errLostWhileWinning = errors.New("pgcoord: leadership lock lost while winnin
 func (e *Election) wait(ctx context.Context) (*Lock, error) {
 	for {
 		round, cancel := context.WithTimeout(ctx, e.campaignRound())
-		l, err := e.c.Lock(round, e.key, withPrepared(recordSQL(e.c.cfg)), withoutHooks())
+		l, err := e.c.Lock(round, e.key, withPrepared(e.recordStatement()), withoutHooks())
 		// The round ended if its deadline passed: by round.Err(), read
 		// before cancel (which ends it too), or by the clock a moment
 		// before round.Err() reports it.
@@ -595,6 +595,23 @@ func recordSQL(c *config) string {
 // context is cancelled within 2H of its first loss (at most L); its writes
 // are stale by then, and CheckFence rejects them.
 
+// recordArgs returns the arguments of recordSQL for a new leader whose
+// election lock is held by backend pid.
+func (e *Election) recordArgs(pid int32) []any {
+	space, fkey := fenceRow(e.key)
+	k, _ := e.key.Int64()
+	return []any{space, fkey, e.name, k, e.identity, pid, leaderChannel, e.c.cfg.lossDeadline.Milliseconds(), ""}
+}
+
+// recordStatement is recordSQL as the campaign's acquire prepares it on the
+// backend it waits on: planned there too, with this candidate's arguments,
+// so that a takeover's record does not begin with the backend reading the
+// leaders and fences tables' metadata (about half of that statement's time
+// on a connection's first run).
+func (e *Election) recordStatement() preparedStatement {
+	return preparedStatement{sql: recordSQL(e.c.cfg), plan: e.recordArgs(0)}
+}
+
 // record runs recordSQL, which the campaign's acquire prepared, on the
 // backend of l, the election's lock. It returns the term, when it began,
 // how long from now the new leader must wait before it starts, and the
@@ -603,8 +620,6 @@ func recordSQL(c *config) string {
 // leaders table holds a newer term.
 func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, time.Duration, time.Duration, error) {
 	c := e.c
-	space, fkey := fenceRow(e.key)
-	k, _ := e.key.Int64()
 	var term, waitMS, loss int64
 	var since *time.Time
 	// The statement waits for the fences row while a transaction that
@@ -612,7 +627,7 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, time.D
 	// that the backend's other locks keep proving themselves alive.
 	err := l.s.block(ctx, blockingStatement{
 		sql:   recordSQL(c.cfg),
-		args:  []any{space, fkey, e.name, k, e.identity, l.s.pid, leaderChannel, c.cfg.lossDeadline.Milliseconds(), ""},
+		args:  e.recordArgs(l.s.pid),
 		locks: 2, // the fences row, then the leaders row
 		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 			return conn.QueryRow(ctx, sql, args...).Scan(&term, &since, new(bool), &waitMS, &loss)

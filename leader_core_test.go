@@ -608,3 +608,74 @@ func TestObserveReportsNotMigrated(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A follower prepares and plans the record statement on the backend it
+// waits on, with its own arguments, while it waits: the server accepts the
+// plan (an error there would silently leave the takeover's record to read
+// the tables' metadata first), and the backend that wins records the term
+// with that statement.
+func TestCampaignPlansRecordWhileFollowing(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	a := newTestClient(t, dsn)
+	b := newTestClient(t, dsn)
+	la, err := a.Election("plans-record").Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eb := b.Election("plans-record")
+	won := make(chan *Leadership, 1)
+	go func() {
+		lb, err := eb.Campaign(ctx)
+		if err != nil {
+			t.Error(err)
+		}
+		won <- lb
+	}()
+	pgtest.Eventually(t, testTimeout, "b's campaign to wait on the server", func() bool { return waitingOn(t, dsn, eb.Key()) == 1 })
+	sql := recordSQL(b.cfg)
+	planned := func() (n int) {
+		b.mu.Lock()
+		var sessions []*Session
+		for s := range b.sessions {
+			sessions = append(sessions, s)
+		}
+		b.mu.Unlock()
+		for _, s := range sessions {
+			if s.grab(ctx) != nil {
+				continue
+			}
+			if s.planned[sql] {
+				n++
+			}
+			s.release()
+		}
+		return n
+	}
+	if n := planned(); n != 1 {
+		t.Fatalf("%d of b's backends planned the record statement, want 1: the one its campaign waits on", n)
+	}
+	if err := la.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var lb *Leadership
+	select {
+	case lb = <-won:
+	case <-time.After(testTimeout):
+		t.Fatalf("b's campaign did not lead within %v of a's resignation", testTimeout)
+	}
+	if lb.Term() <= la.Term() {
+		t.Fatalf("b leads term %d, want more than a's %d", lb.Term(), la.Term())
+	}
+	info, err := eb.Leader(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Term != lb.Term() || info.PID != lb.lock.s.PID() {
+		t.Fatalf("leaders row: term %d, pid %d; want b's term %d on its lock's backend %d", info.Term, info.PID, lb.Term(), lb.lock.s.PID())
+	}
+	if err := lb.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+}

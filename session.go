@@ -28,6 +28,9 @@ type Session struct {
 	conn    *pgx.Conn
 	pid     int32
 	managed bool // one of the Client's shared backends
+	// planned holds the statements planned on conn (see prepare); only
+	// used while holding the connection.
+	planned map[string]bool
 
 	use      chan struct{} // holds a token while a statement runs on conn
 	waitTurn chan struct{} // holds a token while a blocking acquire is in flight
@@ -282,17 +285,19 @@ func (s *Session) grab(ctx context.Context) error {
 // release gives the connection back after grab.
 func (s *Session) release() { <-s.use }
 
-// prepare prepares sqls on the session's connection (named by their text,
-// so that pgx runs them as prepared statements from then on), unless they
-// are already. Preparing has the server parse them and load the metadata
-// of their tables, which a connection's first use of a table costs.
-func (s *Session) prepare(ctx context.Context, sqls []string) error {
-	if len(sqls) == 0 {
+// prepare prepares statements on the session's connection (named by their
+// text, so that pgx runs them as prepared statements from then on), unless
+// they are already, and plans those that give arguments for it once per
+// connection (see preparedStatement). Preparing has the server parse them
+// and load the metadata of their tables, which a connection's first use of
+// a table costs.
+func (s *Session) prepare(ctx context.Context, sts []preparedStatement) error {
+	if len(sts) == 0 {
 		return nil
 	}
 	return s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		for _, sql := range sqls {
-			if _, err := conn.Prepare(ctx, sql, sql); err != nil {
+		for _, st := range sts {
+			if _, err := conn.Prepare(ctx, st.sql, st.sql); err != nil {
 				if pgCode(err) == "55P03" {
 					// A table is locked (a migration, VACUUM FULL): the
 					// statement is prepared when it first runs instead.
@@ -300,6 +305,24 @@ func (s *Session) prepare(ctx context.Context, sqls []string) error {
 				}
 				return notMigrated(s.c.cfg, "prepare statements", err)
 			}
+			if st.plan == nil || s.planned[st.sql] {
+				continue
+			}
+			// Text arguments, one round trip, nothing prepared or cached:
+			// the plan is all this is for. An error of the server here
+			// costs only the warm-up: the statement reports its own
+			// errors when it runs.
+			args := append([]any{pgx.QueryExecModeExec}, st.plan...)
+			if _, err := conn.Exec(ctx, "EXPLAIN (COSTS OFF) "+st.sql, args...); err != nil {
+				if pgCode(err) != "" {
+					continue
+				}
+				return err
+			}
+			if s.planned == nil {
+				s.planned = make(map[string]bool)
+			}
+			s.planned[st.sql] = true
 		}
 		return nil
 	})
