@@ -2,16 +2,19 @@ package pgcoord
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 )
 
 // Hooks are functions that a Client calls on lock events, to feed metrics
-// or traces (see examples/metrics for counters and histograms). Any of them
-// may be nil. Set them with [WithHooks].
+// or traces (the modules contrib/prometheus and contrib/otel turn them
+// into metrics; examples/metrics runs both). Any of them may be nil. Set
+// them with [WithHooks].
 //
 // Hooks never run on the goroutine that caused the event and never hold
 // up the library: events are queued, and one goroutine per Client calls
@@ -27,7 +30,10 @@ import (
 // held. The locks that elections and semaphores take for themselves (an
 // election's lock and guard, a semaphore's place in its queue, a permit's
 // slot) are not reported to OnAcquire, OnContention, OnRelease or OnLoss:
-// an election reports OnLeadership.
+// an election reports OnLeadership, and a semaphore OnPermit. Likewise,
+// every Permit that an acquire returned ends in exactly one OnPermit event
+// of kind PermitReleased or PermitLost, so acquired minus released minus
+// lost permits is the number of permits held.
 type Hooks struct {
 	// OnAcquire is called when an acquire returns: with Err nil when it
 	// took the lock, else with the error it returned.
@@ -44,6 +50,13 @@ type Hooks struct {
 	// OnLeadership is called when an election of the Client gains or loses
 	// leadership.
 	OnLeadership func(LeadershipEvent)
+	// OnPermit is called when an acquire of a semaphore's permit
+	// (Acquire, TryAcquire) returns, with Kind PermitAcquired and Err nil
+	// when it took a permit, else the error it returned; and when a
+	// permit it returned ends: by Release (or by Close, with Err wrapping
+	// ErrClosed), with Kind PermitReleased, or by the loss of its
+	// backend, with Kind PermitLost.
+	OnPermit func(PermitEvent)
 }
 
 // MaxPendingHookEvents bounds the events queued for a Client's hooks.
@@ -112,6 +125,48 @@ type LeadershipEvent struct {
 	Err      error
 }
 
+// PermitEventKind says what happened to a semaphore's permit.
+type PermitEventKind int
+
+// The kinds of [PermitEvent].
+const (
+	// PermitAcquired: an acquire returned, with a permit or an error.
+	PermitAcquired PermitEventKind = iota + 1
+	// PermitReleased: a permit ended by Release, or by Close (Err wraps
+	// ErrClosed); also a Release that failed without the permit being
+	// lost (Err says why).
+	PermitReleased
+	// PermitLost: a permit ended with the loss of the backend that held
+	// it (Err wraps ErrLockLost and the cause, as Permit.Err).
+	PermitLost
+)
+
+// String returns "acquired", "released" or "lost".
+func (k PermitEventKind) String() string {
+	switch k {
+	case PermitAcquired:
+		return "acquired"
+	case PermitReleased:
+		return "released"
+	case PermitLost:
+		return "lost"
+	}
+	return "PermitEventKind(" + strconv.Itoa(int(k)) + ")"
+}
+
+// PermitEvent describes an acquire of a semaphore's permit, or the end of
+// a permit that an acquire returned.
+type PermitEvent struct {
+	Kind      PermitEventKind
+	Semaphore string        // the semaphore's name
+	Slot      int           // the permit's slot; -1 for an acquire that failed
+	Try       bool          // PermitAcquired: a TryAcquire, which does not wait
+	Wait      time.Duration // PermitAcquired: from the call to its return
+	Held      time.Duration // PermitReleased, PermitLost: from the acquire's return to the end
+	PID       int32         // the backend that holds (or held) the permit; 0 on error
+	Err       error         // nil for a permit taken or released; else why
+}
+
 // WithHooks sets functions called on the Client's lock events; see
 // [Hooks]. Calling WithHooks again replaces them.
 func WithHooks(h Hooks) Option {
@@ -132,10 +187,15 @@ type hookQueue struct {
 	wake    chan struct{}
 	done    chan struct{}
 	dropped atomic.Int64
+
+	// permits holds the permits that an acquire returned and whose end
+	// is not reported yet (*Lock → *Permit): whoever removes one reports
+	// its end, so each is reported once.
+	permits sync.Map
 }
 
 func newHookQueue(h Hooks, logger func() *slog.Logger) *hookQueue {
-	if h.OnAcquire == nil && h.OnRelease == nil && h.OnContention == nil && h.OnLoss == nil && h.OnLeadership == nil {
+	if h.OnAcquire == nil && h.OnRelease == nil && h.OnContention == nil && h.OnLoss == nil && h.OnLeadership == nil && h.OnPermit == nil {
 		return nil
 	}
 	q := &hookQueue{h: h, logger: logger, wake: make(chan struct{}, 1), done: make(chan struct{})}
@@ -226,6 +286,53 @@ func (q *hookQueue) leadership(ev LeadershipEvent) {
 	q.push(func() { q.h.OnLeadership(ev) })
 }
 
+// permitAcquired reports the end of an acquire of sem's permit that
+// began at start, and registers the permit it returned so that its end is
+// reported once: by Release, by the end of its backend, or here if it
+// ended before it was registered.
+func (q *hookQueue) permitAcquired(sem *Semaphore, try bool, start time.Time, p *Permit, err error) {
+	if q == nil || q.h.OnPermit == nil {
+		return
+	}
+	ev := PermitEvent{Kind: PermitAcquired, Semaphore: sem.name, Slot: -1, Try: try, Wait: time.Since(start), Err: err}
+	if p != nil {
+		ev.Slot, ev.PID = p.slot, p.l.s.pid
+		p.since = time.Now()
+	}
+	q.push(func() { q.h.OnPermit(ev) })
+	if p == nil {
+		return
+	}
+	q.permits.Store(p.l, p)
+	select {
+	case <-p.l.done:
+		// It ended before it was registered: its backend's end found
+		// nothing to report.
+		why := p.l.Err()
+		kind := PermitReleased
+		if errors.Is(why, ErrLockLost) {
+			kind = PermitLost
+		}
+		q.permitEnded(p.l, kind, why)
+	default:
+	}
+}
+
+// permitEnded reports the end of the permit whose lock is l, if l is a
+// permit whose end is not reported yet.
+func (q *hookQueue) permitEnded(l *Lock, kind PermitEventKind, err error) {
+	if q == nil || q.h.OnPermit == nil {
+		return
+	}
+	v, ok := q.permits.LoadAndDelete(l)
+	if !ok {
+		return
+	}
+	p := v.(*Permit)
+	ev := PermitEvent{Kind: kind, Semaphore: p.sem.name, Slot: p.slot, Held: time.Since(p.since), PID: l.s.pid, Err: err}
+	q.push(func() { q.h.OnPermit(ev) })
+}
+
 func modeOf(shared bool) LockMode {
 	if shared {
 		return ModeShared
@@ -283,7 +390,11 @@ func (c *Client) contended(r request, local bool) {
 // released reports a lock that Unlock or Close ended.
 func (l *Lock) released(handoff bool, err error) {
 	c := l.s.c
-	if l.unreported.Load() || !c.observed() {
+	if l.unreported.Load() {
+		c.hooks.permitEnded(l, PermitReleased, err) // a permit, if any
+		return
+	}
+	if !c.observed() {
 		return
 	}
 	held := time.Duration(0)
@@ -311,7 +422,11 @@ func (l *Lock) released(handoff bool, err error) {
 // loss is logged once, at Warn, by the session.
 func (l *Lock) lost(err error) {
 	q := l.s.c.hooks
-	if l.unreported.Load() || q == nil || q.h.OnLoss == nil {
+	if l.unreported.Load() {
+		q.permitEnded(l, PermitLost, err) // a permit, if any
+		return
+	}
+	if q == nil || q.h.OnLoss == nil {
 		return
 	}
 	held := time.Duration(0)

@@ -262,9 +262,10 @@ func (s *Semaphore) queueKey() Key { return s.slotKey(queueSlot) }
 // Release; it ends early if its backend is lost or its Client closes,
 // which Done and Err report. Its methods are safe for concurrent use.
 type Permit struct {
-	sem  *Semaphore
-	l    *Lock
-	slot int
+	sem   *Semaphore
+	l     *Lock
+	slot  int
+	since time.Time // when its acquire returned; set only for OnPermit
 }
 
 // Slot returns the permit's slot: a number below the limit at the time it
@@ -320,10 +321,28 @@ type admission struct {
 	queued         bool
 }
 
+// acquire is Acquire or TryAcquire, reported to OnPermit.
 func (s *Semaphore) acquire(ctx context.Context, try bool) (*Permit, error) {
 	if s.err != nil {
 		return nil, s.err
 	}
+	q := s.c.hooks
+	if q == nil || q.h.OnPermit == nil {
+		return s.take(ctx, try)
+	}
+	start := time.Now()
+	// Registered as a call in flight, the acquire keeps Close from
+	// closing the hook queue before its event is queued.
+	entered := s.c.enter() == nil
+	p, err := s.take(ctx, try)
+	q.permitAcquired(s, try, start, p, err)
+	if entered {
+		s.c.wg.Done()
+	}
+	return p, err
+}
+
+func (s *Semaphore) take(ctx context.Context, try bool) (*Permit, error) {
 	c := s.c
 	if err := c.enter(); err != nil {
 		return nil, s.fail(ctx, "acquire", err)
@@ -652,6 +671,11 @@ func (p *Permit) Release(ctx context.Context) error {
 		}
 	}
 	l.end(why)
+	kind, evErr := PermitReleased, err
+	if errors.Is(why, ErrLockLost) {
+		kind, evErr = PermitLost, why
+	}
+	s.c.hooks.permitEnded(l, kind, evErr)
 	if err != nil {
 		return s.fail(ctx, "release", err)
 	}
