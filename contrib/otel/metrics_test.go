@@ -1,0 +1,386 @@
+package pgcoordotel_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pgcoord/pgcoord"
+	pgcoordotel "github.com/pgcoord/pgcoord/contrib/otel"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+const testTimeout = 30 * time.Second
+
+func testCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*testTimeout)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// newMetrics returns Metrics on a MeterProvider read by the returned
+// ManualReader.
+func newMetrics(t *testing.T, opts ...pgcoordotel.Option) (*pgcoordotel.Metrics, *sdkmetric.ManualReader) {
+	t.Helper()
+	reader := sdkmetric.NewManualReader()
+	provider := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = provider.Shutdown(context.Background()) })
+	m, err := pgcoordotel.New(append([]pgcoordotel.Option{pgcoordotel.WithMeterProvider(provider)}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := m.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	return m, reader
+}
+
+// values collects reader and returns every data point by series, as
+// `name{key=value,...}`; a histogram gives name_count and name_sum. It
+// also checks each instrument's unit: "s" for the histograms, a {curly}
+// annotation otherwise.
+func values(t *testing.T, reader *sdkmetric.ManualReader) map[string]float64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	out := make(map[string]float64)
+	series := func(name string, attrs attribute.Set) string {
+		return name + "{" + attrs.Encoded(attribute.DefaultEncoder()) + "}"
+	}
+	for _, sm := range rm.ScopeMetrics {
+		if sm.Scope.Name != pgcoordotel.ScopeName {
+			t.Errorf("scope %q", sm.Scope.Name)
+		}
+		for _, md := range sm.Metrics {
+			switch d := md.Data.(type) {
+			case metricdata.Sum[int64]:
+				for _, dp := range d.DataPoints {
+					out[series(md.Name, dp.Attributes)] = float64(dp.Value)
+				}
+			case metricdata.Gauge[int64]:
+				for _, dp := range d.DataPoints {
+					out[series(md.Name, dp.Attributes)] = float64(dp.Value)
+				}
+			case metricdata.Histogram[float64]:
+				if md.Unit != "s" {
+					t.Errorf("%s: unit %q, want s", md.Name, md.Unit)
+				}
+				for _, dp := range d.DataPoints {
+					out[series(md.Name+"_count", dp.Attributes)] = float64(dp.Count)
+					out[series(md.Name+"_sum", dp.Attributes)] = dp.Sum
+				}
+				continue
+			default:
+				t.Errorf("%s: unexpected data %T", md.Name, md.Data)
+			}
+			if !strings.HasPrefix(md.Unit, "{") {
+				t.Errorf("%s: unit %q, want a {count} annotation", md.Name, md.Unit)
+			}
+		}
+	}
+	return out
+}
+
+// until waits, bounded, until each series has its value.
+func until(t *testing.T, reader *sdkmetric.ManualReader, want map[string]float64) map[string]float64 {
+	t.Helper()
+	var got map[string]float64
+	pgtest.Eventually(t, testTimeout, fmt.Sprintf("metrics %v", want), func() bool {
+		got = values(t, reader)
+		for k, v := range want {
+			if got[k] != v {
+				return false
+			}
+		}
+		return true
+	})
+	return got
+}
+
+// sum adds the values of the series whose name is name (before "{").
+func sum(vs map[string]float64, name string) float64 {
+	var n float64
+	for k, v := range vs {
+		if strings.HasPrefix(k, name+"{") {
+			n += v
+		}
+	}
+	return n
+}
+
+// lockHolder returns the backend that holds k, from pg_locks.
+func lockHolder(t *testing.T, dsn string, k pgcoord.Key) int32 {
+	t.Helper()
+	v, ok := k.Int64()
+	if !ok {
+		t.Fatalf("key %v is not a bigint key", k)
+	}
+	conn := pgtest.Conn(t, dsn)
+	var pid int32
+	err := conn.QueryRow(testCtx(t), `SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1
+		AND (classid::bigint << 32) | objid::bigint = $1
+		AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`, v).Scan(&pid)
+	if err != nil {
+		t.Fatalf("holder of %v in pg_locks: %v", k, err)
+	}
+	return pid
+}
+
+// A workload on a real server shows in the instruments: acquires by
+// result with a wait each, contention, locks held going up and back to 0,
+// a loss after the lock's backend is terminated, leadership 1 then 0 with
+// its term, permits by semaphore with a lost one, and the Client's
+// connections from Stat.
+func TestMetrics(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	pool := pgtest.Pool(t, dsn)
+	if err := pgcoord.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	m, reader := newMetrics(t)
+	job, other, anon := pgcoord.HashKey("job"), pgcoord.HashKey("other"), pgcoord.HashKey("anonymous")
+	c, err := pgcoord.New(pool, m.Option(), pgcoord.WithKeyNames(map[pgcoord.Key]string{job: "job", other: "other-job"}),
+		pgcoord.WithApplicationName("otel-test"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(context.Background())
+	m.Watch(c)
+	rival, err := pgcoord.New(pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rival.Close(context.Background())
+
+	l, err := c.Lock(ctx, job)
+	if err != nil {
+		t.Fatal(err)
+	}
+	until(t, reader, map[string]float64{
+		`pgcoord.lock.held{pgcoord.lock.name=job}`:                                                   1,
+		`pgcoord.lock.acquires{pgcoord.lock.mode=exclusive,pgcoord.lock.name=job,pgcoord.result=ok}`: 1,
+	})
+	if _, err := c.TryLock(ctx, job); !errors.Is(err, pgcoord.ErrLocked) {
+		t.Fatal(err)
+	}
+	held, err := rival.Lock(ctx, other)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.TryRLock(ctx, other); !errors.Is(err, pgcoord.ErrLocked) {
+		t.Fatal(err)
+	}
+	until(t, reader, map[string]float64{
+		`pgcoord.lock.acquires{pgcoord.lock.mode=exclusive,pgcoord.lock.name=job,pgcoord.result=locked}`:                    1,
+		`pgcoord.lock.acquires{pgcoord.lock.mode=shared,pgcoord.lock.name=other-job,pgcoord.result=locked}`:                 1,
+		`pgcoord.lock.contentions{pgcoord.contention.location=local,pgcoord.lock.mode=exclusive,pgcoord.lock.name=job}`:     1,
+		`pgcoord.lock.contentions{pgcoord.contention.location=server,pgcoord.lock.mode=shared,pgcoord.lock.name=other-job}`: 1,
+		`pgcoord.lock.handles{}`: 1,
+	})
+	if err := held.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	until(t, reader, map[string]float64{
+		`pgcoord.lock.held{pgcoord.lock.name=job}`:     0,
+		`pgcoord.lock.releases{pgcoord.lock.name=job}`: 1,
+		`pgcoord.lock.handles{}`:                       0,
+	})
+
+	// A lock of a key without a name, lost with its backend.
+	l, err = c.Lock(ctx, anon)
+	if err != nil {
+		t.Fatal(err)
+	}
+	until(t, reader, map[string]float64{`pgcoord.lock.held{pgcoord.lock.name=unnamed}`: 1})
+	pgtest.Terminate(t, dsn, lockHolder(t, dsn, anon))
+	select {
+	case <-l.Done():
+	case <-ctx.Done():
+		t.Fatal("the lock of a terminated backend did not end")
+	}
+	vs := until(t, reader, map[string]float64{
+		`pgcoord.lock.held{pgcoord.lock.name=unnamed}`:   0,
+		`pgcoord.lock.losses{pgcoord.lock.name=unnamed}`: 1,
+	})
+	acquires := sum(vs, "pgcoord.lock.acquires")
+	if acquires != 4 || sum(vs, "pgcoord.lock.wait.duration_count") != acquires || sum(vs, "pgcoord.lock.wait.duration_sum") <= 0 {
+		t.Errorf("%v acquires, wait histogram count %v and sum %v: want 4, 4 and more than 0", acquires,
+			sum(vs, "pgcoord.lock.wait.duration_count"), sum(vs, "pgcoord.lock.wait.duration_sum"))
+	}
+
+	// Connections, as pg_stat_activity has them.
+	if err := c.Warm(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var backends int
+	if err := pool.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'otel-test' AND datname = current_database()").Scan(&backends); err != nil {
+		t.Fatal(err)
+	}
+	vs = values(t, reader)
+	if got := vs[`pgcoord.connection.count{pgcoord.connection.role=backend}`]; got != pgcoord.DefaultSharedBackends || backends < pgcoord.DefaultSharedBackends {
+		t.Errorf("pgcoord.connection.count{backend} = %v, pg_stat_activity shows %d of the Client's connections; want %d of each at least",
+			got, backends, pgcoord.DefaultSharedBackends)
+	}
+	if vs[`pgcoord.hook.events.dropped{}`] != 0 || vs[`pgcoord.lock.waits{pgcoord.wait.state=server}`] != 0 {
+		t.Errorf("dropped events or waits: %v", vs)
+	}
+
+	// Leadership: 1 with its term, then 0 after a resignation.
+	ld, err := c.Election("scheduler").Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	until(t, reader, map[string]float64{
+		`pgcoord.leader{pgcoord.election.name=scheduler}`:      1,
+		`pgcoord.leader.term{pgcoord.election.name=scheduler}`: float64(ld.Term()),
+	})
+	if err := ld.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	vs = until(t, reader, map[string]float64{`pgcoord.leader{pgcoord.election.name=scheduler}`: 0})
+	if n := sum(vs, "pgcoord.leader.losses"); n != 0 {
+		t.Errorf("%v leadership losses after a resignation, want 0", n)
+	}
+
+	// Permits by semaphore: one released, one lost, one refused.
+	sem := c.Semaphore("exports", 2)
+	p, err := sem.TryAcquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q, err := sem.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sem.TryAcquire(ctx); !errors.Is(err, pgcoord.ErrNoPermit) {
+		t.Fatal(err)
+	}
+	until(t, reader, map[string]float64{
+		`pgcoord.permit.held{pgcoord.semaphore.name=exports}`:                              2,
+		`pgcoord.permit.acquires{pgcoord.result=ok,pgcoord.semaphore.name=exports}`:        2,
+		`pgcoord.permit.acquires{pgcoord.result=no_permit,pgcoord.semaphore.name=exports}`: 1,
+		`pgcoord.permit.wait.duration_count{pgcoord.semaphore.name=exports}`:               3,
+	})
+	if err := p.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	until(t, reader, map[string]float64{`pgcoord.permit.held{pgcoord.semaphore.name=exports}`: 1})
+	hs, err := sem.Holders(ctx)
+	if err != nil || len(hs) != 1 || hs[0].Slot != q.Slot() {
+		t.Fatalf("Holders = %+v, %v; want the one permit left", hs, err)
+	}
+	pgtest.Terminate(t, dsn, hs[0].PID)
+	select {
+	case <-q.Done():
+	case <-ctx.Done():
+		t.Fatal("the permit of a terminated backend did not end")
+	}
+	until(t, reader, map[string]float64{
+		`pgcoord.permit.held{pgcoord.semaphore.name=exports}`:   0,
+		`pgcoord.permit.losses{pgcoord.semaphore.name=exports}`: 1,
+	})
+
+	// After Close, nothing is held and no connection is left.
+	if err := c.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	vs = values(t, reader)
+	for _, s := range []string{`pgcoord.connection.count{pgcoord.connection.role=backend}`, `pgcoord.connection.count{pgcoord.connection.role=session}`, `pgcoord.lock.handles{}`} {
+		if v, ok := vs[s]; !ok || v != 0 {
+			t.Errorf("after Close, %s = %v (reported: %v)", s, v, ok)
+		}
+	}
+	m.Unwatch(c)
+}
+
+// Names beyond the bound become "other", and invalid options are refused
+// with an error that says what is wrong.
+func TestMetricsBoundsAndOptions(t *testing.T) {
+	m, reader := newMetrics(t, pgcoordotel.WithMaxNames(2), pgcoordotel.WithBuckets(0.001, 0.1))
+	h := m.Hooks()
+	for _, name := range []string{"a", "b", "c", "a", "", "d", "bad\xff"} {
+		h.OnAcquire(pgcoord.AcquireEvent{Name: name, Wait: time.Millisecond, Err: pgcoord.ErrLocked})
+	}
+	vs := values(t, reader)
+	for name, want := range map[string]float64{"a": 2, "b": 1, "unnamed": 1, "other": 3} {
+		k := `pgcoord.lock.acquires{pgcoord.lock.mode=exclusive,pgcoord.lock.name=` + name + `,pgcoord.result=locked}`
+		if vs[k] != want {
+			t.Errorf("%s = %v, want %v (all: %v)", k, vs[k], want, vs)
+		}
+	}
+	if n := sum(vs, "pgcoord.lock.acquires"); n != 7 {
+		t.Errorf("%v acquires, want 7", n)
+	}
+
+	for _, tc := range []struct {
+		opt  pgcoordotel.Option
+		want string
+	}{
+		{pgcoordotel.WithMaxNames(0), "at least 1"},
+		{pgcoordotel.WithBuckets(), "no bounds"},
+		{pgcoordotel.WithBuckets(1, 1), "must increase"},
+		{pgcoordotel.WithBuckets(-1), "positive"},
+		{pgcoordotel.WithMeterProvider(nil), "provider is nil"},
+		{nil, "nil Option"},
+	} {
+		if _, err := pgcoordotel.New(tc.opt); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("New with a bad option = %v, want an error saying %q", err, tc.want)
+		}
+	}
+}
+
+// Result names the outcome of an acquire.
+func TestResult(t *testing.T) {
+	for err, want := range map[error]string{
+		nil:                                      "ok",
+		pgcoord.ErrLocked:                        "locked",
+		fmt.Errorf("x: %w", pgcoord.ErrNoPermit): "no_permit",
+		pgcoord.ErrDeadlock:                      "deadlock",
+		context.DeadlineExceeded:                 "timeout",
+		context.Canceled:                         "canceled",
+		pgcoord.ErrClosed:                        "closed",
+		errors.New("boom"):                       "error",
+	} {
+		if got := pgcoordotel.Result(err); got != want {
+			t.Errorf("Result(%v) = %q, want %q", err, got, want)
+		}
+	}
+}
+
+// Chain calls every hook, in order, and leaves nil a kind that none takes.
+func TestChain(t *testing.T) {
+	var calls []string
+	h := pgcoordotel.Chain(
+		pgcoord.Hooks{OnAcquire: func(pgcoord.AcquireEvent) { calls = append(calls, "first") }},
+		pgcoord.Hooks{},
+		pgcoord.Hooks{
+			OnAcquire: func(pgcoord.AcquireEvent) { calls = append(calls, "second") },
+			OnPermit:  func(pgcoord.PermitEvent) { calls = append(calls, "permit") },
+		},
+	)
+	h.OnAcquire(pgcoord.AcquireEvent{})
+	h.OnPermit(pgcoord.PermitEvent{})
+	if !slices.Equal(calls, []string{"first", "second", "permit"}) {
+		t.Errorf("calls %q", calls)
+	}
+	if h.OnRelease != nil || h.OnLoss != nil || h.OnContention != nil || h.OnLeadership != nil {
+		t.Error("Chain set a hook that no Hooks had")
+	}
+}
