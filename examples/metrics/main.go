@@ -1,141 +1,47 @@
-// Command metrics shows how to turn pgcoord's lock events into metrics
-// without making a metrics library a dependency of pgcoord: WithHooks gives
-// plain functions, and this program feeds them into a few counters and a
-// wait-time histogram published with the standard library's expvar, at
-// /debug/vars. The comments on each hook show the same with Prometheus'
-// client_golang and with OpenTelemetry.
+// Command metrics publishes pgcoord's metrics with both integrations of
+// this repository: contrib/prometheus (a prometheus.Collector, served on
+// /metrics) and contrib/otel (OpenTelemetry instruments, served here through
+// the OpenTelemetry Prometheus exporter on /otel/metrics). Both are fed by
+// the same Clients, whose hooks are chained.
 //
 // It runs a short workload (goroutines of two Clients contending for a few
-// keys, and one backend terminated to cause a loss), reads its own
-// /debug/vars over HTTP and prints pgcoord's part.
+// keys, a backend terminated to cause a loss, a small election with a
+// handover, and a semaphore with more workers than permits), fetches its
+// own /metrics and /otel/metrics over HTTP and prints pgcoord's series
+// (without histogram buckets, to keep the output short).
 //
 // It reads DATABASE_URL; when that is unset it starts a throwaway PostgreSQL
-// from the local binaries and removes it on exit.
+// from the local binaries and removes it on exit. It is a module of its own,
+// so that the metrics libraries stay out of pgcoord's module:
 //
-//	go run ./examples/metrics
+//	cd examples/metrics && go run .
 package main
 
 import (
+	"bufio"
 	"context"
-	"encoding/json"
 	"errors"
-	"expvar"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord"
+	pgcoordotel "github.com/pgcoord/pgcoord/contrib/otel"
+	pgcoordprom "github.com/pgcoord/pgcoord/contrib/prometheus"
 	"github.com/pgcoord/pgcoord/examples/internal/throwaway"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 )
-
-// metrics are the instruments the hooks update. With Prometheus they would
-// be (registered once, labelled by the key's name):
-//
-//	acquires := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "pgcoord_acquires_total"}, []string{"name", "result"})
-//	wait := prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "pgcoord_acquire_wait_seconds"}, []string{"name"})
-//	held := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "pgcoord_locks_held"}, []string{"name"})
-//	contention := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "pgcoord_contention_total"}, []string{"name", "local"})
-//	losses := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "pgcoord_losses_total"}, []string{"name"})
-//
-// and with OpenTelemetry, from a metric.Meter: Int64Counter for the
-// counters, Float64Histogram for the wait, Int64UpDownCounter for held.
-// Label by WithKeyNames' names, never by raw keys: a HashKey per invoice
-// would give every invoice a time series of its own.
-type metrics struct {
-	acquires, acquireErrors, releases, contention, losses expvar.Int
-	held                                                  expvar.Int // acquires - releases - losses
-	wait                                                  histogram
-}
-
-func newMetrics() *metrics {
-	m := &metrics{wait: histogram{bounds: []time.Duration{time.Millisecond, 10 * time.Millisecond, 100 * time.Millisecond, time.Second}}}
-	m.wait.counts = make([]int64, len(m.wait.bounds)+1)
-	v := expvar.NewMap("pgcoord")
-	v.Set("acquires", &m.acquires)
-	v.Set("acquire_errors", &m.acquireErrors)
-	v.Set("releases", &m.releases)
-	v.Set("contention", &m.contention)
-	v.Set("losses", &m.losses)
-	v.Set("held", &m.held)
-	v.Set("acquire_wait", &m.wait)
-	return m
-}
-
-// hooks returns the functions for pgcoord.WithHooks. pgcoord calls them on
-// a goroutine of its own, one at a time, so they cannot slow a lock down;
-// they should still be quick, as these are.
-func (m *metrics) hooks() pgcoord.Hooks {
-	return pgcoord.Hooks{
-		// Prometheus: acquires.WithLabelValues(e.Name, result).Inc() and,
-		// on success, wait.WithLabelValues(e.Name).Observe(e.Wait.Seconds()).
-		OnAcquire: func(e pgcoord.AcquireEvent) {
-			if e.Err != nil {
-				m.acquireErrors.Add(1)
-				return
-			}
-			m.acquires.Add(1)
-			m.held.Add(1)
-			m.wait.observe(e.Wait)
-		},
-		// Prometheus: held.WithLabelValues(e.Name).Dec(); the hold time
-		// (e.Held) could feed another histogram.
-		OnRelease: func(e pgcoord.ReleaseEvent) {
-			m.releases.Add(1)
-			m.held.Add(-1)
-		},
-		// Prometheus: contention.WithLabelValues(e.Name, strconv.FormatBool(e.Local)).Inc().
-		OnContention: func(e pgcoord.ContentionEvent) { m.contention.Add(1) },
-		// A loss deserves an alert: losses.WithLabelValues(e.Name).Inc().
-		// pgcoord also logs it at Warn.
-		OnLoss: func(e pgcoord.LossEvent) {
-			m.losses.Add(1)
-			m.held.Add(-1)
-		},
-	}
-}
-
-// histogram counts durations in buckets: counts[i] holds the durations up
-// to bounds[i], the last one those above every bound. It is an
-// expvar.Var.
-type histogram struct {
-	mu     sync.Mutex
-	bounds []time.Duration
-	counts []int64
-}
-
-func (h *histogram) observe(d time.Duration) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	i := 0
-	for i < len(h.bounds) && d > h.bounds[i] {
-		i++
-	}
-	h.counts[i]++
-}
-
-// String renders the buckets as JSON, as expvar wants.
-func (h *histogram) String() string {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	m := make(map[string]int64, len(h.counts))
-	for i, n := range h.counts {
-		label := "+Inf"
-		if i < len(h.bounds) {
-			label = "le_" + h.bounds[i].String()
-		}
-		m[label] = n
-	}
-	b, _ := json.Marshal(m)
-	return string(b)
-}
 
 func main() {
 	if err := run(); err != nil {
@@ -160,8 +66,48 @@ func run() error {
 		return err
 	}
 	defer pool.Close()
+	if err := pgcoord.Migrate(ctx, pool); err != nil { // elections and semaphores need their tables
+		return err
+	}
 
-	m := newMetrics()
+	// Prometheus: a Collector on a registry served at /metrics.
+	prom, err := pgcoordprom.New()
+	if err != nil {
+		return err
+	}
+	promReg := prometheus.NewRegistry()
+	promReg.MustRegister(prom)
+	// OpenTelemetry: instruments on a MeterProvider whose reader is the
+	// Prometheus exporter, on a registry of its own served at
+	// /otel/metrics (its names would clash with the Collector's).
+	otelReg := prometheus.NewRegistry()
+	exporter, err := otelprom.New(otelprom.WithRegisterer(otelReg), otelprom.WithoutScopeInfo(), otelprom.WithoutTargetInfo())
+	if err != nil {
+		return err
+	}
+	provider := sdkmetric.NewMeterProvider(sdkmetric.WithReader(exporter))
+	defer provider.Shutdown(context.Background())
+	otelMetrics, err := pgcoordotel.New(pgcoordotel.WithMeterProvider(provider))
+	if err != nil {
+		return err
+	}
+	defer otelMetrics.Close()
+
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(promReg, promhttp.HandlerOpts{}))
+	mux.Handle("/otel/metrics", promhttp.HandlerFor(otelReg, promhttp.HandlerOpts{}))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	defer srv.Close()
+	base := "http://" + ln.Addr().String()
+
+	// Two Clients, each feeding both. Label by WithKeyNames' names, never
+	// by raw keys: a HashKey per invoice would give every invoice a time
+	// series of its own.
 	names := map[pgcoord.Key]string{}
 	var keys []pgcoord.Key
 	for _, n := range []string{"report", "cache", "mailer"} {
@@ -169,10 +115,12 @@ func run() error {
 		names[k] = n
 		keys = append(keys, k)
 	}
-	// Losses are logged at Warn; this handler keeps the example's output
-	// short.
+	// Losses are logged at Warn; this handler keeps the output short.
 	logger := slog.New(slog.NewTextHandler(os.Stdout, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	opts := []pgcoord.Option{pgcoord.WithHooks(m.hooks()), pgcoord.WithKeyNames(names), pgcoord.WithLogger(logger)}
+	opts := []pgcoord.Option{
+		pgcoord.WithHooks(pgcoordprom.Chain(prom.Hooks(), otelMetrics.Hooks())),
+		pgcoord.WithKeyNames(names), pgcoord.WithLogger(logger),
+	}
 	a, err := pgcoord.New(pool, opts...)
 	if err != nil {
 		return err
@@ -183,8 +131,79 @@ func run() error {
 		return err
 	}
 	defer b.Close(context.Background())
+	for _, c := range []*pgcoord.Client{a, b} {
+		prom.Watch(c)
+		otelMetrics.Watch(c)
+	}
 
 	fmt.Println("8 goroutines of two Clients take 3 keys 50 times each ...")
+	if err := contend(ctx, a, b, keys); err != nil {
+		return err
+	}
+	fmt.Println("connections while the Clients are open:")
+	if err := show(ctx, base+"/metrics", "pgcoord_connections"); err != nil {
+		return err
+	}
+
+	fmt.Println("an election: a leads, hands over to b, b resigns ...")
+	if err := elect(ctx, a, b); err != nil {
+		return err
+	}
+	fmt.Println("4 workers share a semaphore of 2 permits, 5 times each ...")
+	if err := share(ctx, a, b); err != nil {
+		return err
+	}
+
+	fmt.Println("an operator terminates the backend of a held lock ...")
+	l, err := a.Lock(ctx, keys[0])
+	if err != nil {
+		return err
+	}
+	locks, err := a.Locks(ctx)
+	if err != nil {
+		return err
+	}
+	var pid int32
+	for _, li := range locks {
+		if li.Key == keys[0] && li.Granted {
+			pid = li.PID
+		}
+	}
+	if err := a.Terminate(ctx, pid); err != nil {
+		return err
+	}
+	select {
+	case <-l.Done():
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+
+	// The hooks run on a goroutine of their own: Close delivers what is
+	// left before it returns.
+	if err := errors.Join(a.Close(context.Background()), b.Close(context.Background())); err != nil {
+		return err
+	}
+	fmt.Printf("\nGET /metrics (contrib/prometheus), pgcoord's series without buckets:\n")
+	if err := show(ctx, base+"/metrics", "pgcoord_"); err != nil {
+		return err
+	}
+	fmt.Printf("\nGET /otel/metrics (contrib/otel through the OpenTelemetry exporter), the lock series:\n")
+	if err := show(ctx, base+"/otel/metrics", "pgcoord_lock_"); err != nil {
+		return err
+	}
+
+	// What the workload must have left: nothing held, one lost lock.
+	lost := total(promReg, "pgcoord_lock_losses_total")
+	held := total(promReg, "pgcoord_locks_held") + total(promReg, "pgcoord_permits_held") + total(promReg, "pgcoord_leader")
+	if held != 0 || lost != 1 {
+		return fmt.Errorf("held %v, lost %v: want 0 and 1 once everything ended", held, lost)
+	}
+	return nil
+}
+
+// contend has 8 goroutines of a and b take keys, mostly with Do, every
+// fifth time with TryLock.
+func contend(ctx context.Context, a, b *pgcoord.Client, keys []pgcoord.Key) error {
 	var wg sync.WaitGroup
 	errs := make(chan error, 8)
 	for i := range 8 {
@@ -200,11 +219,10 @@ func run() error {
 					if errors.Is(err, pgcoord.ErrLocked) {
 						continue
 					}
-					if err != nil {
-						errs <- err
-						return
+					if err == nil {
+						err = l.Unlock(ctx)
 					}
-					if err := l.Unlock(ctx); err != nil {
+					if err != nil {
 						errs <- err
 						return
 					}
@@ -219,50 +237,64 @@ func run() error {
 	}
 	wg.Wait()
 	close(errs)
-	if err := <-errs; err != nil {
-		return err
-	}
+	return <-errs
+}
 
-	fmt.Println("an operator terminates the backend of a held lock ...")
-	l, err := a.Lock(ctx, keys[0])
+// elect has a lead the election "scheduler", then resign while b
+// campaigns, so that b leads; then b resigns.
+func elect(ctx context.Context, a, b *pgcoord.Client) error {
+	la, err := a.Election("scheduler", pgcoord.WithIdentity("a")).Campaign(ctx)
 	if err != nil {
 		return err
 	}
-	var pid int32
-	locks, err := a.Locks(ctx)
-	if err != nil {
+	type result struct {
+		ld  *pgcoord.Leadership
+		err error
+	}
+	won := make(chan result, 1)
+	go func() {
+		ld, err := b.Election("scheduler", pgcoord.WithIdentity("b")).Campaign(ctx)
+		won <- result{ld, err}
+	}()
+	if err := la.Resign(ctx); err != nil {
 		return err
 	}
-	for _, li := range locks {
-		if li.Key == keys[0] && li.Granted {
-			pid = li.PID
-		}
+	r := <-won // Campaign returns by ctx at the latest
+	if r.err != nil {
+		return r.err
 	}
-	if err := a.Terminate(ctx, pid); err != nil {
-		return err
-	}
-	select {
-	case <-l.Done():
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-	// The hooks run on their own goroutine: Close delivers what is left.
-	if err := a.Close(context.Background()); err != nil {
-		return err
-	}
-	if err := b.Close(context.Background()); err != nil {
-		return err
-	}
+	return r.ld.Resign(ctx)
+}
 
-	// Serve expvar's /debug/vars, as a real program would, and read it.
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return err
+// share has 4 workers, 2 per Client, hold a permit of a semaphore of 2
+// in turn.
+func share(ctx context.Context, a, b *pgcoord.Client) error {
+	sems := []*pgcoord.Semaphore{a.Semaphore("exports", 2), b.Semaphore("exports", 2)}
+	var wg sync.WaitGroup
+	errs := make(chan error, 4)
+	for i := range 4 {
+		wg.Go(func() {
+			for range 5 {
+				p, err := sems[i%2].Acquire(ctx)
+				if err == nil {
+					err = p.Release(ctx)
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
 	}
-	srv := &http.Server{Handler: expvar.Handler(), ReadHeaderTimeout: 5 * time.Second}
-	go func() { _ = srv.Serve(ln) }()
-	defer srv.Close()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+ln.Addr().String()+"/debug/vars", nil)
+	wg.Wait()
+	close(errs)
+	return <-errs
+}
+
+// show fetches url and prints the sample lines that start with prefix,
+// without histogram buckets.
+func show(ctx context.Context, url, prefix string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return err
 	}
@@ -271,25 +303,35 @@ func run() error {
 		return err
 	}
 	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %s", url, resp.Status)
+	}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if strings.HasPrefix(line, prefix) && !strings.Contains(line, "_bucket{") {
+			fmt.Println("  " + line)
+		}
+	}
+	return sc.Err()
+}
+
+// total sums the values of the gauge or counter family name in
+// reg, or returns -1 if reg has no such family.
+func total(reg *prometheus.Registry, name string) float64 {
+	mfs, err := reg.Gather()
 	if err != nil {
-		return err
+		return -1
 	}
-	var vars map[string]json.RawMessage
-	if err := json.Unmarshal(body, &vars); err != nil {
-		return err
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		var sum float64
+		for _, m := range mf.GetMetric() {
+			sum += m.GetGauge().GetValue() + m.GetCounter().GetValue()
+		}
+		return sum
 	}
-	var out map[string]any
-	if err := json.Unmarshal(vars["pgcoord"], &out); err != nil {
-		return err
-	}
-	pretty, err := json.MarshalIndent(out, "  ", "  ")
-	if err != nil {
-		return err
-	}
-	fmt.Printf("GET /debug/vars, \"pgcoord\":\n  %s\n", pretty)
-	if m.held.Value() != 0 || m.losses.Value() != 1 {
-		return fmt.Errorf("held %d, losses %d: want 0 and 1 once every lock ended", m.held.Value(), m.losses.Value())
-	}
-	return nil
+	return -1
 }
