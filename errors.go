@@ -4,8 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Sentinel errors. Test for them with errors.Is: pgcoord wraps them with
@@ -91,16 +89,24 @@ func pgError(op string, err error) error {
 	if err == nil {
 		return nil
 	}
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		switch pe.Code {
-		case "40P01":
-			return errorf("%s: %w: %w", op, ErrDeadlock, err)
-		case "53200":
-			return errorf("%s: %w (raise max_locks_per_transaction, or hold fewer keys): %w", op, ErrTooManyLocks, err)
-		}
+	switch sqlState(err) {
+	case "40P01":
+		return errorf("%s: %w: %w", op, ErrDeadlock, err)
+	case "53200":
+		return errorf("%s: %w (raise max_locks_per_transaction, or hold fewer keys): %w", op, ErrTooManyLocks, err)
 	}
 	return errorf("%s: %w", op, err)
+}
+
+// sqlState returns the SQLSTATE of the server error in err's chain, or ""
+// if there is none: pgx's *pgconn.PgError and the errors of database/sql
+// drivers such as lib/pq's *pq.Error have a SQLState method.
+func sqlState(err error) string {
+	var se interface{ SQLState() string }
+	if errors.As(err, &se) {
+		return se.SQLState()
+	}
+	return ""
 }
 
 // prefix starts the message of every error pgcoord returns, once.

@@ -6,7 +6,7 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/pgcoord/pgcoord/internal/xactsql"
 )
 
 // fenceRow returns the fences table's key_space and key for k: objsubid and
@@ -147,7 +147,7 @@ func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term, opts ...Fen
 	if err != nil {
 		return err
 	}
-	return checkFence(ctx, c, tx, key, fence)
+	return checkFencePgx(ctx, c, tx, key, fence)
 }
 
 // CheckFence is [CheckFence] in the Client's schema ([WithSchema]): it
@@ -155,13 +155,18 @@ func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term, opts ...Fen
 // keeps the fence's row share-locked until tx ends. ctx bounds the query;
 // the errors are those of [CheckFence].
 func (c *Client) CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term) error {
-	return checkFence(ctx, c.cfg, tx, key, fence)
+	return checkFencePgx(ctx, c.cfg, tx, key, fence)
 }
 
-func checkFence(ctx context.Context, c *config, tx pgx.Tx, key Key, fence Term) error {
+func checkFencePgx(ctx context.Context, c *config, tx pgx.Tx, key Key, fence Term) error {
 	if tx == nil {
 		return errors.New("pgcoord: CheckFence: tx is nil")
 	}
+	return checkFence(ctx, c, pgxTx{tx}, key, fence)
+}
+
+// checkFence runs CheckFence on tx, for pgx and for package pgcoordsql.
+func checkFence(ctx context.Context, c *config, tx xactsql.Tx, key Key, fence Term) error {
 	if err := key.check(); err != nil {
 		return errorf("CheckFence: %w", err)
 	}
@@ -170,9 +175,9 @@ func checkFence(ctx context.Context, c *config, tx pgx.Tx, key Key, fence Term) 
 	}
 	space, k := fenceRow(key)
 	var stored Term
-	err := tx.QueryRow(ctx, "SELECT fence FROM "+c.table("fences")+" WHERE key_space = $1 AND key = $2 FOR SHARE", space, k).Scan(&stored)
+	err := tx.QueryRow(ctx, "SELECT fence FROM "+c.table("fences")+" WHERE key_space = $1 AND key = $2 FOR SHARE", []any{space, k}, &stored)
 	switch {
-	case errors.Is(err, pgx.ErrNoRows):
+	case errors.Is(err, xactsql.ErrNoRows):
 		return errorf("CheckFence: %w: fence %d for key %s was never issued: no fence exists for the key in schema %s", ErrStaleFence, fence, key, c.quotedSchema())
 	case err != nil:
 		return notMigrated(c, "CheckFence", err)
@@ -188,8 +193,7 @@ func checkFence(ctx context.Context, c *config, tx pgx.Tx, key Key, fence Term) 
 // server reports that pgcoord's table or schema does not exist (SQLSTATE
 // 42P01 or 3F000), and maps it with pgError otherwise.
 func notMigrated(c *config, op string, err error) error {
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) && (pe.Code == "42P01" || pe.Code == "3F000" || pe.Code == "42703") {
+	if code := sqlState(err); code == "42P01" || code == "3F000" || code == "42703" {
 		return errorf("%s: %w (schema %s): %w", op, ErrNotMigrated, c.quotedSchema(), err)
 	}
 	return pgError(op, err)

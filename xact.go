@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/pgcoord/pgcoord/internal/xactsql"
 )
 
 // Transaction-level locks
@@ -124,6 +125,72 @@ var (
 	modeXactTryRLock = xactMode{"XactTryRLock", "pg_try_advisory_xact_lock_shared", true}
 )
 
+// xactModes maps the modes that package pgcoordsql names to ours.
+var xactModes = [...]xactMode{
+	xactsql.Lock:     modeXactLock,
+	xactsql.RLock:    modeXactRLock,
+	xactsql.TryLock:  modeXactTryLock,
+	xactsql.TryRLock: modeXactTryRLock,
+}
+
+// The code below runs on an xactsql.Tx, so that package pgcoordsql runs it
+// on a *sql.Tx: hand it over.
+func init() {
+	xactsql.Registered = xactsql.Impl[Key, Term, FenceOption]{
+		Acquire: func(ctx context.Context, op string, mode xactsql.Mode, tx xactsql.Tx, keys []Key) error {
+			m := xactModes[mode]
+			m.op = op
+			return xactAcquire(ctx, m, tx, keys)
+		},
+		InTx: inTx,
+		CheckFence: func(ctx context.Context, tx xactsql.Tx, key Key, fence Term, opts []FenceOption) error {
+			c, err := newFenceConfig(opts)
+			if err != nil {
+				return err
+			}
+			return checkFence(ctx, c, tx, key, fence)
+		},
+	}
+}
+
+// pgxTx is a pgx.Tx as an xactsql.Txn.
+type pgxTx struct{ tx pgx.Tx }
+
+func (t pgxTx) Exec(ctx context.Context, sql string, args ...any) error {
+	_, err := t.tx.Exec(ctx, sql, args...)
+	return err
+}
+
+func (t pgxTx) QueryRow(ctx context.Context, sql string, args []any, dest ...any) error {
+	err := t.tx.QueryRow(ctx, sql, args...).Scan(dest...)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return xactsql.ErrNoRows
+	}
+	return err
+}
+
+func (t pgxTx) Commit(ctx context.Context) error   { return t.tx.Commit(ctx) }
+func (t pgxTx) Rollback(ctx context.Context) error { return t.tx.Rollback(ctx) }
+
+// beginPgx begins a transaction with begin, as an xactsql.Txn.
+func beginPgx(begin func(context.Context) (pgx.Tx, error)) func(context.Context) (xactsql.Txn, error) {
+	return func(ctx context.Context) (xactsql.Txn, error) {
+		tx, err := begin(ctx)
+		if err != nil {
+			return nil, err
+		}
+		return pgxTx{tx}, nil
+	}
+}
+
+// withPgx calls fn with the pgx.Tx behind t, which beginPgx made.
+func withPgx(fn func(pgx.Tx) error) func(xactsql.Txn) error {
+	if fn == nil {
+		return nil // inTx reports it
+	}
+	return func(t xactsql.Txn) error { return fn(t.(pgxTx).tx) }
+}
+
 // XactLock takes exclusive transaction-level advisory locks on keys in tx,
 // waiting until every key is free. The keys are validated, deduplicated and
 // taken in the canonical order in one statement, so concurrent callers that
@@ -162,7 +229,7 @@ var (
 // table is full, and the context's error when ctx ended the wait; other
 // errors are pgx's, wrapped.
 func XactLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
-	return xactAcquire(ctx, modeXactLock, tx, keys)
+	return xactAcquirePgx(ctx, modeXactLock, tx, keys)
 }
 
 // XactRLock is [XactLock] for shared locks: any number of transactions can
@@ -171,7 +238,7 @@ func XactLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // not starved. Everything XactLock says about order, ctx, release and errors
 // applies.
 func XactRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
-	return xactAcquire(ctx, modeXactRLock, tx, keys)
+	return xactAcquirePgx(ctx, modeXactRLock, tx, keys)
 }
 
 // XactTryLock is [XactLock] without waiting: it tries the keys in canonical
@@ -188,7 +255,7 @@ func XactRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // ctx bounds the statement. Other errors are those of XactLock, and abort tx
 // as they do there.
 func XactTryLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
-	return xactAcquire(ctx, modeXactTryLock, tx, keys)
+	return xactAcquirePgx(ctx, modeXactTryLock, tx, keys)
 }
 
 // XactTryRLock is [XactTryLock] for shared locks: it fails with an error
@@ -197,7 +264,7 @@ func XactTryLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // waiting exclusive request). What XactTryLock says about partial success
 // applies.
 func XactTryRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
-	return xactAcquire(ctx, modeXactTryRLock, tx, keys)
+	return xactAcquirePgx(ctx, modeXactTryRLock, tx, keys)
 }
 
 // InTx begins a transaction on db, takes exclusive transaction-level locks on
@@ -236,7 +303,7 @@ func InTx(ctx context.Context, db TxBeginner, keys []Key, fn func(tx pgx.Tx) err
 	if db == nil {
 		return errors.New("pgcoord: InTx: nil TxBeginner")
 	}
-	return inTx(ctx, "InTx", db.Begin, keys, fn)
+	return inTx(ctx, "InTx", beginPgx(db.Begin), keys, withPgx(fn))
 }
 
 // TxOptionsBeginner starts a transaction with options. *pgxpool.Pool and
@@ -262,11 +329,13 @@ func InTxOptions(ctx context.Context, db TxOptionsBeginner, txOptions pgx.TxOpti
 	if db == nil {
 		return errors.New("pgcoord: InTxOptions: nil TxOptionsBeginner")
 	}
-	return inTx(ctx, "InTxOptions", func(ctx context.Context) (pgx.Tx, error) { return db.BeginTx(ctx, txOptions) }, keys, fn)
+	begin := func(ctx context.Context) (pgx.Tx, error) { return db.BeginTx(ctx, txOptions) }
+	return inTx(ctx, "InTxOptions", beginPgx(begin), keys, withPgx(fn))
 }
 
-// inTx runs InTx and InTxOptions, named op in errors.
-func inTx(ctx context.Context, op string, begin func(context.Context) (pgx.Tx, error), keys []Key, fn func(tx pgx.Tx) error) error {
+// inTx runs InTx and InTxOptions, named op in errors, and those of package
+// pgcoordsql.
+func inTx(ctx context.Context, op string, begin func(context.Context) (xactsql.Txn, error), keys []Key, fn func(tx xactsql.Txn) error) error {
 	if fn == nil {
 		return errorf("%s: nil fn", op)
 	}
@@ -286,18 +355,18 @@ func inTx(ctx context.Context, op string, begin func(context.Context) (pgx.Tx, e
 	done := false
 	defer func() {
 		if !done {
-			rollbackTx(ctx, tx)
+			rollbackTxn(ctx, tx)
 		}
 	}()
 
 	if err := xactExec(ctx, mode, tx, ks); err != nil {
 		done = true
-		rollbackTx(ctx, tx)
+		rollbackTxn(ctx, tx)
 		return err
 	}
 	if err := fn(tx); err != nil {
 		done = true
-		rollbackTx(ctx, tx)
+		rollbackTxn(ctx, tx)
 		return err
 	}
 	done = true
@@ -311,17 +380,26 @@ func inTx(ctx context.Context, op string, begin func(context.Context) (pgx.Tx, e
 // reach, bounded by xactRollbackTimeout. The error is dropped: pgx closes
 // the connection when a rollback fails, which ends the transaction on the
 // server.
-func rollbackTx(ctx context.Context, tx pgx.Tx) {
+func rollbackTx(ctx context.Context, tx pgx.Tx) { rollbackTxn(ctx, pgxTx{tx}) }
+
+// rollbackTxn is rollbackTx for any transaction InTx begins. database/sql
+// discards a connection whose rollback failed, as pgx closes it.
+func rollbackTxn(ctx context.Context, tx xactsql.Txn) {
 	ctx, cancel := withoutCancel(ctx, xactRollbackTimeout)
 	defer cancel()
 	_ = tx.Rollback(ctx)
 }
 
-// xactAcquire validates tx and keys and runs the lock statement.
-func xactAcquire(ctx context.Context, mode xactMode, tx pgx.Tx, keys []Key) error {
+// xactAcquirePgx validates tx and keys and runs the lock statement.
+func xactAcquirePgx(ctx context.Context, mode xactMode, tx pgx.Tx, keys []Key) error {
 	if tx == nil {
 		return errorf("%s: nil pgx.Tx; begin a transaction first, or use InTx", mode.op)
 	}
+	return xactAcquire(ctx, mode, pgxTx{tx}, keys)
+}
+
+// xactAcquire validates keys and runs the lock statement on tx.
+func xactAcquire(ctx context.Context, mode xactMode, tx xactsql.Tx, keys []Key) error {
 	ks, err := canonicalKeys(keys)
 	if err != nil {
 		return errorf("%s: %w", mode.op, err)
@@ -331,18 +409,18 @@ func xactAcquire(ctx context.Context, mode xactMode, tx pgx.Tx, keys []Key) erro
 
 // xactExec takes the canonical keys ks in tx, in order: one statement for
 // up to maxKeysPerStatement keys, one round trip per chunk beyond that.
-func xactExec(ctx context.Context, mode xactMode, tx pgx.Tx, ks []Key) error {
+func xactExec(ctx context.Context, mode xactMode, tx xactsql.Tx, ks []Key) error {
 	for i, chunk := range chunked(ks) {
 		if !mode.try {
 			sql, args := lockSQL(mode.fn, chunk)
-			if _, err := tx.Exec(ctx, sql, args...); err != nil {
+			if err := tx.Exec(ctx, sql, args...); err != nil {
 				return xactError(ctx, mode.op, err)
 			}
 			continue
 		}
 		sql, args := xactTryStatement(mode.fn, chunk)
 		var failed int
-		if err := tx.QueryRow(ctx, sql, args...).Scan(&failed); err != nil {
+		if err := tx.QueryRow(ctx, sql, args, &failed); err != nil {
 			return xactError(ctx, mode.op, err)
 		}
 		if failed == 0 {

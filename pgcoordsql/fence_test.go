@@ -1,0 +1,136 @@
+package pgcoordsql_test
+
+import (
+	"database/sql"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/pgcoord/pgcoord"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+	"github.com/pgcoord/pgcoord/pgcoordsql"
+)
+
+// fencedLock takes key through c with a fence, releases it, and returns the
+// fence.
+func fencedLock(t *testing.T, c *pgcoord.Client, key pgcoord.Key) pgcoord.Term {
+	t.Helper()
+	l, err := c.Lock(t.Context(), key, pgcoord.WithFence())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Unlock(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	return l.Fence()
+}
+
+// checkFence runs CheckFence in a transaction of db and rolls it back.
+func checkFence(t *testing.T, db *sql.DB, key pgcoord.Key, fence pgcoord.Term, opts ...pgcoord.FenceOption) error {
+	t.Helper()
+	tx, _ := begin(t, db)
+	defer tx.Rollback()
+	return pgcoordsql.CheckFence(t.Context(), tx, key, fence, opts...)
+}
+
+// TestCheckFence: with fences issued by a Client's fenced locks, in the
+// Client's schema, CheckFence accepts the newest fence and refuses an older
+// one and one never issued with ErrStaleFence; while a transaction that
+// passed CheckFence is open, the next fenced lock waits for it (its fence
+// row is share-locked), and gets a newer fence once it commits.
+func TestCheckFence(t *testing.T) {
+	ctx := t.Context()
+	dsn := pgtest.DB(t)
+	pool := pgtest.Pool(t, dsn)
+	schema := pgcoord.WithSchema("fences here")
+	if err := pgcoord.Migrate(ctx, pool, schema); err != nil {
+		t.Fatal(err)
+	}
+	c, err := pgcoord.New(pool, schema)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close(ctx) })
+	db := openDB(t, dsn)
+	key := pgcoord.PairKey(4, -4)
+
+	old := fencedLock(t, c, key)
+	current := fencedLock(t, c, key)
+	if current <= old {
+		t.Fatalf("fences %d then %d: not increasing", old, current)
+	}
+	if err := checkFence(t, db, key, old, schema); !errors.Is(err, pgcoord.ErrStaleFence) {
+		t.Fatalf("stale fence %d: got %v, want ErrStaleFence", old, err)
+	}
+	if err := checkFence(t, db, key, current+1, schema); !errors.Is(err, pgcoord.ErrStaleFence) {
+		t.Fatalf("fence %d never issued: got %v, want ErrStaleFence", current+1, err)
+	}
+	if err := checkFence(t, db, pgcoord.Int64Key(99), 1, schema); !errors.Is(err, pgcoord.ErrStaleFence) {
+		t.Fatalf("key without fences: got %v, want ErrStaleFence", err)
+	}
+
+	tx, _ := begin(t, db)
+	if err := pgcoordsql.CheckFence(ctx, tx, key, current, schema); err != nil {
+		t.Fatalf("current fence %d: %v", current, err)
+	}
+	next := make(chan pgcoord.Term, 1)
+	r := async(func() error {
+		l, err := c.Lock(ctx, key, pgcoord.WithFence())
+		if err != nil {
+			return err
+		}
+		next <- l.Fence()
+		return l.Unlock(ctx)
+	})
+	pgtest.Eventually(t, waitLimit, "the fenced lock to wait for the checked fence's row", func() bool {
+		var n int
+		if err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+			WHERE NOT l.granted AND l.locktype IN ('transactionid', 'tuple') AND a.datname = current_database()`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n > 0
+	})
+	if len(next) != 0 {
+		t.Fatal("a newer fence was issued while a transaction that checked the current one was open")
+	}
+	if _, err := tx.ExecContext(ctx, "CREATE TABLE written_under_fence ()"); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.get(t); err != nil {
+		t.Fatal(err)
+	}
+	if f := <-next; f <= current {
+		t.Fatalf("fence after the check: %d, want more than %d", f, current)
+	}
+	if err := checkFence(t, db, key, current, schema); !errors.Is(err, pgcoord.ErrStaleFence) {
+		t.Fatalf("fence %d after a newer one: got %v, want ErrStaleFence", current, err)
+	}
+}
+
+// TestCheckFenceNotMigrated: without pgcoord's tables in the schema,
+// CheckFence returns ErrNotMigrated; bad input is refused before the query.
+func TestCheckFenceNotMigrated(t *testing.T) {
+	db := openDB(t, pgtest.DB(t))
+	key := pgcoord.Int64Key(1)
+	if err := checkFence(t, db, key, 1); !errors.Is(err, pgcoord.ErrNotMigrated) {
+		t.Fatalf("default schema, not migrated: got %v, want ErrNotMigrated", err)
+	}
+	if err := checkFence(t, db, key, 1, pgcoord.WithSchema("elsewhere")); !errors.Is(err, pgcoord.ErrNotMigrated) || !strings.Contains(err.Error(), "elsewhere") {
+		t.Fatalf("schema elsewhere, not migrated: got %v, want ErrNotMigrated naming the schema", err)
+	}
+	if err := checkFence(t, db, pgcoord.Key{}, 1); !errors.Is(err, pgcoord.ErrInvalidKey) {
+		t.Errorf("zero key: got %v, want ErrInvalidKey", err)
+	}
+	if err := checkFence(t, db, key, 0); err == nil || errors.Is(err, pgcoord.ErrNotMigrated) {
+		t.Errorf("fence 0: got %v, want an error before the query", err)
+	}
+	if err := pgcoordsql.CheckFence(t.Context(), nil, key, 1); err == nil {
+		t.Error("nil tx: no error")
+	}
+	if err := checkFence(t, db, key, 1, pgcoord.WithSchema("")); err == nil || errors.Is(err, pgcoord.ErrNotMigrated) {
+		t.Errorf("empty schema: got %v, want the option's error", err)
+	}
+}

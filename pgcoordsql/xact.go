@@ -1,0 +1,181 @@
+package pgcoordsql
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+
+	"github.com/pgcoord/pgcoord"
+	"github.com/pgcoord/pgcoord/internal/xactsql"
+)
+
+// impl is package pgcoord's code for transactions, run here on a *sql.Tx.
+var impl = xactsql.Registered.(xactsql.Impl[pgcoord.Key, pgcoord.Term, pgcoord.FenceOption])
+
+// XactLock takes exclusive transaction-level advisory locks on keys in tx,
+// waiting until every key is free, as [pgcoord.XactLock] does in a pgx.Tx.
+// The keys are validated, deduplicated and taken in the canonical order in
+// one statement, so concurrent callers that lock overlapping sets of keys,
+// each set in one call, cannot deadlock on them. The locks are released
+// when tx commits or rolls back, and cannot be released earlier. Only a
+// *sql.Tx is accepted: outside a transaction each statement is its own
+// transaction, and the lock would be gone when XactLock returned.
+//
+// ctx governs the wait. If ctx ends during it, the driver sends the server
+// a cancel request, which aborts tx and so releases all of its keys (see
+// the package documentation for when, per driver), and XactLock returns an
+// error wrapping the context's error; roll tx back then. A ctx that is done
+// before the statement is sent sends nothing and leaves tx and its keys as
+// they were. Every error from the server aborts tx and releases its keys as
+// well: do not go on with tx after an error.
+//
+// XactLock returns an error wrapping [pgcoord.ErrInvalidKey] for an empty
+// or invalid key list and a plain error for a nil tx (before sending
+// anything), [pgcoord.ErrDeadlock] if PostgreSQL chose tx as a deadlock
+// victim (possible only with keys taken by other calls or with other locks,
+// such as row locks), [pgcoord.ErrTooManyLocks] if the server's lock table
+// is full, and the context's error when ctx ended the wait; other errors
+// are the driver's, wrapped.
+func XactLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
+	return acquire(ctx, "XactLock", xactsql.Lock, tx, keys)
+}
+
+// XactRLock is [XactLock] for shared locks: any number of transactions can
+// hold a key shared at once, and they exclude exclusive holders. PostgreSQL
+// queues a new shared request behind a waiting exclusive one, so writers
+// are not starved. Everything XactLock says about order, ctx, release and
+// errors applies.
+func XactRLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
+	return acquire(ctx, "XactRLock", xactsql.RLock, tx, keys)
+}
+
+// XactTryLock is [XactLock] without waiting: it tries the keys in canonical
+// order, in one statement, and stops at the first key held by another
+// transaction, returning an error wrapping [pgcoord.ErrLocked] that names
+// it.
+//
+// Partial success: a failed try is not an error to PostgreSQL, so tx is not
+// aborted, and the keys before the held one in canonical order stay locked
+// by tx until it ends; the held key and the keys after it were not taken.
+// Roll tx back (which releases those keys) and retry later, rather than go
+// on holding a subset.
+//
+// ctx bounds the statement. Other errors are those of XactLock, and abort tx
+// as they do there.
+func XactTryLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
+	return acquire(ctx, "XactTryLock", xactsql.TryLock, tx, keys)
+}
+
+// XactTryRLock is [XactTryLock] for shared locks: it fails with an error
+// wrapping [pgcoord.ErrLocked] only when another transaction holds a key
+// exclusively or is waiting to (PostgreSQL does not let a new shared holder
+// overtake a waiting exclusive request). What XactTryLock says about
+// partial success applies.
+func XactTryRLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
+	return acquire(ctx, "XactTryRLock", xactsql.TryRLock, tx, keys)
+}
+
+func acquire(ctx context.Context, op string, mode xactsql.Mode, tx *sql.Tx, keys []pgcoord.Key) error {
+	if tx == nil {
+		return errors.New("pgcoord: " + op + ": nil *sql.Tx; begin a transaction first, or use pgcoordsql.InTx")
+	}
+	return impl.Acquire(ctx, op, mode, sqlTx{tx}, keys)
+}
+
+// TxBeginner begins a transaction: *sql.DB and *sql.Conn satisfy it.
+type TxBeginner interface {
+	BeginTx(ctx context.Context, opts *sql.TxOptions) (*sql.Tx, error)
+}
+
+// InTx begins a transaction on db, takes exclusive transaction-level locks
+// on keys in canonical order (as [XactLock] does), calls fn, and commits. If
+// the lock, fn or the commit fails, or fn panics, the transaction is rolled
+// back and every key is released; a panic is re-raised after the rollback.
+// It makes no round trips beyond BEGIN, one lock statement, fn's own and
+// COMMIT. It is [pgcoord.InTx] for database/sql: the keys are held for
+// exactly the life of the transaction.
+//
+// ctx is the transaction's context: it governs BEGIN, the wait for the keys
+// and COMMIT, and database/sql rolls the transaction back as soon as ctx
+// ends, even while fn runs. fn should use the ctx it captures for its own
+// statements.
+//
+// fn should return a statement's error rather than ignore it: the error has
+// already aborted the transaction and released the keys (see the package
+// documentation), so whatever fn does after it is not protected. If fn
+// returns nil anyway, COMMIT turns into ROLLBACK and InTx returns the
+// driver's error for it.
+//
+// fn's error is returned unchanged (a rollback error after it is dropped:
+// database/sql discards a connection whose rollback failed, which ends the
+// transaction on the server). Other errors: those of XactLock
+// ([pgcoord.ErrInvalidKey], checked before BEGIN; [pgcoord.ErrDeadlock];
+// [pgcoord.ErrTooManyLocks]; the context's error), and BEGIN or COMMIT
+// errors from the driver, wrapped. A nil db or fn is an error.
+func InTx(ctx context.Context, db TxBeginner, keys []pgcoord.Key, fn func(tx *sql.Tx) error) error {
+	return inTx(ctx, "InTx", db, nil, keys, fn)
+}
+
+// InTxOptions is [InTx] with a transaction begun with opts (isolation level,
+// read-only), as db.BeginTx takes them; nil opts are the driver's defaults.
+// Everything InTx says about keys, ctx, rollback and errors applies. A
+// read-only transaction can take the locks: advisory locks are not writes.
+// Under SERIALIZABLE, a serialization failure (SQLSTATE 40001) from fn or
+// COMMIT rolls back and releases the keys like any other error; InTxOptions
+// does not retry.
+func InTxOptions(ctx context.Context, db TxBeginner, opts *sql.TxOptions, keys []pgcoord.Key, fn func(tx *sql.Tx) error) error {
+	return inTx(ctx, "InTxOptions", db, opts, keys, fn)
+}
+
+func inTx(ctx context.Context, op string, db TxBeginner, opts *sql.TxOptions, keys []pgcoord.Key, fn func(tx *sql.Tx) error) error {
+	if isNil(db) {
+		return errors.New("pgcoord: " + op + ": nil TxBeginner (*sql.DB or *sql.Conn)")
+	}
+	var run func(xactsql.Txn) error // nil for a nil fn, which impl.InTx reports
+	if fn != nil {
+		run = func(t xactsql.Txn) error { return fn(t.(sqlTx).tx) }
+	}
+	begin := func(ctx context.Context) (xactsql.Txn, error) {
+		tx, err := db.BeginTx(ctx, opts)
+		if err != nil {
+			return nil, err
+		}
+		return sqlTx{tx}, nil
+	}
+	return impl.InTx(ctx, op, begin, keys, run)
+}
+
+// isNil reports whether db is nil, or a nil *sql.DB or *sql.Conn, whose
+// BeginTx would panic.
+func isNil(db TxBeginner) bool {
+	switch d := db.(type) {
+	case nil:
+		return true
+	case *sql.DB:
+		return d == nil
+	case *sql.Conn:
+		return d == nil
+	}
+	return false
+}
+
+// sqlTx is a *sql.Tx as an xactsql.Txn.
+type sqlTx struct{ tx *sql.Tx }
+
+func (t sqlTx) Exec(ctx context.Context, query string, args ...any) error {
+	_, err := t.tx.ExecContext(ctx, query, args...)
+	return err
+}
+
+func (t sqlTx) QueryRow(ctx context.Context, query string, args []any, dest ...any) error {
+	err := t.tx.QueryRowContext(ctx, query, args...).Scan(dest...)
+	if errors.Is(err, sql.ErrNoRows) {
+		return xactsql.ErrNoRows
+	}
+	return err
+}
+
+// Commit and Rollback: database/sql takes no context for them; the one given
+// to BeginTx bounds them, where the driver uses it.
+func (t sqlTx) Commit(context.Context) error   { return t.tx.Commit() }
+func (t sqlTx) Rollback(context.Context) error { return t.tx.Rollback() }
