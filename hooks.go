@@ -23,7 +23,9 @@ import (
 // events wait, newer ones are dropped and counted in
 // Stat().DroppedHookEvents. A hook that panics is recovered and logged at
 // Error. Hooks may call the Client, except Close, which waits for them.
-// Close delivers the events of the locks it ends before it returns.
+// Close delivers the events of the locks it ends before it returns; an
+// event after that (a call that returns ErrClosed) is not delivered, and
+// not counted as dropped.
 //
 // Every Lock that an acquire returned ends in exactly one OnRelease or
 // OnLoss, so acquires minus releases minus losses is the number of locks
@@ -183,6 +185,7 @@ type hookQueue struct {
 	logger  func() *slog.Logger
 	mu      sync.Mutex
 	pending []func()
+	queued  int // events not yet delivered: pending, and the rest of the batch in delivery
 	closed  bool
 	wake    chan struct{}
 	done    chan struct{}
@@ -203,10 +206,15 @@ func newHookQueue(h Hooks, logger func() *slog.Logger) *hookQueue {
 	return q
 }
 
-// push queues f, or drops it when the queue is full or closed.
+// push queues f, or drops it when the queue is full (counted in dropped)
+// or closed (an event after Close, which no hook is left to take).
 func (q *hookQueue) push(f func()) {
 	q.mu.Lock()
-	if q.closed || len(q.pending) >= MaxPendingHookEvents {
+	if q.closed {
+		q.mu.Unlock()
+		return
+	}
+	if q.queued >= MaxPendingHookEvents {
 		q.mu.Unlock()
 		if q.dropped.Add(1) == 1 {
 			q.logger().Warn("pgcoord: hook events dropped: the hooks are slower than the events", "pending", MaxPendingHookEvents)
@@ -214,6 +222,7 @@ func (q *hookQueue) push(f func()) {
 		return
 	}
 	q.pending = append(q.pending, f)
+	q.queued++
 	q.mu.Unlock()
 	select {
 	case q.wake <- struct{}{}:
@@ -238,6 +247,9 @@ func (q *hookQueue) run() {
 				break
 			}
 			for _, f := range batch {
+				q.mu.Lock()
+				q.queued-- // delivering, no longer waiting
+				q.mu.Unlock()
 				q.call(f)
 			}
 		}

@@ -387,10 +387,12 @@ func (s *Semaphore) leave(ctx context.Context, q *Lock) error {
 	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
 	defer cancel()
 	err := q.Unlock(uctx)
-	if err == nil || errorIsLoss(q.Err()) {
+	// A backend that ended while the release was under way ends q with
+	// ErrNotHeld, and Unlock reports how it ended: lost, or closed.
+	if err == nil || errorIsLoss(q.Err()) || errorIsLoss(err) {
 		return nil
 	}
-	s.c.cfg.logger.Warn("pgcoord: semaphore: leave the queue", "semaphore", s.name, "err", err)
+	s.c.cfg.warnLogger().Warn("pgcoord: semaphore: leave the queue", "semaphore", s.name, "err", err)
 	return err
 }
 
