@@ -49,6 +49,11 @@
 // "canceled", "closed" or "error" (see [Result]); pgcoord.lock.mode is
 // "exclusive" or "shared".
 //
+// pgcoord.leader sums the leaderships of the watched Clients: each
+// Client's hooks run on a goroutine of its own, so during a handover
+// between two watched Clients it may read 2 for a moment.
+// pgcoord.leader.term records only terms higher than any recorded before.
+//
 // # Attributes
 //
 // Every attribute has a bounded set of values. A lock is described by
@@ -66,6 +71,7 @@ import (
 	"math"
 	"strings"
 	"sync"
+	"weak"
 
 	"github.com/pgcoord/pgcoord"
 	"go.opentelemetry.io/otel"
@@ -183,6 +189,30 @@ type Metrics struct {
 	mu      sync.Mutex
 	clients []*pgcoord.Client
 	dropped int64 // dropped hook events of Clients no longer watched
+	// folded holds, for each Client unwatched once, its dropped hook
+	// events already added to dropped, so that watching it again counts
+	// only what it drops after that. Weak: a Client dropped by its user
+	// is not kept alive for this.
+	folded map[weak.Pointer[pgcoord.Client]]int64
+	// terms holds the highest term gained per election label: the events
+	// of several Clients arrive on their own goroutines, so an older
+	// term's may come after a newer one's.
+	terms map[string]int64
+}
+
+// newerTerm records term for election and reports whether it is the
+// highest seen.
+func (m *Metrics) newerTerm(election string, term int64) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.terms == nil {
+		m.terms = make(map[string]int64)
+	}
+	if t, ok := m.terms[election]; ok && t >= term {
+		return false
+	}
+	m.terms[election] = term
+	return true
 }
 
 // New creates the instruments on a Meter of the configured MeterProvider
@@ -329,7 +359,9 @@ func (m *Metrics) Hooks() pgcoord.Hooks {
 			election := metric.WithAttributes(attribute.String("pgcoord.election.name", m.elections.label(e.Election)))
 			if e.Leading {
 				m.leader.Add(ctx, 1, election)
-				m.leaderTerm.Record(ctx, int64(e.Term), election)
+				if m.newerTerm(e.Election, int64(e.Term)) {
+					m.leaderTerm.Record(ctx, int64(e.Term), election)
+				}
 				return
 			}
 			m.leader.Add(ctx, -1, election)
@@ -377,7 +409,13 @@ func (m *Metrics) Unwatch(client *pgcoord.Client) {
 	defer m.mu.Unlock()
 	for i, w := range m.clients {
 		if w == client {
-			m.dropped += client.Stat().DroppedHookEvents
+			d := client.Stat().DroppedHookEvents
+			if m.folded == nil {
+				m.folded = make(map[weak.Pointer[pgcoord.Client]]int64)
+			}
+			wp := weak.Make(client)
+			m.dropped += d - m.folded[wp]
+			m.folded[wp] = d
 			m.clients = append(m.clients[:i:i], m.clients[i+1:]...)
 			return
 		}
@@ -391,6 +429,7 @@ func (m *Metrics) stat() pgcoord.Stat {
 	sum := pgcoord.Stat{DroppedHookEvents: m.dropped}
 	for _, c := range m.clients {
 		st := c.Stat()
+		st.DroppedHookEvents -= m.folded[weak.Make(c)]
 		sum.Backends += st.Backends
 		sum.Sessions += st.Sessions
 		sum.Connecting += st.Connecting

@@ -53,6 +53,11 @@
 //
 // # Labels
 //
+// pgcoord_leader sums the leaderships of the watched Clients: each
+// Client's hooks run on a goroutine of its own, so during a handover
+// between two watched Clients it may read 2 for a moment.
+// pgcoord_leader_term keeps the highest term gained.
+//
 // Every label has a bounded set of values. A lock is labelled by the name
 // that [pgcoord.WithKeyNames] gives its key (its first key, for LockAll),
 // never by the key itself, which would make a time series per invoice or
@@ -69,6 +74,7 @@ import (
 	"math"
 	"strings"
 	"sync"
+	"weak"
 
 	"github.com/pgcoord/pgcoord"
 	"github.com/prometheus/client_golang/prometheus"
@@ -165,6 +171,30 @@ type Collector struct {
 	mu      sync.Mutex
 	clients []*pgcoord.Client
 	dropped int64 // dropped hook events of Clients no longer watched
+	// folded holds, for each Client unwatched once, its dropped hook
+	// events already added to dropped, so that watching it again counts
+	// only what it drops after that. Weak: a Client dropped by its user
+	// is not kept alive for this.
+	folded map[weak.Pointer[pgcoord.Client]]int64
+	// terms holds the highest term gained per election label: the events
+	// of several Clients arrive on their own goroutines, so an older
+	// term's may come after a newer one's.
+	terms map[string]int64
+}
+
+// newerTerm records term for election and reports whether it is the
+// highest seen.
+func (c *Collector) newerTerm(election string, term int64) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.terms == nil {
+		c.terms = make(map[string]int64)
+	}
+	if t, ok := c.terms[election]; ok && t >= term {
+		return false
+	}
+	c.terms[election] = term
+	return true
 }
 
 // New returns a Collector. It returns an error, saying which, when an
@@ -254,7 +284,9 @@ func (c *Collector) Hooks() pgcoord.Hooks {
 			election := c.elections.label(e.Election)
 			if e.Leading {
 				c.leader.WithLabelValues(election).Inc()
-				c.leaderTerm.WithLabelValues(election).Set(float64(e.Term))
+				if c.newerTerm(election, int64(e.Term)) {
+					c.leaderTerm.WithLabelValues(election).Set(float64(e.Term))
+				}
 				return
 			}
 			c.leader.WithLabelValues(election).Dec()
@@ -302,7 +334,13 @@ func (c *Collector) Unwatch(client *pgcoord.Client) {
 	defer c.mu.Unlock()
 	for i, w := range c.clients {
 		if w == client {
-			c.dropped += client.Stat().DroppedHookEvents
+			d := client.Stat().DroppedHookEvents
+			if c.folded == nil {
+				c.folded = make(map[weak.Pointer[pgcoord.Client]]int64)
+			}
+			wp := weak.Make(client)
+			c.dropped += d - c.folded[wp]
+			c.folded[wp] = d
 			c.clients = append(c.clients[:i:i], c.clients[i+1:]...)
 			return
 		}
@@ -340,6 +378,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	sum.DroppedHookEvents = c.dropped
 	for _, client := range c.clients {
 		st := client.Stat()
+		st.DroppedHookEvents -= c.folded[weak.Make(client)]
 		sum.Backends += st.Backends
 		sum.Sessions += st.Sessions
 		sum.Connecting += st.Connecting

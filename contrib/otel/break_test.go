@@ -1,0 +1,323 @@
+package pgcoordotel_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pgcoord/pgcoord"
+	pgcoordotel "github.com/pgcoord/pgcoord/contrib/otel"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+)
+
+// migrated returns a fresh database with pgcoord's tables, and a pool on
+// it.
+func migrated(t *testing.T) (string, *pgxpool.Pool) {
+	t.Helper()
+	dsn := pgtest.DB(t)
+	pool := pgtest.Pool(t, dsn)
+	if err := pgcoord.Migrate(testCtx(t), pool); err != nil {
+		t.Fatal(err)
+	}
+	return dsn, pool
+}
+
+// newClient returns a Client on pool, closed at the end of the test (a
+// second Close is a no-op).
+func newClient(t *testing.T, pool *pgxpool.Pool, opts ...pgcoord.Option) *pgcoord.Client {
+	t.Helper()
+	c, err := pgcoord.New(pool, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close(context.Background()) })
+	return c
+}
+
+// slotsHeld counts, from pg_locks, the granted slots of sem (not its
+// queue).
+func slotsHeld(t *testing.T, dsn string, sem *pgcoord.Semaphore) int {
+	t.Helper()
+	v, _ := sem.Key().Int64()
+	conn := pgtest.Conn(t, dsn)
+	var n int
+	err := conn.QueryRow(testCtx(t), `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1
+		AND ((classid::bigint << 32) | objid::bigint) >> 16 = $1
+		AND ((classid::bigint << 32) | objid::bigint) & 65535 <> 65535
+		AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`, v>>16).Scan(&n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// Unwatch keeps a Client's dropped hook events counted in
+// pgcoord.hook.events.dropped, and watching a Client again after Unwatch
+// counts only what it drops after that: its events are never counted
+// twice.
+func TestWatchAfterUnwatchCountsDroppedOnce(t *testing.T) {
+	ctx := testCtx(t)
+	_, pool := migrated(t)
+	m, reader := newMetrics(t)
+	entered, gate := make(chan struct{}, 1), make(chan struct{})
+	var once sync.Once
+	open := func() { once.Do(func() { close(gate) }) }
+	var n atomic.Int64
+	stuck := pgcoord.Hooks{OnAcquire: func(pgcoord.AcquireEvent) {
+		if n.Add(1) == 1 {
+			entered <- struct{}{}
+			<-gate
+		}
+	}}
+	c := newClient(t, pool, pgcoord.WithHooks(pgcoordotel.Chain(stuck, m.Hooks())))
+	t.Cleanup(open)
+	k := pgcoord.HashKey("dropper")
+	l, err := c.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-entered:
+	case <-ctx.Done():
+		t.Fatal("the hook did not get the first event")
+	}
+	for range pgcoord.MaxPendingHookEvents + 5 {
+		if _, err := c.TryLock(ctx, k); !errors.Is(err, pgcoord.ErrLocked) {
+			t.Fatalf("TryLock of a key the Client holds = %v, want ErrLocked", err)
+		}
+	}
+	open()
+	if err := l.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	dropped := float64(c.Stat().DroppedHookEvents)
+	if dropped < 5 {
+		t.Fatalf("Stat().DroppedHookEvents = %v, want at least 5", dropped)
+	}
+	const series = `pgcoord.hook.events.dropped{}`
+	m.Watch(c)
+	if got := values(t, reader)[series]; got != dropped {
+		t.Fatalf("watched: %s = %v, want %v", series, got, dropped)
+	}
+	m.Unwatch(c)
+	if got := values(t, reader)[series]; got != dropped {
+		t.Fatalf("unwatched: %s = %v, want %v (kept)", series, got, dropped)
+	}
+	m.Watch(c)
+	if got := values(t, reader)[series]; got != dropped {
+		t.Errorf("watched again: %s = %v, want %v: the Client's %v dropped events are counted twice", series, got, dropped, dropped)
+	}
+}
+
+// Two Clients feed one Metrics; one closes while holding permits and a
+// lock. Close delivers their ends, so the up-down counters drop at once to
+// what the other Client holds, matching pg_locks; once it releases, every
+// one is back to 0 and the counters add up over both Clients.
+func TestMetricsTwoClientsOneClosed(t *testing.T) {
+	ctx := testCtx(t)
+	dsn, pool := migrated(t)
+	m, reader := newMetrics(t)
+	job := pgcoord.HashKey("job")
+	names := pgcoord.WithKeyNames(map[pgcoord.Key]string{job: "job"})
+	a := newClient(t, pool, m.Option(), names)
+	b := newClient(t, pool, m.Option(), names)
+	m.Watch(a)
+	m.Watch(b)
+	m.Watch(a) // counted once
+	semA, semB := a.Semaphore("jobs", 3), b.Semaphore("jobs", 3)
+	for range 2 {
+		if _, err := semA.TryAcquire(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := a.Lock(ctx, job); err != nil {
+		t.Fatal(err)
+	}
+	pb, err := semB.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := semB.TryAcquire(ctx); !errors.Is(err, pgcoord.ErrNoPermit) {
+		t.Fatalf("TryAcquire with 3 of 3 held by two Clients = %v, want ErrNoPermit", err)
+	}
+	const (
+		held   = `pgcoord.permit.held{pgcoord.semaphore.name=jobs}`
+		locks  = `pgcoord.lock.held{pgcoord.lock.name=job}`
+		handle = `pgcoord.lock.handles{}`
+	)
+	until(t, reader, map[string]float64{
+		held: 3, locks: 1, handle: 4,
+		`pgcoord.permit.acquires{pgcoord.result=no_permit,pgcoord.semaphore.name=jobs}`: 1,
+	})
+	if n := slotsHeld(t, dsn, semA); n != 3 {
+		t.Fatalf("pg_locks: %d slots held, want 3", n)
+	}
+	if err := a.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Close delivered the ends of a's permits and lock: no wait.
+	vs := values(t, reader)
+	if vs[held] != 1 || vs[locks] != 0 || vs[handle] != 1 {
+		t.Errorf("after a's Close: permits held %v, locks held %v, handles %v; want 1, 0, 1", vs[held], vs[locks], vs[handle])
+	}
+	if n := slotsHeld(t, dsn, semA); n != 1 {
+		t.Errorf("pg_locks after a's Close: %d slots held, want 1", n)
+	}
+	if err := pb.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	m.Unwatch(a)
+	vs = until(t, reader, map[string]float64{
+		held: 0, handle: 0,
+		`pgcoord.permit.acquires{pgcoord.result=ok,pgcoord.semaphore.name=jobs}`: 3,
+		`pgcoord.lock.releases{pgcoord.lock.name=job}`:                           1,
+		`pgcoord.lock.waits{pgcoord.wait.state=server}`:                          0,
+		`pgcoord.lock.waits{pgcoord.wait.state=queued}`:                          0,
+		`pgcoord.connection.count{pgcoord.connection.role=connecting}`:           0,
+		`pgcoord.connection.count{pgcoord.connection.role=session}`:              0,
+		`pgcoord.hook.events.dropped{}`:                                          0,
+	})
+	if sum(vs, "pgcoord.permit.losses") != 0 || sum(vs, "pgcoord.permit.wait.duration_count") != 4 {
+		t.Errorf("losses %v, wait observations %v; want 0, 4", sum(vs, "pgcoord.permit.losses"), sum(vs, "pgcoord.permit.wait.duration_count"))
+	}
+	if n := slotsHeld(t, dsn, semA); n != 0 {
+		t.Errorf("pg_locks: %d slots held at the end, want 0", n)
+	}
+}
+
+// Past WithMaxNames semaphores, the attribute is "other": the data points
+// stay bounded, each returns to 0, and the semaphores beyond the bound
+// add up under "other".
+func TestMetricsSemaphoreNamesBounded(t *testing.T) {
+	ctx := testCtx(t)
+	_, pool := migrated(t)
+	m, reader := newMetrics(t, pgcoordotel.WithMaxNames(2))
+	c := newClient(t, pool, m.Option())
+	const n = 6
+	var ps []*pgcoord.Permit
+	for i := range n {
+		p, err := c.Semaphore(fmt.Sprintf("sem-%d", i), 1).TryAcquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ps = append(ps, p)
+	}
+	until(t, reader, map[string]float64{
+		`pgcoord.permit.held{pgcoord.semaphore.name=sem-0}`: 1,
+		`pgcoord.permit.held{pgcoord.semaphore.name=sem-1}`: 1,
+		`pgcoord.permit.held{pgcoord.semaphore.name=other}`: n - 2,
+	})
+	for _, p := range ps {
+		if err := p.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	vs := until(t, reader, map[string]float64{
+		`pgcoord.permit.held{pgcoord.semaphore.name=sem-0}`:                       0,
+		`pgcoord.permit.held{pgcoord.semaphore.name=sem-1}`:                       0,
+		`pgcoord.permit.held{pgcoord.semaphore.name=other}`:                       0,
+		`pgcoord.permit.acquires{pgcoord.result=ok,pgcoord.semaphore.name=other}`: n - 2,
+		`pgcoord.permit.wait.duration_count{pgcoord.semaphore.name=other}`:        n - 2,
+	})
+	for _, name := range []string{"pgcoord.permit.held", "pgcoord.permit.acquires", "pgcoord.permit.wait.duration_count"} {
+		count := 0
+		for k := range vs {
+			if len(k) > len(name) && k[:len(name)+1] == name+"{" {
+				count++
+			}
+		}
+		if count != 3 {
+			t.Errorf("%d data points of %s, want 3 (2 names and other)", count, name)
+		}
+	}
+}
+
+// Collections run while Clients are watched, unwatched and closed, and
+// while Metrics are closed: no race (under -race), no collection error;
+// after Close the watched Clients' Stat is no longer observed, while the
+// event instruments keep counting; a second Close is harmless.
+func TestMetricsCollectWhileWatchUnwatchClose(t *testing.T) {
+	ctx := testCtx(t)
+	_, pool := migrated(t)
+	reader := sdkmetric.NewManualReader()
+	provider := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = provider.Shutdown(context.Background()) })
+	m, err := pgcoordotel.New(pgcoordotel.WithMeterProvider(provider))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := make(chan struct{})
+	var collections atomic.Int64
+	var wg sync.WaitGroup
+	for range 2 {
+		wg.Go(func() {
+			for i := 0; i < 100000; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				var rm metricdata.ResourceMetrics
+				if err := reader.Collect(context.Background(), &rm); err != nil {
+					t.Errorf("Collect: %v", err)
+					return
+				}
+				collections.Add(1)
+			}
+		})
+	}
+	var keep *pgcoord.Client
+	for i := range 4 {
+		c := newClient(t, pool, m.Option())
+		m.Watch(c)
+		p, err := c.Semaphore("collected", 2).Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i%2 == 0 {
+			if err := p.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		m.Unwatch(c)
+		m.Watch(c)
+		if i == 3 {
+			keep = c // stays watched, open, with its permit
+			break
+		}
+		if err := c.Close(ctx); err != nil {
+			t.Fatal(err)
+		}
+		m.Unwatch(c)
+	}
+	pgtest.Eventually(t, testTimeout, "collections to run", func() bool { return collections.Load() >= 4 })
+	if err := m.Close(); err != nil { // while the collections run
+		t.Fatalf("Close: %v", err)
+	}
+	close(stop)
+	wg.Wait()
+	if err := m.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+	vs := values(t, reader)
+	if _, ok := vs[`pgcoord.lock.handles{}`]; ok {
+		t.Errorf("after Close, the Stat of the watched Client is still observed: %v", vs)
+	}
+	if vs[`pgcoord.permit.held{pgcoord.semaphore.name=collected}`] != 1 {
+		t.Errorf("permits held %v, want 1 (the open Client's)", vs[`pgcoord.permit.held{pgcoord.semaphore.name=collected}`])
+	}
+	if err := keep.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	vs = values(t, reader)
+	if vs[`pgcoord.permit.held{pgcoord.semaphore.name=collected}`] != 0 ||
+		vs[`pgcoord.permit.acquires{pgcoord.result=ok,pgcoord.semaphore.name=collected}`] != 4 {
+		t.Errorf("after the last Close: %v", vs)
+	}
+}
