@@ -56,6 +56,29 @@ import (
 //     nil, until the outer transaction ends. Take keys before any savepoint
 //     you may roll back to, or take them again after rolling back to it.
 //
+// Isolation level: the keys serialise what the holders do only if each
+// holder's statements see what the previous holder committed, which is what
+// READ COMMITTED gives (each statement takes a new snapshot). Under
+// REPEATABLE READ and SERIALIZABLE the transaction's snapshot is taken by
+// its first statement, and when the lock statement is that statement it is
+// taken when the statement starts, before the key is granted: the holder
+// does not see what the previous holder committed while it waited. Under
+// REPEATABLE READ a read-then-write under the key then silently works on a
+// stale read (two holders can both withdraw the same money); under
+// SERIALIZABLE the server reports a serialization failure (SQLSTATE 40001)
+// instead of a wrong result. Use READ COMMITTED for work that the keys must
+// serialise. InTx begins its transaction with ISOLATION LEVEL READ COMMITTED,
+// so that a database or role default (default_transaction_isolation) does
+// not defeat the keys; so does InTxOptions when no isolation level is given.
+// A transaction of your own that you pass to XactLock runs at whatever level
+// it was begun with.
+//
+// Round trips and statements: each lock statement runs in
+// pgx.QueryExecModeExec, whatever the connection's default query mode: one
+// round trip, with the unnamed statement, nothing prepared on the server and
+// nothing added to pgx's statement cache (the statement's text varies with
+// the number of keys).
+//
 // Transaction pooling (PgBouncer pool_mode=transaction) hands each
 // transaction to whatever server connection is free. The Xact functions use
 // no session state: the lock and the statements that rely on it live in one
@@ -65,7 +88,10 @@ import (
 // PgBouncer before 1.21, or without max_prepared_statements).
 //
 // A wait that ends because ctx is done frees the transaction's keys,
-// including those taken before the one waited on, because pgx sends
+// including those taken before the one waited on (inside a savepoint, under
+// pgconn.CancelRequestContextWatcherHandler, only those taken after the
+// savepoint: the cancelled statement aborts the subtransaction, as any
+// statement error there does), because pgx sends
 // PostgreSQL a cancel request (on a new connection): the statement fails,
 // which aborts the transaction and releases its locks. Closing the
 // connection would not be enough: a backend waiting on a lock does not look
@@ -98,8 +124,8 @@ import (
 // the call, or between the statements of a call with more than 1000 keys)
 // sends nothing: the transaction is not aborted and keeps the keys it holds.
 // TestXactCancelDefaultHandler, TestXactCancelRequestHandler,
-// TestXactCancelBeforeSend and TestXactCancelNeedsCancelRequest check all of
-// this in pg_locks.
+// TestXactCancelRequestHandlerSavepoint, TestXactCancelBeforeSend and
+// TestXactCancelNeedsCancelRequest check all of this in pg_locks.
 
 // xactRollbackTimeout bounds the ROLLBACK that InTx sends after an error or a
 // panic; it runs even when the caller's ctx is already done.
@@ -172,6 +198,32 @@ func (t pgxTx) QueryRow(ctx context.Context, sql string, args []any, dest ...any
 func (t pgxTx) Commit(ctx context.Context) error   { return t.tx.Commit(ctx) }
 func (t pgxTx) Rollback(ctx context.Context) error { return t.tx.Rollback(ctx) }
 
+// pgxLockTx is a pgx.Tx that runs the lock statements in
+// pgx.QueryExecModeExec, whatever the connection's default query mode: one
+// round trip per statement, with nothing prepared on the server or kept in
+// pgx's statement cache (the statement's text varies with the number of
+// keys, so caching it would fill the cache with one-off texts). It uses only
+// the unnamed statement, which PgBouncer's transaction pooling supports.
+type pgxLockTx pgxTx
+
+func (t pgxLockTx) Exec(ctx context.Context, sql string, args ...any) error {
+	_, err := t.tx.Exec(ctx, sql, append([]any{pgx.QueryExecModeExec}, args...)...)
+	return err
+}
+
+func (t pgxLockTx) QueryRow(ctx context.Context, sql string, args []any, dest ...any) error {
+	return pgxTx(t).QueryRow(ctx, sql, append([]any{pgx.QueryExecModeExec}, args...), dest...)
+}
+
+// lockTx returns tx as it should run the lock statements: a pgx.Tx in
+// pgx.QueryExecModeExec (see pgxLockTx), any other tx as it is.
+func lockTx(tx xactsql.Tx) xactsql.Tx {
+	if p, ok := tx.(pgxTx); ok {
+		return pgxLockTx(p)
+	}
+	return tx
+}
+
 // beginPgx begins a transaction with begin, as an xactsql.Txn.
 func beginPgx(begin func(context.Context) (pgx.Tx, error)) func(context.Context) (xactsql.Txn, error) {
 	return func(ctx context.Context) (xactsql.Txn, error) {
@@ -220,7 +272,17 @@ func withPgx(fn func(pgx.Tx) error) func(xactsql.Txn) error {
 // ignored error is protected; ROLLBACK TO a savepoint taken before XactLock
 // releases the keys while tx goes on. [InTx] rolls back on any error and
 // refuses to commit after an ignored one. XactLock uses no session state and
-// works behind PgBouncer's transaction pooling, in every pgx query mode.
+// works behind PgBouncer's transaction pooling, in every pgx query mode; its
+// statement runs in pgx.QueryExecModeExec (one round trip, nothing
+// prepared).
+//
+// Isolation: if tx is REPEATABLE READ or SERIALIZABLE, its snapshot was
+// taken by its first statement, at the latest when the lock statement
+// started, before the keys were granted, so tx does not see what the
+// previous holder committed: under REPEATABLE READ a read-then-write under
+// the keys works on a stale read without any error, under SERIALIZABLE the
+// server reports SQLSTATE 40001 instead. Begin tx READ COMMITTED when the keys must
+// serialise read-then-write work (see the package documentation).
 //
 // XactLock returns an error wrapping [ErrInvalidKey] for an empty or invalid
 // key list (before sending anything), [ErrDeadlock] if PostgreSQL chose tx as
@@ -271,9 +333,19 @@ func XactTryRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // keys in canonical order (as [XactLock] does), calls fn, and commits. If the
 // lock, fn or the commit fails, or fn panics, the transaction is rolled back
 // and every key is released; a panic is re-raised after the rollback. It
-// makes no round trips beyond BEGIN, one lock statement, fn's own and COMMIT.
-// Like pgx.BeginFunc, but with the keys held for exactly the life of the
+// makes no round trips beyond BEGIN, one lock statement (one per 1000 keys
+// for more; run in pgx.QueryExecModeExec, so nothing is prepared first,
+// whatever the connection's default query mode), fn's own and COMMIT. Like
+// pgx.BeginFunc, but with the keys held for exactly the life of the
 // transaction.
+//
+// When db can begin a transaction with options (it has BeginTx, as
+// *pgxpool.Pool and *pgx.Conn do), InTx begins it with ISOLATION LEVEL READ
+// COMMITTED, whatever the database's or role's default_transaction_isolation:
+// under REPEATABLE READ or SERIALIZABLE the snapshot would be taken before
+// the keys are granted, and fn would not see what the previous holder
+// committed (see [InTxOptions]). Any other TxBeginner's Begin is used as it
+// is.
 //
 // ctx governs BEGIN, the wait for the keys and COMMIT; fn should use the ctx
 // it captures for its own statements. The rollback after a failure uses a
@@ -287,9 +359,10 @@ func XactTryRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // pgx.ErrTxCommitRollback.
 //
 // When db is itself a pgx.Tx, InTx runs in a nested transaction (a
-// savepoint): on success the savepoint is released and the keys stay held
-// until the outer transaction ends; on failure ROLLBACK TO SAVEPOINT releases
-// them while the outer transaction goes on.
+// savepoint) at the outer transaction's isolation level: on success the
+// savepoint is released and the keys stay held until the outer transaction
+// ends; on failure ROLLBACK TO SAVEPOINT releases them while the outer
+// transaction goes on.
 //
 // fn's error is returned unchanged (a rollback error after it is dropped: a
 // failed rollback closes the connection, which ends the transaction on the
@@ -303,7 +376,13 @@ func InTx(ctx context.Context, db TxBeginner, keys []Key, fn func(tx pgx.Tx) err
 	if db == nil {
 		return errors.New("pgcoord: InTx: nil TxBeginner")
 	}
-	return inTx(ctx, "InTx", beginPgx(db.Begin), keys, withPgx(fn))
+	begin := db.Begin
+	if b, ok := db.(TxOptionsBeginner); ok {
+		begin = func(ctx context.Context) (pgx.Tx, error) {
+			return b.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+		}
+	}
+	return inTx(ctx, "InTx", beginPgx(begin), keys, withPgx(fn))
 }
 
 // TxOptionsBeginner starts a transaction with options. *pgxpool.Pool and
@@ -317,9 +396,20 @@ type TxOptionsBeginner interface {
 // level, access mode, deferrable), as pgx.BeginTxFunc is pgx.BeginFunc with
 // options. Everything InTx says about keys, ctx, rollback and errors
 // applies. A read-only transaction can take the locks: advisory locks are
-// not writes. Under SERIALIZABLE, a serialization failure (SQLSTATE
-// 40001) from fn or COMMIT rolls back and releases the keys like any other
-// error; InTxOptions does not retry.
+// not writes. An unset txOptions.IsoLevel ("") means READ COMMITTED, as in
+// InTx, not the database's default (unless txOptions.BeginQuery is set:
+// pgx then sends it as it is).
+//
+// An explicit pgx.RepeatableRead or pgx.Serializable is honoured, but the
+// keys then do not serialise read-then-write work: the transaction's
+// snapshot is taken when the lock statement starts, before the keys are
+// granted, so fn does not see what the previous holder committed. Under
+// REPEATABLE READ fn silently reads stale data (two holders can both
+// withdraw the same money); under SERIALIZABLE the server reports a
+// serialization failure (SQLSTATE 40001) from fn or COMMIT instead of a
+// wrong result, which rolls back and releases the keys like any other
+// error; InTxOptions does not retry. Use READ COMMITTED unless fn needs
+// REPEATABLE READ or SERIALIZABLE for reasons of its own.
 //
 // It is a separate function rather than an option of InTx because only a
 // database or connection can begin a transaction with options: InTx also
@@ -328,6 +418,9 @@ type TxOptionsBeginner interface {
 func InTxOptions(ctx context.Context, db TxOptionsBeginner, txOptions pgx.TxOptions, keys []Key, fn func(tx pgx.Tx) error) error {
 	if db == nil {
 		return errors.New("pgcoord: InTxOptions: nil TxOptionsBeginner")
+	}
+	if txOptions.IsoLevel == "" {
+		txOptions.IsoLevel = pgx.ReadCommitted
 	}
 	begin := func(ctx context.Context) (pgx.Tx, error) { return db.BeginTx(ctx, txOptions) }
 	return inTx(ctx, "InTxOptions", beginPgx(begin), keys, withPgx(fn))
@@ -410,6 +503,7 @@ func xactAcquire(ctx context.Context, mode xactMode, tx xactsql.Tx, keys []Key) 
 // xactExec takes the canonical keys ks in tx, in order: one statement for
 // up to maxKeysPerStatement keys, one round trip per chunk beyond that.
 func xactExec(ctx context.Context, mode xactMode, tx xactsql.Tx, ks []Key) error {
+	tx = lockTx(tx)
 	for i, chunk := range chunked(ks) {
 		if !mode.try {
 			sql, args := lockSQL(mode.fn, chunk)

@@ -438,3 +438,56 @@ func TestXactCancelNeedsCancelRequest(t *testing.T) {
 		})
 	}
 }
+
+// TestXactCancelRequestHandlerSavepoint: under the cancel request handler,
+// a wait cancelled inside a savepoint aborts only the subtransaction: when
+// XactLock returns (SQLSTATE 57014), the key it took after the savepoint is
+// free and the key taken before the savepoint is still held; after ROLLBACK
+// TO SAVEPOINT the transaction goes on and commits, releasing it.
+func TestXactCancelRequestHandlerSavepoint(t *testing.T) {
+	ctx := t.Context()
+	dsn := pgtest.DB(t)
+	conn := xactCancelConn(t, dsn, xactCancelHandlers[1].configure)
+	holder := xactCancelConn(t, dsn, func(*pgx.ConnConfig) {})
+	k0 := Int64Key(100) // before xactCancelK1 and xactCancelK2 in canonical order
+	htx, err := holder.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = htx.Rollback(context.Background()) }()
+	if err := XactLock(ctx, htx, xactCancelK2); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	pid := xactPID(tx)
+	if err := XactLock(ctx, tx, k0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "SAVEPOINT s"); err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- XactLock(cctx, tx, xactCancelK2, xactCancelK1) }()
+	xactEventuallyHeld(t, dsn, pid, xactEx(k0), xactEx(xactCancelK1), xactWaitingEx(xactCancelK2))
+	cancel()
+	err = xactRecv(t, done, "XactLock")
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || pe.Code != "57014" || !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled XactLock in a savepoint: got %v, want SQLSTATE 57014 wrapping context.Canceled", err)
+	}
+	xactWantHeld(t, dsn, pid, xactEx(k0))
+	if _, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT s"); err != nil {
+		t.Fatalf("ROLLBACK TO SAVEPOINT: %v", err)
+	}
+	xactWantHeld(t, dsn, pid, xactEx(k0))
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatalf("commit: %v", err)
+	}
+	xactWantHeld(t, dsn, pid)
+}

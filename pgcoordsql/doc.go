@@ -6,7 +6,8 @@
 // It is the database/sql twin of pgcoord.XactLock, XactRLock, XactTryLock,
 // XactTryRLock, InTx, InTxOptions and CheckFence, and runs the same code:
 // the same canonical key order (the order pgcoord's LockAll uses), the same
-// single statement per call (one per 1000 keys for more), the same errors (pgcoord.ErrLocked, ErrInvalidKey, ErrDeadlock, ErrTooManyLocks,
+// single statement per call (one per 1000 keys for more), the same errors
+// (pgcoord.ErrLocked, ErrInvalidKey, ErrDeadlock, ErrTooManyLocks,
 // ErrStaleFence, ErrNotMigrated), which these functions return wrapped, as
 // pgcoord does. Use it when the transaction that the lock must protect is a
 // *sql.Tx; use the pgcoord functions when it is a pgx.Tx. Keys taken
@@ -28,13 +29,33 @@
 //     further statement fails with SQLSTATE 25P02, but the keys protect
 //     nothing any more: another transaction can take them right away. Work
 //     outside the database done after an ignored error is not protected.
+//     An error inside a savepoint aborts only that subtransaction: keys
+//     taken after the savepoint are released, keys taken before it stay
+//     held.
 //   - ROLLBACK TO SAVEPOINT releases the keys taken after that savepoint,
-//     while the transaction goes on; take keys before any savepoint you may
-//     roll back to.
+//     while the transaction goes on; a key already held before the
+//     savepoint stays held, and RELEASE SAVEPOINT keeps the keys. Take keys
+//     before any savepoint you may roll back to.
 //   - [InTx] rolls back as soon as fn returns an error or panics. If fn
 //     ignores a statement error and returns nil, COMMIT turns into ROLLBACK
 //     and InTx returns the driver's error for it (pgx's stdlib: an error
 //     wrapping pgx.ErrTxCommitRollback; lib/pq: pq.ErrInFailedTransaction).
+//
+// # Isolation level
+//
+// The keys serialise the holders' work only if each holder sees what the
+// previous one committed, which READ COMMITTED gives (each statement takes
+// a new snapshot). Under REPEATABLE READ and SERIALIZABLE the snapshot is
+// taken by the transaction's first statement, at the latest when the lock
+// statement starts, before the keys are granted: the holder does not see
+// what the previous holder committed while it waited. Under REPEATABLE READ
+// a read-then-write under the keys silently works on a stale read; under
+// SERIALIZABLE the server reports a serialization failure (SQLSTATE 40001)
+// instead of a wrong result. [InTx] therefore begins its transaction with
+// sql.LevelReadCommitted, whatever the database's or role's
+// default_transaction_isolation, and so does [InTxOptions] unless given
+// another level. A transaction of your own passed to [XactLock] runs at the
+// level it was begun with: begin it with sql.LevelReadCommitted.
 //
 // # Contexts and cancellation
 //
@@ -50,18 +71,49 @@
 //
 //   - pgx's stdlib returns at once, before the keys are released, and closes
 //     the connection; the server releases the keys once it has processed
-//     the cancel request (tens of milliseconds on a local server).
-//   - lib/pq sends the cancel request and waits for the server's answer, so
-//     the keys are already free when the call returns; it then marks the
-//     connection bad.
+//     the cancel request (tens of milliseconds on a local server). Inside a
+//     savepoint too, every key goes: the backend exits.
+//   - lib/pq sends the cancel request, waits for the server's answer and
+//     then closes the connection, before the call returns. Outside a
+//     savepoint the keys are already free when the call returns. Inside a
+//     savepoint the cancelled statement aborts only the subtransaction: the
+//     keys taken after the savepoint are free when the call returns, and
+//     those taken before it go moments later, when the backend exits after
+//     the connection was closed.
 //
 // Either way, roll the transaction back: database/sql then discards the
-// connection rather than return it to the pool. A ctx that is already done
-// when a statement is about to be sent sends nothing: database/sql returns
-// the context's error, and the transaction keeps the keys it holds.
+// connection rather than return it to the pool.
+//
+// A ctx that is already done when a statement is about to be sent sends
+// nothing, and the call returns an error wrapping the context's error. The
+// transaction then keeps the keys it holds and can go on, if the context
+// given to BeginTx is still live. If that context is done too (the call's
+// ctx is the BeginTx context or derived from it), database/sql rolls the
+// transaction back by itself when it ends: the keys are released and
+// Commit returns sql.ErrTxDone (or the context's error).
+//
+// # Round trips and prepared statements
+//
+// Each call sends one lock statement with parameters (one per 1000 keys for
+// more); its text depends on the number of keys and, for the try variants,
+// on the mode. How many round trips a statement with parameters costs is the
+// driver's choice; [InTx] with an fn that sends nothing makes:
+//
+//   - pgx's stdlib in its default mode (QueryExecModeCacheStatement): 4 the
+//     first time a connection runs a given number of keys (BEGIN; Parse and
+//     Describe to prepare the statement; Bind and Execute; COMMIT), then 3.
+//     Each prepared text stays in the connection's statement cache and on
+//     the server until the cache evicts it. With default_query_exec_mode=exec
+//     in the connection string (or the connector's pgx.ConnConfig), it
+//     always makes 3 and prepares nothing.
+//   - lib/pq: 4 on every call (it prepares the unnamed statement in a round
+//     trip of its own, then binds and executes it); 3 with
+//     binary_parameters=yes in the connection string, which sends the
+//     statement in one round trip.
 //
 // The functions use no session state of their own, so behind PgBouncer's
 // transaction pooling they work wherever the driver's statements do (pgx's
-// stdlib prepares named statements unless its QueryExecMode says otherwise,
-// which PgBouncer before 1.21 does not support).
+// stdlib in its default mode prepares named statements, which PgBouncer
+// before 1.21, or without max_prepared_statements, does not support; use
+// default_query_exec_mode=exec there).
 package pgcoordsql

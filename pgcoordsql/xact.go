@@ -23,11 +23,27 @@ var impl = xactsql.Registered.(xactsql.Impl[pgcoord.Key, pgcoord.Term, pgcoord.F
 //
 // ctx governs the wait. If ctx ends during it, the driver sends the server
 // a cancel request, which aborts tx and so releases all of its keys (see
-// the package documentation for when, per driver), and XactLock returns an
-// error wrapping the context's error; roll tx back then. A ctx that is done
-// before the statement is sent sends nothing and leaves tx and its keys as
-// they were. Every error from the server aborts tx and releases its keys as
-// well: do not go on with tx after an error.
+// the package documentation for when, per driver, and inside a savepoint),
+// and XactLock returns an error wrapping the context's error; roll tx back
+// then. A ctx that is done before the statement is sent sends nothing, and
+// XactLock returns an error wrapping the context's error; what becomes of tx
+// depends on the context tx was begun with. If that context is still live
+// (ctx is another one), tx and its keys are as they were and tx can go on
+// and commit. If it is done too (ctx is the one given to BeginTx, or derived
+// from it), database/sql rolls tx back by itself as soon as that context
+// ends, whatever XactLock does: the keys tx held are released then, and
+// Commit returns sql.ErrTxDone (or the context's error). Every error from the
+// server aborts tx and releases its keys as well: do not go on with tx after
+// an error.
+//
+// Isolation: if tx is REPEATABLE READ or SERIALIZABLE, its snapshot was
+// taken by its first statement, at the latest when the lock statement
+// started, before the keys were granted, so tx does not see what the
+// previous holder committed: under REPEATABLE READ a read-then-write under
+// the keys works on a stale read without any error, under SERIALIZABLE the
+// server reports SQLSTATE 40001 instead. Begin tx with
+// sql.LevelReadCommitted when the keys must serialise read-then-write work,
+// as [InTx] does.
 //
 // XactLock returns an error wrapping [pgcoord.ErrInvalidKey] for an empty
 // or invalid key list and a plain error for a nil tx (before sending
@@ -91,9 +107,20 @@ type TxBeginner interface {
 // on keys in canonical order (as [XactLock] does), calls fn, and commits. If
 // the lock, fn or the commit fails, or fn panics, the transaction is rolled
 // back and every key is released; a panic is re-raised after the rollback.
-// It makes no round trips beyond BEGIN, one lock statement, fn's own and
-// COMMIT. It is [pgcoord.InTx] for database/sql: the keys are held for
-// exactly the life of the transaction.
+// It is [pgcoord.InTx] for database/sql: the keys are held for exactly the
+// life of the transaction.
+//
+// InTx begins its transaction with sql.LevelReadCommitted (BEGIN ISOLATION
+// LEVEL READ COMMITTED), whatever the database's or role's
+// default_transaction_isolation: under REPEATABLE READ or SERIALIZABLE the
+// snapshot would be taken before the keys are granted, and fn would not see
+// what the previous holder committed (see [InTxOptions]).
+//
+// Round trips: BEGIN, the lock statement (one per 1000 keys for more), fn's
+// own and COMMIT, plus whatever the driver adds to run a statement with
+// parameters; the package documentation gives the numbers per driver (pgx's
+// stdlib in its default mode adds one round trip the first time a
+// connection runs a given number of keys).
 //
 // ctx is the transaction's context: it governs BEGIN, the wait for the keys
 // and COMMIT, and database/sql rolls the transaction back as soon as ctx
@@ -113,18 +140,35 @@ type TxBeginner interface {
 // [pgcoord.ErrTooManyLocks]; the context's error), and BEGIN or COMMIT
 // errors from the driver, wrapped. A nil db or fn is an error.
 func InTx(ctx context.Context, db TxBeginner, keys []pgcoord.Key, fn func(tx *sql.Tx) error) error {
-	return inTx(ctx, "InTx", db, nil, keys, fn)
+	return inTx(ctx, "InTx", db, &sql.TxOptions{Isolation: sql.LevelReadCommitted}, keys, fn)
 }
 
 // InTxOptions is [InTx] with a transaction begun with opts (isolation level,
-// read-only), as db.BeginTx takes them; nil opts are the driver's defaults.
-// Everything InTx says about keys, ctx, rollback and errors applies. A
-// read-only transaction can take the locks: advisory locks are not writes.
-// Under SERIALIZABLE, a serialization failure (SQLSTATE 40001) from fn or
-// COMMIT rolls back and releases the keys like any other error; InTxOptions
-// does not retry.
+// read-only), as db.BeginTx takes them. Nil opts, or opts.Isolation
+// sql.LevelDefault, mean sql.LevelReadCommitted, as in InTx, not the
+// database's default. Everything InTx says about keys, ctx, rollback and
+// errors applies. A read-only transaction can take the locks: advisory
+// locks are not writes.
+//
+// An explicit sql.LevelRepeatableRead or sql.LevelSerializable is
+// honoured, but the keys then do not serialise read-then-write work: the
+// transaction's snapshot is taken when the lock statement starts, before
+// the keys are granted, so fn does not see what the previous holder
+// committed. Under REPEATABLE READ fn silently reads stale data (two
+// holders can both withdraw the same money); under SERIALIZABLE the server
+// reports a serialization failure (SQLSTATE 40001) from fn or COMMIT
+// instead of a wrong result, which rolls back and releases the keys like
+// any other error; InTxOptions does not retry. Use READ COMMITTED unless fn
+// needs REPEATABLE READ or SERIALIZABLE for reasons of its own.
 func InTxOptions(ctx context.Context, db TxBeginner, opts *sql.TxOptions, keys []pgcoord.Key, fn func(tx *sql.Tx) error) error {
-	return inTx(ctx, "InTxOptions", db, opts, keys, fn)
+	o := sql.TxOptions{Isolation: sql.LevelReadCommitted}
+	if opts != nil {
+		o.ReadOnly = opts.ReadOnly
+		if opts.Isolation != sql.LevelDefault {
+			o.Isolation = opts.Isolation
+		}
+	}
+	return inTx(ctx, "InTxOptions", db, &o, keys, fn)
 }
 
 func inTx(ctx context.Context, op string, db TxBeginner, opts *sql.TxOptions, keys []pgcoord.Key, fn func(tx *sql.Tx) error) error {

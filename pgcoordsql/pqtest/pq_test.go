@@ -302,3 +302,47 @@ func TestStaleFence(t *testing.T) {
 		t.Fatalf("newest fence %d: %v", fences[1], err)
 	}
 }
+
+// TestCancelledWaitInSavepoint: inside a savepoint, a cancelled wait aborts
+// only the subtransaction: when XactLock returns (with the context's error)
+// the keys it took after the savepoint are already free and only keys taken
+// before the savepoint may still be held; those go too, moments later, as
+// lib/pq has closed the connection and the backend exits. After Rollback no
+// connection is in use.
+func TestCancelledWaitInSavepoint(t *testing.T) {
+	ctx := t.Context()
+	dsn, db := setup(t)
+	holder, _ := begin(t, db)
+	if err := pgcoordsql.XactLock(ctx, holder, pgcoord.Int64Key(3)); err != nil {
+		t.Fatal(err)
+	}
+	tx, pid := begin(t, db)
+	if err := pgcoordsql.XactLock(ctx, tx, pgcoord.Int64Key(1)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.ExecContext(ctx, "SAVEPOINT s"); err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	r := async(func() error { return pgcoordsql.XactLock(cctx, tx, pgcoord.Int64Key(3), pgcoord.Int64Key(2)) })
+	waitLocks(t, dsn, pid, "int64:1 ExclusiveLock true", "int64:2 ExclusiveLock true", "int64:3 ExclusiveLock false")
+	cancel()
+	if err := get(t, r); !errors.Is(err, context.Canceled) {
+		t.Fatalf("got %v, want an error wrapping context.Canceled", err)
+	}
+	got := locks(t, dsn, pid)
+	if !slices.Equal(got, nil) && !slices.Equal(got, []string{"int64:1 ExclusiveLock true"}) {
+		t.Fatalf("locks when XactLock returned: %q, want at most int64:1 (taken before the savepoint)", got)
+	}
+	t.Logf("locks when XactLock returned: %q", got)
+	waitLocks(t, dsn, pid)
+	if _, err := tx.ExecContext(ctx, "SELECT 1"); err == nil {
+		t.Fatal("the transaction still runs statements")
+	}
+	_ = tx.Rollback()
+	if err := holder.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Eventually(t, limit, "no connection in use", func() bool { return db.Stats().InUse == 0 })
+}
