@@ -291,6 +291,44 @@ func (ld *Leadership) Context() context.Context { return ld.ctx }
 // its locks are released (or lost).
 func (ld *Leadership) Done() <-chan struct{} { return ld.done }
 
+// Valid reports, from the process's own state with no round trip, whether
+// the leadership holds as of now: nil while its context is live and the
+// server has answered on the connections of its lock and guard within the
+// loss deadline. Otherwise it returns the context's cause, or an error
+// wrapping ErrLockLost that says how long the server has not answered.
+//
+// Check it right before each step that must run only while leading, such
+// as starting a job: a process that was paused (a long GC pause, SIGSTOP,
+// a frozen VM) for longer than the loss deadline may run a little after
+// it resumes before its timers cancel the context, while a successor
+// that took over meanwhile already leads; Valid tells it at once. (The
+// exception stated at the Election type, both connections lost together,
+// is not detected here either; fence the writes, see CheckFence.)
+func (ld *Leadership) Valid() error {
+	if ld.ctx.Err() != nil {
+		return context.Cause(ld.ctx)
+	}
+	oldest := ld.lock.s.answeredAt()
+	if g := ld.guardLock(); g != nil {
+		if t := g.s.answeredAt(); t.Before(oldest) {
+			oldest = t
+		}
+	}
+	if age := time.Since(oldest); age >= ld.e.c.cfg.lossDeadline {
+		return errorf("election %q: term %d: %w: no answer from the server for %v (loss deadline %v)",
+			ld.e.name, ld.term, ErrLockLost, age.Round(time.Millisecond), ld.e.c.cfg.lossDeadline)
+	}
+	return nil
+}
+
+// LeadershipFromContext returns the Leadership whose context ctx is, or
+// derives from: the context that [Election.Run] gives fn, or
+// [Leadership.Context]. ok is false for any other context.
+func LeadershipFromContext(ctx context.Context) (ld *Leadership, ok bool) {
+	ld = leadershipOf(ctx)
+	return ld, ld != nil
+}
+
 // Err returns nil while leading. Once Done is closed it says why the
 // leadership ended: an error wrapping ErrNotHeld after Resign or a
 // RequestResign, ErrLockLost (with the cause) after a loss, ErrClosed

@@ -679,3 +679,86 @@ func TestCampaignPlansRecordWhileFollowing(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Valid answers from local state whether the leadership holds: nil while
+// leading (in Run's fn too, through LeadershipFromContext), an error
+// wrapping ErrLockLost once the leader's backend is gone, and the
+// context's cause after the end. Once the server has not answered on the
+// leader's connections for the loss deadline, it fails even before the
+// Client's own timers have noticed (a process resumed after a pause): the
+// test ages the lock session's last answer instead of pausing a process.
+func TestLeadershipValid(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, pool := faultDB(t)
+	c := newTestClient(t, dsn, WithHeartbeat(100*time.Millisecond), WithLossDeadline(time.Second))
+	e := c.Election("valid")
+	if _, ok := LeadershipFromContext(ctx); ok {
+		t.Fatal("LeadershipFromContext of a plain context: ok, want not ok")
+	}
+	ran := make(chan error, 1)
+	runCtx, stopRun := context.WithCancel(ctx)
+	runErr := make(chan error, 1)
+	go func() {
+		runErr <- e.Run(runCtx, func(lctx context.Context, term Term) error {
+			defer stopRun() // one term is enough
+			ld, ok := LeadershipFromContext(lctx)
+			switch {
+			case !ok || ld.Term() != term:
+				ran <- errorf("LeadershipFromContext(fn's ctx) = %v, %v; want the term %d leadership", ld, ok, term)
+			case ld.Valid() != nil:
+				ran <- errorf("Valid while leading: %w", ld.Valid())
+			default:
+				ran <- nil
+			}
+			return nil
+		})
+	}()
+	select {
+	case err := <-ran:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(testTimeout):
+		t.Fatal("Run's fn did not run")
+	}
+	if err := <-runErr; !errors.Is(err, context.Canceled) {
+		t.Fatalf("Run = %v, want its ctx's error", err)
+	}
+
+	ld, err := e.Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ld.Valid(); err != nil {
+		t.Fatalf("Valid while leading: %v", err)
+	}
+	// A pause longer than the loss deadline, as the session sees it: its
+	// last answer is older than L, and nothing has run since.
+	s := ld.lock.s
+	s.state.Lock()
+	saved := s.lastOK
+	s.lastOK = time.Now().Add(-2 * time.Second)
+	s.state.Unlock()
+	err = ld.Valid()
+	s.state.Lock()
+	if s.lastOK.Before(saved) {
+		s.lastOK = saved
+	}
+	s.state.Unlock()
+	if !errors.Is(err, ErrLockLost) {
+		t.Fatalf("Valid with no answer for 2 s (L = 1 s) = %v, want ErrLockLost", err)
+	}
+	if ld.Context().Err() != nil {
+		t.Log("the Client's timers noticed first; Valid agreed")
+	}
+
+	terminateBackend(t, pool, ld.lock.s.PID())
+	pgtest.Eventually(t, testTimeout, "Valid to fail after the leader's backend was terminated", func() bool {
+		return errors.Is(ld.Valid(), ErrLockLost)
+	})
+	<-ld.Done()
+	if err := ld.Valid(); err == nil {
+		t.Fatal("Valid after the leadership ended: nil")
+	}
+}

@@ -385,6 +385,14 @@ func (s *Session) proved(start time.Time) {
 	s.state.Unlock()
 }
 
+// answeredAt returns the start of the last statement the server answered
+// on the session's connection.
+func (s *Session) answeredAt() time.Time {
+	s.state.Lock()
+	defer s.state.Unlock()
+	return s.lastOK
+}
+
 // heartbeat proves the connection alive every interval, unless a statement
 // is running on it (which proves it, or fails, by itself).
 func (s *Session) heartbeat() {
