@@ -21,18 +21,28 @@ import (
 //
 // IsLeader answers from the process's own state, with no round trip, so
 // that gocron may ask it on every run of every job. It says yes only while
-// the leadership's context (pgcoord.Leadership.Context) is live: pgcoord
-// cancels that context as soon as it knows or suspects the leadership is
-// gone (a failed heartbeat, the loss deadline passed with no answer from
-// the server, a terminated backend, a resign), before the election's lock
-// is released, so that a new leader never starts a run while IsLeader
-// still says yes here.
+// the leadership holds by pgcoord.Leadership.Valid: its context is live
+// (pgcoord cancels it as soon as it knows or suspects the leadership is
+// gone: a failed heartbeat, a terminated backend, a resign, the Client's
+// Close), and the server has answered on the leader's connections (its
+// lock's, and its guard's while it holds the guard) within the Client's
+// loss deadline. So a process that was paused (SIGSTOP, a long GC pause,
+// a frozen VM) for longer than the loss deadline says no from the moment
+// it resumes, before its timers have noticed the loss; and a new leader,
+// which waits for the old one's guard or, failing that, the loss
+// deadline, never starts a run while IsLeader still says yes here.
 //
-// gocron asks IsLeader when a run starts; a run that started while this
-// process led is not interrupted when the leadership ends. Jobs whose
-// writes must never come from an old leader fence them: take the term
-// from Term when the run starts and check it with pgcoord.CheckFence and
-// Election().Key() in the transaction of the write.
+// One exception, that of pgcoord.Election: when both of the leader's
+// connections are lost together (terminated at once or within two
+// heartbeat intervals of each other, a server's fast shutdown, a
+// crash-restart of the server), a new leader starts at once, while this
+// process may say yes for up to two heartbeat intervals more (at most the
+// loss deadline). And gocron asks IsLeader when a run starts: a run that
+// started while this process led goes on, and is not interrupted, when the
+// leadership ends. Jobs whose writes must never come from an old leader
+// fence them: take the term from Term when the run starts and check it
+// with pgcoord.CheckFence and Election().Key() in the transaction of the
+// write; a later leader's term rejects the old one's writes.
 //
 // An Elector's methods are safe for concurrent use.
 type Elector struct {
@@ -50,8 +60,20 @@ type Elector struct {
 
 // leading is one term of leadership.
 type leading struct {
-	ctx  context.Context // cancelled as soon as the leadership ends
+	ld   *pgcoord.Leadership // nil only if Run's context did not carry it
+	ctx  context.Context     // cancelled as soon as the leadership ends
 	term pgcoord.Term
+}
+
+// valid returns nil while the term holds (see pgcoord.Leadership.Valid).
+func (l *leading) valid() error {
+	if l.ld != nil {
+		return l.ld.Valid()
+	}
+	if l.ctx.Err() != nil {
+		return context.Cause(l.ctx)
+	}
+	return nil
 }
 
 var _ gocron.Elector = (*Elector)(nil)
@@ -122,7 +144,8 @@ func (el *Elector) campaign(ctx context.Context) {
 // lead publishes one term while it lasts. Election.Run calls it with the
 // leadership's context, and resigns when it returns.
 func (el *Elector) lead(ctx context.Context, term pgcoord.Term) error {
-	l := &leading{ctx: ctx, term: term}
+	ld, _ := pgcoord.LeadershipFromContext(ctx)
+	l := &leading{ld: ld, ctx: ctx, term: term}
 	el.mu.Lock()
 	el.lastErr = nil
 	el.mu.Unlock()
@@ -132,13 +155,17 @@ func (el *Elector) lead(ctx context.Context, term pgcoord.Term) error {
 	return nil
 }
 
-// IsLeader returns nil while this process leads the election, and an
-// error wrapping ErrNotLeader otherwise: before it has won, while another
-// process leads, as soon as its leadership's context is cancelled (the
-// leadership is lost, being lost, or resigned), and after Close (wrapping
-// pgcoord.ErrClosed too). When the last campaign failed, the error says
-// why. It answers from the process's own state: ctx is not used, and it
-// never blocks.
+// IsLeader returns nil while this process leads the election and its
+// leadership holds by pgcoord.Leadership.Valid (see the Elector type for
+// the one exception), and an error wrapping ErrNotLeader otherwise: before
+// it has won, while another process leads, as soon as its leadership's
+// context is cancelled (the leadership is lost, being lost, or resigned),
+// when the server has not answered on the leader's connections within the
+// loss deadline (wrapping pgcoord.ErrLockLost too), and after Close
+// (wrapping pgcoord.ErrClosed too). When the last campaign failed, the
+// error says why. It answers from the process's own state: ctx is not
+// used, and it never blocks. A run that IsLeader let start goes on when
+// the leadership ends.
 func (el *Elector) IsLeader(ctx context.Context) error {
 	_, err := el.Term()
 	return err
@@ -163,11 +190,8 @@ func (el *Elector) Term() (pgcoord.Term, error) {
 		}
 		return 0, fmt.Errorf("%w: election %q: another process leads, or none yet", ErrNotLeader, name)
 	}
-	if l.ctx.Err() != nil {
-		return 0, fmt.Errorf("%w: election %q: term %d is ending: %w", ErrNotLeader, name, l.term, context.Cause(l.ctx))
-	}
-	if d, ok := l.ctx.Deadline(); ok && !time.Now().Before(d) {
-		return 0, fmt.Errorf("%w: election %q: term %d is past its deadline %v", ErrNotLeader, name, l.term, d)
+	if err := l.valid(); err != nil {
+		return 0, fmt.Errorf("%w: election %q: term %d is ending or lost: %w", ErrNotLeader, name, l.term, err)
 	}
 	return l.term, nil
 }

@@ -8,8 +8,9 @@ var (
 	// ErrNotLeader is returned by Elector.IsLeader and Elector.Term when
 	// this process does not lead the election: it has not won yet, another
 	// process leads, the leadership has ended or is ending (its context is
-	// cancelled), or the Elector was closed (then pgcoord.ErrClosed is
-	// wrapped too).
+	// cancelled), the server has not answered on the leader's connections
+	// within the loss deadline (then pgcoord.ErrLockLost is wrapped too),
+	// or the Elector was closed (then pgcoord.ErrClosed is wrapped too).
 	ErrNotLeader = errors.New("pgcoordgocron: not the leader")
 
 	// ErrTickPassed is returned by Locker.Lock with WithTicks when the

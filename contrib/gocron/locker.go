@@ -27,21 +27,33 @@ const (
 // lock is held, the scheduler skips the run. It works in one of two modes:
 //
 //   - With WithTicks (recommended when the schedules are aligned to a
-//     grid): one lock per tick of each job, held at least one interval,
-//     and the job's lock during its run. Each tick runs exactly once
-//     across the schedulers, and runs never overlap; see WithTicks for
-//     the requirements.
+//     grid): one lock per tick of each job, held at least one and a half
+//     intervals, and the job's lock during its run. Each tick runs
+//     exactly once across the schedulers, and runs do not overlap, while
+//     the locks are held; see WithTicks for the requirements.
 //   - By default: one lock per job name, held while the job runs and at
 //     least a minimum time from the call of Lock (WithMinHold, default one
 //     second). A tick whose job is running, or was run by another
 //     scheduler within the minimum hold, is skipped. The job runs at most
-//     once per minimum hold, and runs never overlap, but a scheduler
-//     later than the minimum hold runs a tick again.
+//     once per minimum hold, and runs do not overlap while the locks are
+//     held, but a scheduler later than the minimum hold runs a tick again.
 //
 // The locks are session-level locks on the Client's shared backends: if
-// the process dies, the server frees its locks at once; if its
-// connection is lost, the lock ends (the run goes on; gocron has no way to
-// stop it).
+// the process dies, the server frees its locks at once. If a lock's
+// connection is lost during a run (its backend terminated, the connection
+// broken, a server restart or failover), the server frees the lock at
+// once, but the run goes on: gocron has no way to stop it. Another
+// scheduler may then take the job (and, with WithTicks, the same tick,
+// within its window) and run it while the first run goes on: the
+// exclusion holds only while the locks are held. The Client notices the
+// loss within a heartbeat interval (at most its loss deadline); a job that
+// must know reads JobLock.Done and JobLock.Err (hand the JobLock to the
+// run through a gocron.Locker that wraps this one). A job whose writes
+// must never come from an overlapping run fences them: at its start it
+// takes a fence, with a pgcoord lock of a key of its own taken with
+// pgcoord.WithFence (and released at once), and checks Lock.Fence with
+// pgcoord.CheckFence and that key in the transaction of each write; a
+// later run's fence makes the earlier run's writes fail.
 //
 // A Locker's methods are safe for concurrent use.
 type Locker struct {
@@ -54,8 +66,9 @@ type Locker struct {
 
 	mu     sync.Mutex
 	closed bool
-	held   sync.WaitGroup // one per lock handed out and not yet released
-	stop   chan struct{}  // closed by Close: pending holds end now
+	held   int           // locks being taken, or handed out and not yet released
+	idle   chan struct{} // made by a Close that waits; closed when held drops to 0
+	stop   chan struct{} // closed by Close: pending holds end now
 }
 
 var _ gocron.Locker = (*Locker)(nil)
@@ -124,6 +137,11 @@ func tickOf(t time.Time, interval time.Duration) int64 {
 	return n
 }
 
+// tickHold returns how long Lock holds a tick's lock, from its call: the
+// interval, which covers the calls of one tick's window on one clock, and
+// the allowance for clocks that differ, interval/2.
+func tickHold(interval time.Duration) time.Duration { return interval + interval/2 }
+
 // windowEnd returns the end of the window of tick n: the first moment
 // whose nearest tick is n+1.
 func windowEnd(n int64, interval time.Duration) time.Time {
@@ -154,31 +172,32 @@ func (lk *Locker) Lock(ctx context.Context, key string) (gocron.Lock, error) {
 		lk.mu.Unlock()
 		return nil, fmt.Errorf("pgcoordgocron: lock job %q: %w", key, pgcoord.ErrClosed)
 	}
-	lk.held.Add(1)
+	lk.held++
 	lk.mu.Unlock()
 	j := &JobLock{lk: lk, name: key, until: start.Add(lk.minHold)}
 	if lk.interval == 0 {
 		l, err := lk.c.TryLock(ctx, lk.Key(key))
 		if err != nil {
-			lk.held.Done()
+			lk.released()
 			return nil, fmt.Errorf("pgcoordgocron: lock %s: %w", j.what(), err)
 		}
 		j.l = l
 		return j, nil
 	}
 	j.tick, j.ticked = tickOf(start, lk.interval), true
-	j.until = start.Add(lk.interval)
+	j.until = start.Add(tickHold(lk.interval))
 	l, err := lk.c.TryLock(ctx, lk.TickKey(key, j.tick))
 	if err != nil {
-		lk.held.Done()
+		lk.released()
 		return nil, fmt.Errorf("pgcoordgocron: lock %s: %w", j.what(), err)
 	}
 	// Every holder of this tick's key holds it past the end of the tick's
-	// window. A lock taken before that end was taken while no other
+	// window on any clock that differs from its own by less than the
+	// allowance. A lock taken before that end was taken while no other
 	// scheduler had run the tick; one taken after it may come after the
 	// first holder's release, so it is given back.
 	if end := windowEnd(j.tick, lk.interval); !lk.now().Before(end) {
-		defer lk.held.Done()
+		defer lk.released()
 		return nil, giveBack(ctx, l, fmt.Errorf("pgcoordgocron: lock %s: %w (window ended %v)",
 			j.what(), ErrTickPassed, end.UTC().Format(time.RFC3339Nano)))
 	}
@@ -188,7 +207,7 @@ func (lk *Locker) Lock(ctx context.Context, key string) (gocron.Lock, error) {
 	// tick, so another scheduler may still run it within its window.
 	run, err := lk.c.TryLock(ctx, lk.Key(key))
 	if err != nil {
-		defer lk.held.Done()
+		defer lk.released()
 		return nil, giveBack(ctx, l, fmt.Errorf("pgcoordgocron: lock %s: the run of an earlier tick goes on: %w", j.what(), err))
 	}
 	j.l, j.run = l, run
@@ -212,25 +231,44 @@ func giveBack(ctx context.Context, l *pgcoord.Lock, err error) error {
 // that allows), and waits until every lock the Locker handed out has
 // been released, which includes the locks of runs still going: shut the
 // scheduler down first (gocron's Shutdown waits for running jobs). ctx
-// bounds the wait; Close then returns ctx's error. Releases are bounded
-// by the Client's loss deadline. Calling Close again waits again.
+// bounds the wait; Close then returns ctx's error, and leaves nothing
+// running behind: the locks of runs still going stay held until their
+// Unlock (which then releases them at once) or the Client's Close, and
+// the holds it ended are released in the background within the Client's
+// loss deadline. Calling Close again waits again.
 func (lk *Locker) Close(ctx context.Context) error {
 	lk.mu.Lock()
 	if !lk.closed {
 		lk.closed = true
 		close(lk.stop)
 	}
+	if lk.held == 0 {
+		lk.mu.Unlock()
+		return nil
+	}
+	if lk.idle == nil {
+		lk.idle = make(chan struct{})
+	}
+	idle := lk.idle
 	lk.mu.Unlock()
-	done := make(chan struct{})
-	go func() {
-		lk.held.Wait()
-		close(done)
-	}()
 	select {
-	case <-done:
+	case <-idle:
 		return nil
 	case <-ctx.Done():
 		return fmt.Errorf("pgcoordgocron: close locker: %w", context.Cause(ctx))
+	}
+}
+
+// released counts off a lock that Lock failed to take, gave back, or
+// whose release (or loss) is complete, and wakes the Closes that wait
+// once none is left.
+func (lk *Locker) released() {
+	lk.mu.Lock()
+	defer lk.mu.Unlock()
+	lk.held--
+	if lk.held == 0 && lk.idle != nil {
+		close(lk.idle)
+		lk.idle = nil
 	}
 }
 
@@ -245,7 +283,9 @@ type JobLock struct {
 	tick   int64
 	ticked bool // WithTicks: tick is set
 
-	once sync.Once
+	once     sync.Once
+	doneOnce sync.Once
+	done     <-chan struct{} // see Done
 }
 
 var _ gocron.Lock = (*JobLock)(nil)
@@ -259,6 +299,55 @@ func (j *JobLock) Key() pgcoord.Key { return j.l.Key() }
 // otherwise.
 func (j *JobLock) Tick() (n int64, ok bool) { return j.tick, j.ticked }
 
+// Done returns a channel that is closed when the run's exclusion ends:
+// when one of the pgcoord locks the JobLock rests on ends (the job's lock,
+// and with WithTicks the tick's lock too). During the run, that means a
+// lock was lost (its backend terminated, its connection broken, a server
+// restart or failover, the Client's Close): the server has freed it, and
+// another scheduler may run the job (with WithTicks, this tick too) while
+// this run goes on; Err then says why. After Unlock it is closed once the
+// released lock ends. The Client notices a loss within a heartbeat
+// interval, at most its loss deadline, after it happened. A job learns of
+// it through a gocron.Locker that wraps the Locker and hands the JobLock
+// to the run.
+func (j *JobLock) Done() <-chan struct{} {
+	j.doneOnce.Do(func() {
+		if j.run == nil {
+			j.done = j.l.Done()
+			return
+		}
+		// Either lock may end first; the merge ends with it.
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			select {
+			case <-j.l.Done():
+			case <-j.run.Done():
+			}
+		}()
+		j.done = done
+	})
+	return j.done
+}
+
+// Err returns nil while every lock the JobLock rests on is held (see
+// Done). Otherwise it returns the error of the first that ended, wrapped
+// with the job's name: one wrapping pgcoord.ErrLockLost (and the cause)
+// if it was lost, pgcoord.ErrClosed if the Client was closed, or
+// pgcoord.ErrNotHeld once it was released by Unlock (or, for a tick's
+// lock, at the end of its hold or the Locker's Close).
+func (j *JobLock) Err() error {
+	for _, l := range []*pgcoord.Lock{j.run, j.l} {
+		if l == nil {
+			continue
+		}
+		if err := l.Err(); err != nil {
+			return fmt.Errorf("pgcoordgocron: %s: %w", j.what(), err)
+		}
+	}
+	return nil
+}
+
 // what names the lock in errors.
 func (j *JobLock) what() string {
 	if j.ticked {
@@ -268,7 +357,8 @@ func (j *JobLock) what() string {
 }
 
 // Unlock releases the lock: at once if its hold (the minimum hold, or
-// with WithTicks one interval from the call of Lock) is over; else it
+// with WithTicks one and a half intervals from the call of Lock) is over,
+// or if the lock has ended already (lost, see Done: its error is returned); else it
 // returns nil at once, without waiting, and the lock is released in the
 // background when the hold is over (or when the Locker is closed, or the
 // lock is lost meanwhile). The release works even if ctx is
@@ -288,15 +378,15 @@ func (j *JobLock) Unlock(ctx context.Context) error {
 		runErr = j.run.Unlock(ctx)
 	}
 	wait := j.until.Sub(j.lk.now())
-	if wait <= 0 {
-		defer j.lk.held.Done()
+	if wait <= 0 || j.l.Err() != nil {
+		defer j.lk.released()
 		if err := errors.Join(runErr, j.l.Unlock(ctx)); err != nil {
 			return fmt.Errorf("pgcoordgocron: unlock %s: %w", j.what(), err)
 		}
 		return nil
 	}
 	go func() {
-		defer j.lk.held.Done()
+		defer j.lk.released()
 		t := time.NewTimer(wait)
 		defer t.Stop()
 		select {

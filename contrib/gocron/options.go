@@ -49,7 +49,7 @@ type lockerConfig struct {
 // check reports options that contradict each other.
 func (c *lockerConfig) check() error {
 	if c.interval > 0 && c.minHoldSet {
-		return errors.New("WithMinHold and WithTicks exclude each other: with WithTicks every tick's lock is held one interval; drop WithMinHold")
+		return errors.New("WithMinHold and WithTicks exclude each other: with WithTicks every tick's lock is held one and a half intervals; drop WithMinHold")
 	}
 	return nil
 }
@@ -119,19 +119,24 @@ func WithMinHold(d time.Duration) Option {
 
 // WithTicks makes the Locker lock ticks rather than jobs: each tick of a
 // job runs exactly once across the schedulers, as long as the schedules
-// are aligned to interval and the schedulers are at most interval/2 late
-// (see below). The Locker numbers time in ticks of interval since the
-// Unix epoch, and Lock takes the lock of the job's tick nearest to the
-// moment it is called (rounded to the nearest, not down): tick n, the
-// moment n×interval after 1970-01-01T00:00:00Z, is locked by every call of
-// Lock from interval/2 before it to interval/2 after it (that end
-// excluded). The first scheduler to call Lock for tick n gets its lock,
-// and holds it at least interval from its call of Lock, so past the end
-// of that window; a scheduler that calls Lock for the same tick later in
-// the window is refused (pgcoord.ErrLocked). The next tick has another
-// key, so it is never skipped because of its predecessor. Lock refuses,
-// with ErrTickPassed, a lock that it could take only after the end of its
-// tick's window, when the tick's first holder may have released it.
+// are aligned to interval, the schedulers are at most interval/2 late or
+// early by their own clocks, their clocks differ by less than interval/2,
+// and no lock is lost during a run (see below). The Locker numbers time
+// in ticks of interval since the Unix epoch, and Lock takes the lock of
+// the job's tick nearest to the moment it is called (rounded to the
+// nearest, not down): tick n, the moment n×interval after
+// 1970-01-01T00:00:00Z, is locked by every call of Lock from interval/2
+// before it to interval/2 after it (that end excluded), by the caller's
+// clock. The first scheduler to call Lock for tick n gets its lock, and
+// holds it one and a half intervals from its call of Lock: one interval
+// covers the whole window on its own clock, and the other half interval
+// is the allowance for clocks that differ, so the hold outlasts the
+// window on every clock less than interval/2 off. A scheduler that calls
+// Lock for the same tick later in its window is refused
+// (pgcoord.ErrLocked). The next tick has another key, so it is never
+// skipped because of its predecessor. Lock refuses, with ErrTickPassed, a
+// lock that it could take only after the end of its tick's window, when
+// the tick's first holder may have released it.
 //
 // The requirements, which the Locker cannot check:
 //
@@ -146,34 +151,42 @@ func WithMinHold(d time.Duration) Option {
 //     the epoch). gocron.WithIntervalFromCompletion breaks the alignment.
 //     Two times of a job that round to the same tick run once; jobs on
 //     different grids take a Locker each (gocron.WithDistributedJobLocker).
-//   - Lateness tolerance is interval/2: a scheduler whose Lock comes more
-//     than interval/2 after the tick (a late timer, a paused process)
-//     computes a later tick. It is refused if another scheduler has run
-//     that later tick already; if not, it runs it early, and the
+//   - Lateness tolerance is interval/2, by the scheduler's own clock: a
+//     scheduler whose Lock comes more than interval/2 after the tick (a
+//     late timer, a paused process), or interval/2 or more before it,
+//     computes another tick. It is refused if another scheduler has run
+//     that tick already; if not, it runs it early (or late), and the
 //     scheduler that is on time for it is refused. Either way every tick
 //     number runs at most once. A tick all schedulers are late for by
 //     more than interval/2, or whose window passes while the lock is
 //     being taken, does not run.
-//   - The schedulers' clocks agree within well under interval/2 (NTP):
-//     the tick is computed from each process's clock, so a clock behind
-//     by e makes its scheduler e late in the sense above (and one ahead,
-//     e early), and the holds that outlast a tick's window on one clock
-//     outlast it on another only by the margin left after e.
+//   - The schedulers' clocks differ by less than interval/2 (NTP keeps
+//     them within milliseconds): the calls of one tick's window on two
+//     clocks e apart spread over up to interval + e of real time, which
+//     the hold covers only while e is under the allowance of interval/2.
+//     Clocks further apart can run a tick twice.
 //
-// Runs of a job never overlap: Lock also takes the job's own lock
-// (Locker.Key), held while the run goes on, and skips the tick, giving
-// its lock back at once, when a run of an earlier tick goes on anywhere
-// (then another scheduler may still run the tick within its window, once
-// that run has ended). A run that outlasts the interval makes the
-// following ticks be skipped, as in gocron's singleton mode.
+// Runs of a job do not overlap while their locks are held: Lock also
+// takes the job's own lock (Locker.Key), held while the run goes on, and
+// skips the tick, giving its lock back at once, when a run of an earlier
+// tick goes on anywhere (then another scheduler may still run the tick
+// within its window, once that run has ended). A run that outlasts the
+// interval makes the following ticks be skipped, as in gocron's singleton
+// mode. A lock lost during a run (its backend terminated, its connection
+// broken, a server restart or failover) is freed by the server at once,
+// while the run goes on: another scheduler may then run the job, this
+// tick too if still within its window, overlapping that run. See the
+// Locker type for how a job learns of that (JobLock.Done) or fences its
+// writes.
 //
-// A scheduler holds at most the locks of two recent ticks per job in the
-// steady state (one interval each, from calls an interval apart), and the
-// job's lock during a run, all on the Client's shared connections.
-// Locker.Close, and the death of the process, release the tick locks at
-// once: a scheduler that calls Lock for such a tick afterwards, still
-// within its window, runs it again. Close the Locker at least interval/2
-// after the last tick its scheduler ran, or accept that rare repeat.
+// A scheduler holds the locks of at most three recent ticks per job (one
+// and a half intervals each, from calls an interval apart: two when its
+// timers are on time, three when one was late), and the job's lock during
+// a run, all on the Client's shared connections. Locker.Close, and the
+// death of the process, release the tick locks at once: a scheduler that
+// calls Lock for such a tick afterwards, still within its window, runs it
+// again. Close the Locker at least one interval after the last tick its
+// scheduler ran, or accept that rare repeat.
 //
 // interval must be at least MinTickInterval (1ms).
 func WithTicks(interval time.Duration) Option {

@@ -339,11 +339,15 @@ const tickRuns = 80
 //     that skipped ticks for any other reason (holds that block the next
 //     tick, lost keys) would lose far more than 10%;
 //   - the schedulers contended (at least one refusal per two runs);
-//   - the locks stay bounded: sampled in pg_locks all along, at most 3
-//     tick locks (two held ticks, plus one being given back) and the job's
-//     lock are held at once, all keys of this job; each process's Client
-//     had at most 3 live locks and its usual shared backends at any Lock,
-//     and none after the Locker's Close.
+//   - the locks stay bounded: sampled in pg_locks all along, at most 4
+//     tick locks and the job's lock are held at once, all keys of this
+//     job. A tick's lock is held from its first call of Lock, up to 50 ms
+//     before the tick, until 150 ms after that call, and the call may be
+//     up to 50 ms late: 250 ms, so up to three ticks are held at once, plus
+//     one taken past its window and being given back. Each process's
+//     Client had at most 4 live locks (three recent ticks it ran and the
+//     job's lock) and its usual shared backends at any Lock, and none
+//     after the Locker's Close.
 func TestLockerTickProcesses(t *testing.T) {
 	dsn := pgtest.DB(t)
 	pool := pgtest.Pool(t, dsn)
@@ -372,11 +376,11 @@ func TestLockerTickProcesses(t *testing.T) {
 	perKid := map[string]string{}
 	for _, k := range kids {
 		st := k.stop(t)
-		perKid[k.name] = fmt.Sprintf("%d held/%d late", st.Skipped, st.Late)
+		perKid[k.name] = fmt.Sprintf("%d held/%d late/max %d locks", st.Skipped, st.Late, st.MaxLocks)
 		total.Skipped += st.Skipped
 		total.Late += st.Late
-		if st.MaxLocks > 3 || st.MaxBackends > pgcoord.DefaultSharedBackends || st.Locks != 0 {
-			t.Errorf("%s: %+v; want at most 3 live locks, at most %d backends, and no lock after Close",
+		if st.MaxLocks > 4 || st.MaxBackends > pgcoord.DefaultSharedBackends || st.Locks != 0 {
+			t.Errorf("%s: %+v; want at most 4 live locks, at most %d backends, and no lock after Close",
 				k.name, st, pgcoord.DefaultSharedBackends)
 		}
 	}
@@ -428,8 +432,8 @@ func TestLockerTickProcesses(t *testing.T) {
 	if total.Skipped*2 < len(runs) {
 		t.Errorf("the Locker refused %d attempts for %d runs: the schedulers did not contend", total.Skipped, len(runs))
 	}
-	if maxHeld > 4 {
-		t.Errorf("up to %d advisory locks held at once, want at most 4 (3 ticks and the job's lock)", maxHeld)
+	if maxHeld > 5 {
+		t.Errorf("up to %d advisory locks held at once, want at most 5 (4 ticks and the job's lock)", maxHeld)
 	}
 	lk := pgcoordgocron.NewLocker(nil, pgcoordgocron.WithTicks(jobInterval))
 	ours := map[pgcoord.Key]bool{lk.Key(jobName): true}
