@@ -452,6 +452,13 @@ func (s *Session) undo(ctx context.Context, r request, need []Key, nothingTaken 
 // any more are released on the server, where each must have been held.
 // An error loses the session.
 func (s *Session) releaseKeys(ctx context.Context, keys []Key, shared bool) error {
+	_, err := s.releaseHold(ctx, keys, shared)
+	return err
+}
+
+// releaseHold is releaseKeys; sent reports whether it sent a release to
+// the server (false: other handles still hold every key here).
+func (s *Session) releaseHold(ctx context.Context, keys []Key, shared bool) (sent bool, err error) {
 	s.state.Lock()
 	var free []Key
 	for _, k := range keys {
@@ -468,8 +475,13 @@ func (s *Session) releaseKeys(ctx context.Context, keys []Key, shared bool) erro
 	}
 	s.state.Unlock()
 	if len(free) == 0 {
-		return nil
+		return false, nil
 	}
+	return true, s.releaseFree(ctx, free, shared)
+}
+
+// releaseFree releases on the server the keys that releaseHold marked.
+func (s *Session) releaseFree(ctx context.Context, free []Key, shared bool) error {
 	err := s.unlockKeys(ctx, free, shared, true)
 	s.forgetKeys(free)
 	if err != nil {

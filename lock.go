@@ -120,6 +120,11 @@ func (l *Lock) claimGates() bool {
 // waiting for the key and the lock was handed to it directly (see
 // [WithHandoff]). If a blocking acquire waits on the same connection,
 // Unlock interrupts it (the acquire then resumes) rather than wait for it.
+// A shared lock whose hold other handles of the Client still share on the
+// same connection is not released on the server; Unlock then proves the
+// connection's backend alive with one round trip, so that nil also means
+// the backend held the keys until the call (a backend that had ended
+// unnoticed makes Unlock return an error wrapping [ErrLockLost]).
 //
 // It returns an error wrapping [ErrNotHeld] if the lock was already
 // released or is being released by another call, an error wrapping
@@ -157,7 +162,20 @@ func (l *Lock) Unlock(ctx context.Context) error {
 	// The release is bounded by the session's lease: with no answer
 	// from the server for the loss deadline, the session is lost and its
 	// connection closed, which ends the statement.
-	err := s.releaseKeys(context.WithoutCancel(ctx), l.keys, l.shared)
+	sent, err := s.releaseHold(context.WithoutCancel(ctx), l.keys, l.shared)
+	if err == nil && !sent {
+		// Other handles still hold the keys here, so nothing was sent.
+		// The backend may have ended unnoticed (terminated, its
+		// connection broken) since it last answered: a ping proves it
+		// still holds them, else the session is lost and so is l.
+		err = s.run(context.WithoutCancel(ctx), s.ping)
+		if err != nil {
+			s.lose(errorf("unlock: %w", err))
+			if e := s.Err(); e != nil {
+				err = e
+			}
+		}
+	}
 	l.end(ErrNotHeld)
 	l.released(false, err)
 	if err != nil {

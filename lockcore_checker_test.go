@@ -516,8 +516,14 @@ func (x *lcIndex) checkOp(op *lcOp) {
 			r.violateGroup(kind, group, c.seen.At, "%s: at its %s check (%s) pg_locks showed %v, not the keys held %s by backend %d; the lock was reported lost only at %s, unexplained: %s",
 				x.who(op), c.name, x.in.ts(c.seen.At), c.seen.Rows, mode, op.PID, x.in.ts(lossAt), lossErr)
 		default:
-			r.violateGroup(kind, group, c.seen.At, "%s: at its %s check (%s) pg_locks showed %v, not the keys held %s by backend %d, and the lock was never reported lost (Unlock returned %q at %s)",
-				x.who(op), c.name, x.in.ts(c.seen.At), c.seen.Rows, mode, op.PID, op.UnlockErr, x.in.ts(op.UnlockAt))
+			// What the faults say about the backend, to tell a lock the
+			// library lost track of from one whose end it never saw.
+			why := ""
+			if t, ok := x.terminated[op.PID]; ok {
+				why = fmt.Sprintf("; backend %d was terminated at %s", op.PID, x.in.ts(t))
+			}
+			r.violateGroup(kind, group, c.seen.At, "%s: at its %s check (%s) pg_locks showed %v, not the keys held %s by backend %d, and the lock was never reported lost (Unlock returned %q at %s)%s%s",
+				x.who(op), c.name, x.in.ts(c.seen.At), c.seen.Rows, mode, op.PID, op.UnlockErr, x.in.ts(op.UnlockAt), why, x.faultsNear(c.seen.At))
 		}
 	}
 	for _, w := range op.Writes {

@@ -1005,3 +1005,45 @@ func TestNoSpuriousDeadlockRandomized(t *testing.T) {
 		}
 	}
 }
+
+// A shared hold that several handles of one Client share on one backend:
+// when that backend has ended (terminated by an administrator) before the
+// Client has noticed, Unlock of a handle that is not the last must not
+// report a clean release, as Unlock of the last one, which sends the
+// release, does not: it returns an error wrapping ErrLockLost, and the
+// remaining handle learns of the loss too.
+func TestUnlockOfJoinedSharedHoldAfterBackendEnded(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, pool := faultDB(t)
+	// A heartbeat far away: the Client learns of the end only by asking.
+	c := newTestClient(t, dsn, WithHeartbeat(5*time.Second), WithLossDeadline(20*time.Second))
+	k := HashKey("joined-shared-unlock")
+	a, err := c.RLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := c.RLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.s != b.s {
+		t.Fatalf("the second RLock did not join the first's hold (backends %d and %d)", a.s.PID(), b.s.PID())
+	}
+	heldOnlyBy(t, dsn, k, a.s.PID())
+	terminateBackend(t, pool, a.s.PID())
+	if n := len(grantedTo(t, dsn, k)); n != 0 {
+		t.Fatalf("the key is still granted to %d backends after its backend was terminated", n)
+	}
+	if err := a.Unlock(ctx); !errors.Is(err, ErrLockLost) {
+		t.Fatalf("Unlock of a joined handle after its backend ended = %v, want ErrLockLost", err)
+	}
+	select {
+	case <-b.Done():
+	case <-time.After(testTimeout):
+		t.Fatal("the remaining handle was not told of the loss")
+	}
+	if !errors.Is(b.Err(), ErrLockLost) {
+		t.Fatalf("the remaining handle's Err = %v, want ErrLockLost", b.Err())
+	}
+}
