@@ -388,8 +388,10 @@ func (s *Semaphore) leave(ctx context.Context, q *Lock) error {
 	defer cancel()
 	err := q.Unlock(uctx)
 	// A backend that ended while the release was under way ends q with
-	// ErrNotHeld, and Unlock reports how it ended: lost, or closed.
-	if err == nil || errorIsLoss(q.Err()) || errorIsLoss(err) {
+	// ErrNotHeld, and Unlock reports how it ended: lost, or closed. A
+	// queue place already released (by a grant that then failed, as the
+	// Client closed) is left as well.
+	if err == nil || errorIsLoss(q.Err()) || errorIsLoss(err) || errors.Is(err, ErrNotHeld) {
 		return nil
 	}
 	s.c.cfg.warnLogger().Warn("pgcoord: semaphore: leave the queue", "semaphore", s.name, "err", err)
