@@ -120,6 +120,13 @@ func (s *Session) close(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, s.c.cfg.lossDeadline)
 	defer cancel()
 	var err error
+	if ctx.Err() != nil {
+		// No time to wait for a clean release: cut the connection. (A
+		// select below could pick the free connection as well, and
+		// report a release that ctx did not leave time for.)
+		s.closeSocket()
+		return errorf("close session: the connection was closed without confirming the release (the server frees the locks when it notices): %w", context.Cause(ctx))
+	}
 	select {
 	case s.use <- struct{}{}:
 		// The connection is ours: nothing else runs on it any more. ctx
