@@ -106,10 +106,18 @@ func TestFaultBlackhole(t *testing.T) {
 	if took := lost.Sub(start); took > loss+beat {
 		t.Errorf("holder reported the loss %v into the blackhole, want within L + H = %v", took, loss+beat)
 	}
-	// The server still has the old backend and its lock.
-	if pids, waiting := target.holders(t, dsn); len(pids) != 1 || pids[0] != oldPID || waiting != 1 {
-		t.Fatalf("pg_locks when the holder gave up: held by %v with %d waiting, want the old backend %d and the contender waiting", pids, waiting, oldPID)
-	}
+	// The server still has the old backend and its lock, and the
+	// contender waits for it. The contender's wait is a series of
+	// statements, each bounded by lock_timeout (see Session.block), so a
+	// sample can fall between two of them: poll until one shows it
+	// waiting, and check every sample's holder.
+	pgtest.Eventually(t, time.Second, "pg_locks to show the old backend holding and the contender waiting", func() bool {
+		pids, waiting := target.holders(t, dsn)
+		if len(pids) != 1 || pids[0] != oldPID {
+			t.Fatalf("pg_locks after the holder gave up: held by %v, want the old backend %d", pids, oldPID)
+		}
+		return waiting == 1
+	})
 
 	r := <-ch
 	if r.err != nil {
