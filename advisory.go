@@ -65,6 +65,7 @@ type request struct {
 	try     bool
 	fence   bool
 	tried   bool                // a try of these keys just failed: wait at once
+	direct  bool                // the key was contended a moment ago: try and wait in one statement
 	waiting bool                // the acquire waits on a backend that waitBackend gave it
 	again   bool                // the acquire tries again: its contention was reported
 	prepare []preparedStatement // statements to prepare on the backend first

@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"time"
 )
 
@@ -28,6 +29,12 @@ import (
 //     length of the acquire, and nothing else takes a key on it meanwhile.
 //     A backend whose wait was granted keeps its key and serves tries from
 //     then on, like any other; it can wait again once it holds nothing.
+//   - One exception: the head of the queue of a semaphore of limit 1
+//     waits for the semaphore's slot on the backend that holds the queue
+//     key (Semaphore.await), and only while that backend holds nothing
+//     else, marked as waiting like the above. Whoever waits for a queue
+//     key waits on a backend that holds nothing, so that wait cannot close
+//     a cycle of waits either.
 //   - Every blocking statement, on any backend (a wait, or the issue of a
 //     fence, which waits for a transaction that checked the old fence),
 //     runs in slices of the lease (Session.block): the server answers at
@@ -51,7 +58,12 @@ import (
 // backend frees up and otherwise at growing intervals of at most
 // maxPollInterval, until it can wait or gets the keys. So a Client's limits
 // delay an acquire but never deadlock goroutines whose lock order is
-// consistent. A Client uses at most WithSharedBackends + WithMaxWaits
+// consistent. A Client that holds many keys spreads them over more
+// backends (see spreadAbove), since every statement on a backend costs the
+// server time in proportion to the keys it holds. A blocking acquire of a
+// key that the Client found held elsewhere a moment ago skips the try and
+// tries and waits in one statement on a backend that may wait (see
+// contention). A Client uses at most WithSharedBackends + WithMaxWaits
 // connections (defaults 2 + 4) for its locks, whatever the number of keys
 // it holds. Sessions from NewSession are separate: one connection each, on
 // which the application's own locks and waits are one session to the
@@ -80,6 +92,17 @@ const (
 	DefaultMaxWaits       = 4
 	DefaultSharedBackends = 2
 )
+
+// spreadAbove is how many keys a backend holds before the Client prefers
+// others for new keys. Every statement on a backend costs the server time
+// in proportion to the session locks the backend holds (at the end of each
+// transaction PostgreSQL walks the backend's table of local locks), so
+// many keys on one backend slow every acquire and release there. Once
+// every backend a new key may go to holds at least spreadAbove keys, the
+// Client opens another, up to one less than WithSharedBackends +
+// WithMaxWaits, and puts each new key on the backend that holds the
+// fewest.
+const spreadAbove = 1024
 
 // Intervals of a blocking acquire that cannot wait on the server yet
 // (polling), and of one that cannot reach the server (retrying).
@@ -154,6 +177,40 @@ func (c *Client) warm(ctx context.Context, n int) error {
 		}
 	}
 	return nil
+}
+
+// claimWait marks b, which holds only the key only, as waiting, if fewer
+// than WithMaxWaits acquires of the Client wait: nothing else takes a key
+// on it until unclaimWait. It reports whether it did.
+func (c *Client) claimWait(b *Session, only Key) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	waits := 0
+	for _, o := range c.backends {
+		o.state.Lock()
+		if o.waiting {
+			waits++
+		}
+		o.state.Unlock()
+	}
+	if waits >= c.cfg.maxWaits {
+		return false
+	}
+	b.state.Lock()
+	defer b.state.Unlock()
+	if b.waiting || b.err != nil || len(b.keys) != 1 || b.keys[only] == nil {
+		return false
+	}
+	b.waiting = true
+	return true
+}
+
+// unclaimWait ends claimWait's mark.
+func (c *Client) unclaimWait(b *Session) {
+	b.state.Lock()
+	b.waiting = false
+	b.state.Unlock()
+	c.backendFreed()
 }
 
 // Errors that route an acquire elsewhere; they never reach the caller.
@@ -270,6 +327,25 @@ func (c *Client) backendFreed() {
 // takeOnce is one attempt of take; waiting is called when it has a
 // backend to wait on.
 func (c *Client) takeOnce(ctx context.Context, r request, waiting func()) (*Lock, error) {
+	if !r.try && !r.shared && len(r.keys) == 1 && c.contention.recent(r.keys[0]) {
+		// The key was held elsewhere a moment ago: a try would most
+		// likely fail and cost a round trip, so try and wait in one
+		// statement, on a backend that may wait. Without such a backend
+		// free now, go the usual way.
+		b, done, err := c.waitBackend(ctx)
+		switch {
+		case err == nil:
+			defer done()
+			waiting()
+			if err := b.prepare(ctx, r.prepare); err != nil {
+				return nil, err
+			}
+			r.waiting, r.direct = true, true
+			return b.take(ctx, r)
+		case !errors.Is(err, errNoWaitBackend):
+			return nil, err
+		}
+	}
 	tr := r
 	tr.try = true
 	b, err := c.route(ctx, r)
@@ -286,6 +362,9 @@ func (c *Client) takeOnce(ctx context.Context, r request, waiting func()) (*Lock
 		}
 		if !r.again && c.observed() {
 			c.contended(r, false)
+		}
+		if len(r.keys) == 1 {
+			c.contention.note(r.keys[0])
 		}
 	}
 	b, done, err := c.waitBackend(ctx)
@@ -317,6 +396,7 @@ func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 			return nil, ErrClosed
 		}
 		var pick, holder *Session
+		var pickLoad int
 		n := 0
 		for _, b := range c.backends {
 			b.state.Lock()
@@ -327,7 +407,16 @@ func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 					joinable = r.shared && h.shared && c.joinable(h)
 				}
 			}
-			busy := len(b.use) != 0
+			// A backend's load: 0 while it holds few keys, else how many
+			// it holds, busy ones after idle ones of the same load.
+			load := len(b.keys)
+			if load < spreadAbove {
+				load = 0
+			}
+			load *= 2
+			if len(b.use) != 0 {
+				load++
+			}
 			b.state.Unlock()
 			if joinable {
 				// Joining sends no statement: a waiting backend takes
@@ -342,12 +431,20 @@ func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 			switch {
 			case held:
 				holder = b
-			case pick == nil || !busy && len(pick.use) != 0:
-				pick = b
+			case pick == nil || load < pickLoad:
+				pick, pickLoad = b, load
 			}
 		}
 		started := false
-		if (pick == nil || len(pick.use) != 0) && n+c.opening < c.cfg.sharedBackends {
+		switch {
+		case (pick == nil || pickLoad%2 == 1) && n+c.opening < c.cfg.sharedBackends:
+			c.startConnect()
+			started = true
+		case pick != nil && pickLoad >= 2*spreadAbove && c.opening == 0 &&
+			len(c.backends) < c.cfg.sharedBackends+c.cfg.maxWaits-1:
+			// Every backend it may use holds many keys: spread them
+			// over another (see spreadAbove), leaving one that the
+			// Client may open to wait on.
 			c.startConnect()
 			started = true
 		}
@@ -442,4 +539,46 @@ func (c *Client) waitBackend(ctx context.Context) (*Session, func(), error) {
 			return nil, nil, err
 		}
 	}
+}
+
+// contention remembers which keys the Client's blocking acquires found
+// held elsewhere during the last contentionMemory. A blocking acquire of
+// such a key skips the try on a shared backend, which would most likely
+// fail, and tries and waits in one statement on a backend that may wait:
+// under contention, one statement per acquire instead of two. Keys share
+// slots by their hash; a key that collides with a contended one only takes
+// that path too, which costs it nothing but its place on a shared backend.
+type contention struct {
+	memory time.Duration // contentionMemory; tests set it
+	slots  [contentionSlots]struct {
+		key atomic.Int64 // Key.v
+		at  atomic.Int64 // since contentionEpoch, in nanoseconds
+	}
+}
+
+const (
+	contentionSlots  = 64
+	contentionMemory = 100 * time.Millisecond
+)
+
+// contentionEpoch is the origin of contention's monotonic times.
+var contentionEpoch = time.Now()
+
+func (m *contention) slot(k Key) int {
+	return int(uint64(k.v) * 0x9e3779b97f4a7c15 >> 58) // the top 6 bits: 64 slots
+}
+
+// note records that a blocking acquire found k held elsewhere just now.
+func (m *contention) note(k Key) {
+	sl := &m.slots[m.slot(k)]
+	sl.key.Store(k.v)
+	sl.at.Store(int64(time.Since(contentionEpoch)))
+}
+
+// recent reports whether a blocking acquire found k held elsewhere within
+// the last contentionMemory.
+func (m *contention) recent(k Key) bool {
+	sl := &m.slots[m.slot(k)]
+	at := sl.at.Load()
+	return at != 0 && sl.key.Load() == k.v && time.Since(contentionEpoch)-time.Duration(at) < m.memory
 }

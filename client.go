@@ -25,7 +25,9 @@ type Client struct {
 	afterConnect   func(context.Context, *pgx.Conn) error
 	connectTimeout time.Duration
 	gates          gates
-	hooks          *hookQueue // nil without WithHooks
+	contention     contention  // keys found held elsewhere a moment ago
+	noAwait        atomic.Bool // the schema has no semaphore_await: heads wait for notifications
+	hooks          *hookQueue  // nil without WithHooks
 	// semaphoreRecheck is how often the head of a semaphore's queue looks
 	// for a permit with no notification (semaphoreRecheck; tests set it).
 	semaphoreRecheck time.Duration
@@ -108,6 +110,7 @@ func newClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
 		sessions:       make(map[*Session]struct{}),
 
 		semaphoreRecheck: semaphoreRecheck,
+		contention:       contention{memory: contentionMemory},
 	}
 	if c.connectTimeout <= 0 {
 		c.connectTimeout = serverBound(cfg.lossDeadline)

@@ -119,7 +119,9 @@
 //   - A backend is one session to PostgreSQL, whichever goroutines its
 //     locks belong to; the server's deadlock detector, lock_timeout and
 //     lock queue see the backend. So a wait for a key held elsewhere runs
-//     only on a backend that holds nothing, and every statement that can
+//     only on a backend that holds nothing (or, for the head of a
+//     semaphore's queue, nothing but the queue key, which only waiters that
+//     hold nothing wait for), and every statement that can
 //     wait (a lock, or a fence that waits for a transaction that checked
 //     the old one) runs in slices that end with an answer within the lease.
 //     No goroutine sees [ErrDeadlock] unless its application has a lock

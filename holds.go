@@ -143,6 +143,21 @@ func (s *Session) needs(r request) ([]Key, error) {
 func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, error) {
 	for _, chunk := range chunked(need) {
 		if !r.try {
+			if r.direct && len(need) == 1 {
+				// A key contended a moment ago: one statement tries it
+				// and, if it is held, waits for it, and says which.
+				waited, err := s.tryThenWait(ctx, chunk[0], r.shared)
+				if err != nil {
+					return false, err
+				}
+				if waited && s.c.observed() && !r.again {
+					s.c.contended(r, false)
+				}
+				if waited {
+					s.c.contention.note(chunk[0])
+				}
+				continue
+			}
 			// One free key is taken with a plain try, which needs no
 			// lock_timeout for the statement; a try takes nothing when
 			// it fails, so the wait after it starts from nothing.
@@ -191,6 +206,24 @@ func (s *Session) tryKeys(ctx context.Context, chunk []Key, shared bool) (bool, 
 		return false, context.Cause(ctx)
 	}
 	return err == nil && failed == 0, err
+}
+
+// tryThenWait takes one key, trying it first and waiting for it only if
+// it is held elsewhere, in one statement (CASE evaluates its branches in
+// order, and only the one it needs), and reports whether it had to wait.
+// A slice that ends without the key is undone as lockStatement's is.
+func (s *Session) tryThenWait(ctx context.Context, k Key, shared bool) (waited bool, err error) {
+	st := s.lockStatement([]Key{k}, shared)
+	st.sql, st.args = tryThenWaitSQL(k, shared, s.pid)
+	st.run = func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+		var setting string
+		var free bool
+		err := conn.QueryRow(ctx, sql, args...).Scan(&setting, &free)
+		waited = err == nil && !free
+		return s.wrongBackend(err)
+	}
+	err = s.block(ctx, st)
+	return waited, err
 }
 
 // A blockingStatement is a statement that may wait for a lock held

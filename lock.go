@@ -287,6 +287,26 @@ func waitSQL(fn string, keys []Key, pid int32) (string, []any) {
 	return fmt.Sprintf(sql, len(args)+1), append(args, "")
 }
 
+// tryThenWaitSQL takes one key: it tries the key and, only if that
+// fails, waits for it at most the lock_timeout given as the last argument
+// (which the caller fills in). Its second column is true if the try took
+// the key, false if the statement waited.
+func tryThenWaitSQL(k Key, shared bool, pid int32) (string, []any) {
+	_, _, pair := k.Pair()
+	ck := singleKey{"try-then-wait", lockFunc(shared, false), pair}
+	sql, ok := singleKeyCache.Load(ck)
+	if !ok {
+		list, args := k.sqlArgs(1, nil)
+		text := fmt.Sprintf("SELECT set_config('lock_timeout', $%d, true), CASE WHEN %s(%s) THEN true ELSE %s(%s) IS NULL END WHERE pg_backend_pid() = $%d",
+			len(args)+2, lockFunc(shared, true), list, lockFunc(shared, false), list, len(args)+1)
+		sql, _ = singleKeyCache.LoadOrStore(ck, text)
+	}
+	if a, b, pair := k.Pair(); pair {
+		return sql.(string), []any{a, b, pid, ""}
+	}
+	return sql.(string), []any{k.v, pid, ""}
+}
+
 // singleKeySQL builds the statement for one key from a cache: the common
 // case builds no SQL. format has a %s for the key's call and guard, and
 // may have a %d before it for the number of the argument after them.
