@@ -588,4 +588,5 @@ func ExampleMigrations() {
 	// 000003_semaphores.up.sql
 	// 000004_resign_requests.up.sql
 	// 000005_leader_handover.up.sql
+	// 000006_semaphore_await.up.sql
 }

@@ -1732,7 +1732,7 @@ func watchNemesisPermits(dsn string, prefix int64, bound time.Duration) *nemesis
 			SELECT pid, granted, (classid::bigint << 32) | objid::bigint AS k FROM pg_catalog.pg_locks
 			WHERE locktype = 'advisory' AND objsubid = 1
 			  AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())) l
-		WHERE k >> 16 = $1 AND k & 65535 <> 65535`
+		WHERE k >> 16 = $1`
 	go func() {
 		defer close(w.done)
 		var conn *pgx.Conn
@@ -1788,8 +1788,16 @@ func watchNemesisPermits(dsn string, prefix int64, bound time.Duration) *nemesis
 			now := map[[2]int64]bool{}
 			holder := map[int]int32{}
 			var fresh []int
+			var head int32       // holds the queue key
+			var awaiting []int32 // wait for slot 0
 			for _, r := range got {
 				switch {
+				case r.Slot == queueSlot:
+					if r.Granted {
+						head = r.PID
+					}
+				case !r.Granted && r.Slot == 0:
+					awaiting = append(awaiting, r.PID)
 				case !r.Granted:
 					w.broken = append(w.broken, fmt.Sprintf("backend %d waits for slot %d", r.PID, r.Slot))
 				case holder[r.Slot] != 0:
@@ -1802,6 +1810,11 @@ func watchNemesisPermits(dsn string, prefix int64, bound time.Duration) *nemesis
 						fresh = append(fresh, r.Slot)
 					}
 				}
+			}
+			// Only the head of the queue waits for a slot, slot 0 (see
+			// Semaphore.await).
+			if len(awaiting) > 1 || len(awaiting) == 1 && awaiting[0] != head {
+				w.broken = append(w.broken, fmt.Sprintf("backends %v wait for slot 0 while %d heads the queue", awaiting, head))
 			}
 			w.most = max(w.most, len(now))
 			if len(fresh) > 0 {

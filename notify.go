@@ -128,6 +128,16 @@ func (sub *subscription) next(ctx context.Context, timer <-chan time.Time) ([]st
 	return sub.take(), nil
 }
 
+// poll returns the queued payloads without waiting.
+func (sub *subscription) poll() []string {
+	select {
+	case <-sub.kick:
+		return sub.take()
+	default:
+		return nil
+	}
+}
+
 // take returns and empties the queued payloads; call it after receiving
 // from kick.
 func (sub *subscription) take() []string {

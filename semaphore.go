@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -117,6 +120,17 @@ func WithHolderIdentity(identity string) SemaphoreOption {
 // within 250 ms plus a round trip of the server ending the backend. There
 // is no other polling.
 //
+// A semaphore of limit 1 has one slot, so its head can wait for it on the
+// server, as a lock waiter waits for its key: the head's backend waits for
+// slot 0 and, once the release grants it, takes the permit in the same
+// statement (semaphore_await, see [Migrate]), so the permit passes with no
+// notification and no further round trip. The head waits so while the
+// backend that holds its queue key holds nothing else and the Client has a
+// wait to spare (WithMaxWaits); the wait counts as one of them. Otherwise,
+// and for larger limits, whose head cannot know which slot frees first,
+// the head is woken by notification. A change of the limit ends the
+// head's wait on the server, and it looks again.
+//
 // # Connections and round trips
 //
 // Per Client:
@@ -129,8 +143,9 @@ func WithHolderIdentity(identity string) SemaphoreOption {
 //     key (a round trip) and, while another heads the queue, a wait on one
 //     of the Client's bounded waits ([WithMaxWaits]); goroutines of one
 //     Client behind it wait in the process, with no connection. The head
-//     uses no backend while it waits, only the Client's one listener
-//     connection, opened the first time a semaphore or election needs it.
+//     waits on the Client's one listener connection, opened the first
+//     time a semaphore or election needs it, and, for a semaphore of limit
+//     1, on the backend that holds its queue key (see Wake-up).
 //     Each wake-up costs one statement, on the backend that holds the
 //     queue key; the statement that grants the permit also releases the
 //     queue key there, so the next waiter heads the queue at once.
@@ -160,8 +175,8 @@ type Semaphore struct {
 	identity string
 	err      error // invalid name, limit or option: every method returns it
 
-	acquireSQL, cleanupSQL, releaseSQL string
-	payload                            string // notification payloads about this semaphore start with it
+	acquireSQL, awaitSQL, cleanupSQL, releaseSQL string
+	payload                                      string // notification payloads about this semaphore start with it
 }
 
 // Semaphore returns the semaphore called name, whose permits at most limit
@@ -211,6 +226,7 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 	s.payload = strconv.FormatInt(s.key.v, 10) + ":"
 	cfg := s.c.cfg
 	s.acquireSQL = "SELECT slot, sem_limit, holders, queued FROM " + cfg.table("semaphore_acquire") + "($1, $2, $3, $4, $5, $6, $7)"
+	s.awaitSQL = "SELECT slot, sem_limit, holders FROM " + cfg.table("semaphore_await") + "($1, $2, $3, $4, $5)"
 	s.cleanupSQL = `WITH mine AS (
 			SELECT l.k FROM (SELECT (classid::bigint << 32) | objid::bigint AS k
 				FROM pg_catalog.pg_locks
@@ -408,13 +424,17 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 		return nil, err
 	}
 	defer sub.close()
+	// With the listener listening already, the subscription's first
+	// entry, a resync marker, is queued now: the first look below comes
+	// after it.
+	sub.poll()
 	t := time.NewTimer(s.c.semaphoreRecheck)
 	defer t.Stop()
 	for {
 		if q.Err() != nil {
 			return nil, nil
 		}
-		p, _, err := s.admitOn(ctx, q.s, q)
+		p, adm, err := s.admitOn(ctx, q.s, q)
 		if errorIsLoss(err) && q.Err() != nil {
 			return nil, nil
 		}
@@ -424,11 +444,152 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 		if p != nil {
 			return p, nil
 		}
+		if err == nil && adm.limit == 1 && !s.c.noAwait.Load() {
+			if len(sub.poll()) > 0 {
+				continue // something changed meanwhile: look again first
+			}
+			p, again, err := s.await(ctx, q, sub)
+			if errorIsLoss(err) && q.Err() != nil {
+				return nil, nil
+			}
+			if err != nil {
+				return nil, err
+			}
+			if p != nil {
+				return p, nil
+			}
+			if again {
+				continue
+			}
+		}
 		t.Reset(s.c.semaphoreRecheck)
 		if _, err := sub.next(ctx, t.C); err != nil {
 			return nil, err
 		}
 	}
+}
+
+// errLookAgain ends a head's wait for slot 0 when the semaphore's limit
+// changed or notifications may have been lost: the head looks again.
+var errLookAgain = errors.New("pgcoord: semaphore: look again")
+
+// lookAgain reports whether payloads hold a change of the limit or a
+// resync marker (notifications may have been lost). A release wakes a
+// head's wait for slot 0 on the server by itself.
+func lookAgain(payloads []string) bool {
+	for _, pl := range payloads {
+		if pl == "" || strings.HasSuffix(pl, ":limit") {
+			return true
+		}
+	}
+	return false
+}
+
+// await waits, as the head of the queue of a semaphore of limit 1 (holding
+// q), on the server for slot 0 and takes the permit in the same statement
+// (semaphore_await): the holder's release grants the slot to the waiting
+// statement, as it would grant a lock to a waiter. The wait runs on q's
+// backend, in slices like every blocking statement, and counts as one of
+// the Client's waits (WithMaxWaits); it runs only while that backend holds
+// nothing but q, so that the backend's wait cannot hold anyone else up. A
+// change of the limit, or notifications lost with the listener, ends the
+// wait, and await reports again: the head looks for a permit at once.
+//
+// It returns the permit; or nil and again false if the head could not wait
+// there (the backend holds other keys, WithMaxWaits waits run already, the
+// schema lacks semaphore_await) or slot 0 was free while other slots kept
+// the semaphore full (a lowered limit): the head then waits for a
+// notification. On error, nothing the statement took stays held.
+func (s *Semaphore) await(ctx context.Context, q *Lock, sub *subscription) (p *Permit, again bool, err error) {
+	c, b := s.c, q.s
+	if !c.claimWait(b, q.Key()) {
+		return nil, false, nil
+	}
+	defer c.unclaimWait(b)
+
+	wctx, cancel := context.WithCancelCause(ctx)
+	var (
+		watch sync.WaitGroup
+		seen  atomic.Bool // the watch took notifications
+	)
+	stopWatch := func() bool {
+		cancel(nil)
+		watch.Wait()
+		return seen.Load()
+	}
+	defer stopWatch()
+	watch.Go(func() {
+		for {
+			payloads, err := sub.next(wctx, nil)
+			if err != nil {
+				return
+			}
+			seen.Store(true)
+			if lookAgain(payloads) {
+				cancel(errLookAgain)
+				return
+			}
+		}
+	})
+
+	st := blockingStatement{
+		sql:   s.awaitSQL,
+		args:  []any{s.name, s.key.v, s.identity, b.pid, ""},
+		locks: 2, // slot 0, then the semaphore's row
+		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+			var slot *int32
+			var limit, holders int32
+			err := conn.QueryRow(ctx, sql, args...).Scan(&slot, &limit, &holders)
+			if err = b.wrongBackend(err); err != nil || slot == nil {
+				return err
+			}
+			// Recorded before anything else runs on the connection,
+			// as admitOn does.
+			b.forgetReleased(q, ErrNotHeld)
+			l, err := b.adopt(s.slotKey(int(*slot)))
+			if err == nil {
+				p = &Permit{sem: s, l: l, slot: int(*slot)}
+			}
+			return err
+		},
+		undo: func(ctx context.Context, conn *pgx.Conn) error {
+			// A slice that timed out may have been granted slot 0
+			// first.
+			_, err := s.cleanupOn(ctx, conn, b)
+			return err
+		},
+	}
+	err = b.block(wctx, st)
+	switch {
+	case err == nil:
+		// Without a permit, slot 0 was free while others kept the
+		// semaphore full: the head waits for a notification, unless the
+		// watch took some meanwhile.
+		return p, p == nil && stopWatch(), nil
+	case pgCode(err) == "42883":
+		// The schema predates semaphore_await: wait for notifications.
+		c.noAwait.Store(true)
+		return nil, false, nil
+	case b.Err() != nil:
+		return nil, false, b.Err()
+	}
+	// The statement may have taken slot 0 before it failed.
+	if gerr := b.grab(context.WithoutCancel(ctx)); gerr != nil {
+		return nil, false, gerr
+	}
+	s.cleanup(ctx, b, q)
+	b.release()
+	switch {
+	case b.Err() != nil:
+		return nil, false, b.Err()
+	case ctx.Err() != nil:
+		return nil, false, context.Cause(ctx)
+	case errors.Is(context.Cause(wctx), errLookAgain) || pgCode(err) == "40P01":
+		// The limit changed, or the server ended the wait to break a
+		// cycle of waits among heads of several semaphores: look again.
+		return nil, true, nil
+	}
+	return nil, false, err
 }
 
 // admitRiding is admit, tried again with backoff while the server cannot
@@ -538,6 +699,25 @@ func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock) (*Permit, 
 // their rows: what a failed semaphore_acquire may have left. If the server
 // no longer holds q, the head's queue key, q ends as lost.
 func (s *Semaphore) cleanup(ctx context.Context, b *Session, q *Lock) {
+	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+	defer cancel()
+	var queueHeld bool
+	err := b.exec(uctx, func(ctx context.Context, conn *pgx.Conn) error {
+		var err error
+		queueHeld, err = s.cleanupOn(ctx, conn, b)
+		return err
+	})
+	switch {
+	case err != nil:
+		b.lose(fmt.Errorf("release after failed semaphore acquire: %w", err))
+	case q != nil && !queueHeld:
+		b.forgetReleased(q, fmt.Errorf("%w: a failed grant released the queue key %s", ErrLockLost, q.Key()))
+	}
+}
+
+// cleanupOn runs cleanup's statement on conn, b's connection, and reports
+// whether b holds the semaphore's queue key on the server.
+func (s *Semaphore) cleanupOn(ctx context.Context, conn *pgx.Conn, b *Session) (queueHeld bool, err error) {
 	known := []int64{} // an empty array, not NULL
 	b.state.Lock()
 	for k := range b.keys {
@@ -546,19 +726,9 @@ func (s *Semaphore) cleanup(ctx context.Context, b *Session, q *Lock) {
 		}
 	}
 	b.state.Unlock()
-	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
-	defer cancel()
-	var queueHeld bool
-	err := b.exec(uctx, func(ctx context.Context, conn *pgx.Conn) error {
-		var n int64
-		return conn.QueryRow(ctx, s.cleanupSQL, s.prefix, known, s.name, b.pid).Scan(&n, &queueHeld)
-	})
-	switch {
-	case err != nil:
-		b.lose(fmt.Errorf("release after failed semaphore acquire: %w", err))
-	case q != nil && !queueHeld:
-		b.forgetReleased(q, fmt.Errorf("%w: a failed grant released the queue key %s", ErrLockLost, q.Key()))
-	}
+	var n int64
+	err = conn.QueryRow(ctx, s.cleanupSQL, s.prefix, known, s.name, b.pid).Scan(&n, &queueHeld)
+	return queueHeld, err
 }
 
 // forgetReleased ends l, which the server no longer holds on b, with why,

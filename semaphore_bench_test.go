@@ -5,6 +5,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
 // BenchmarkSemaphoreHandoff measures handing a permit to a waiter in
@@ -13,11 +15,13 @@ import (
 //
 //  1. Client A holds the permit.
 //  2. Untimed: B calls Acquire in a goroutine, and the benchmark waits
-//     until B heads the queue (pg_locks shows the queue key granted) and
-//     waits for a notification with nothing left to read.
+//     until B heads the queue (pg_locks shows the queue key granted),
+//     waits for a notification with nothing left to read, and its backend
+//     sleeps waiting for slot 0 (see Semaphore.await), as
+//     BenchmarkHandoffRemote waits for the lock's waiter to sleep.
 //  3. Timed: A calls Release, and the benchmark waits for B's Acquire to
-//     return: the release's NOTIFY wakes B, which takes the permit and
-//     leaves the queue.
+//     return: the release grants slot 0 to B's waiting statement, which
+//     takes the permit and leaves the queue.
 //  4. B is now the holder and A the waiter; go to 2.
 //
 // ns/op is the time of step 3. waiter-p50-us and waiter-p90-us are the
@@ -61,6 +65,7 @@ func BenchmarkSemaphoreHandoff(b *testing.B) {
 		b.Fatal(err)
 	}
 	held[0] = p
+	obs := pgtest.Conn(b, dsn)
 
 	holder, waited := pingPong(b, ctx, &waiter,
 		func(ctx context.Context, side int) error {
@@ -69,7 +74,10 @@ func BenchmarkSemaphoreHandoff(b *testing.B) {
 			return err
 		},
 		func(ctx context.Context, side int) error { return held[side].Release(ctx) },
-		func(side int) { awaitBlockedHead(b, dsn, sems[side]) })
+		func(side int) {
+			awaitBlockedHead(b, dsn, sems[side])
+			awaitQueued(b, obs, sems[side].slotKey(0))
+		})
 	b.ReportMetric(float64(waited[len(waited)/2].Nanoseconds())/1e3, "waiter-p50-us")
 	b.ReportMetric(float64(waited[len(waited)*9/10].Nanoseconds())/1e3, "waiter-p90-us")
 	if err := held[holder].Release(ctx); err != nil {

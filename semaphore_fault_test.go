@@ -93,16 +93,26 @@ func (h permitHold) release(ctx context.Context) error { return h.Release(ctx) }
 
 // permitState is a semaphore's locks as pg_locks shows them.
 type permitState struct {
-	slots  map[int]int32 // granted slots, and the backend of each
-	head   []int32       // backends that hold the queue key
-	queued []int32       // backends that wait for it
+	slots    map[int]int32 // granted slots, and the backend of each
+	head     []int32       // backends that hold the queue key
+	queued   []int32       // backends that wait for it
+	awaiting []int32       // backends that wait for slot 0
 }
 
 // permitLocks reads the locks of s from pg_locks; it fails the test if a
-// slot is held twice or awaited (nobody waits on a slot).
+// slot is held twice, or awaited other than by the head of the queue of a
+// semaphore of limit 1 waiting for slot 0 (see Semaphore.await).
 func permitLocks(t testing.TB, dsn string, s semaphoreTarget) permitState {
 	t.Helper()
 	st := permitState{slots: map[int]int32{}}
+	defer func() {
+		if len(st.awaiting) == 0 {
+			return
+		}
+		if s.limit != 1 || len(st.awaiting) > 1 || len(st.head) != 1 || st.awaiting[0] != st.head[0] {
+			t.Fatalf("pg_locks: backends %v wait for slot 0 of %v (limit %d), whose queue key is held by %v: want only the head, and only for limit 1", st.awaiting, s, s.limit, st.head)
+		}
+	}()
 	for k, hs := range lockState(t, dsn) {
 		v, ok := k.Int64()
 		if !ok || v>>16 != s.prefix() {
@@ -115,6 +125,8 @@ func permitLocks(t testing.TB, dsn string, s semaphoreTarget) permitState {
 				st.head = append(st.head, h.pid)
 			case slot == queueSlot:
 				st.queued = append(st.queued, h.pid)
+			case !h.granted && slot == 0:
+				st.awaiting = append(st.awaiting, h.pid)
 			case !h.granted:
 				t.Fatalf("pg_locks: backend %d waits for slot %d of %v", h.pid, slot, s)
 			default:

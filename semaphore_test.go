@@ -36,6 +36,14 @@ func slotLocks(t testing.TB, dsn string, sem *Semaphore) (map[int]int32, bool) {
 	t.Helper()
 	slots := make(map[int]int32)
 	queued := false
+	var heads, awaiting []int32
+	defer func() {
+		// Only the head of the queue waits for a slot, slot 0 (see
+		// Semaphore.await).
+		if len(awaiting) > 1 || len(awaiting) == 1 && (len(heads) != 1 || heads[0] != awaiting[0]) {
+			t.Fatalf("pg_locks: backends %v wait for slot 0 of %q, whose queue key is held by %v: only the head may", awaiting, sem.name, heads)
+		}
+	}()
 	for k, hs := range lockState(t, dsn) {
 		v, ok := k.Int64()
 		if !ok || v>>16 != sem.prefix {
@@ -44,11 +52,20 @@ func slotLocks(t testing.TB, dsn string, sem *Semaphore) (map[int]int32, bool) {
 		slot := int(v & 0xFFFF)
 		if slot == queueSlot {
 			queued = queued || len(hs) > 0
+			for _, h := range hs {
+				if h.granted {
+					heads = append(heads, h.pid)
+				}
+			}
 			continue
 		}
 		for _, h := range hs {
+			if !h.granted && slot == 0 {
+				awaiting = append(awaiting, h.pid)
+				continue
+			}
 			if !h.granted {
-				t.Fatalf("pg_locks: backend %d waits for slot %d of %q: nobody should wait on a slot", h.pid, slot, sem.name)
+				t.Fatalf("pg_locks: backend %d waits for slot %d of %q: only the head waits, and only for slot 0", h.pid, slot, sem.name)
 			}
 			if prev, dup := slots[slot]; dup {
 				t.Fatalf("pg_locks: slot %d of %q held by %d and %d", slot, sem.name, prev, h.pid)

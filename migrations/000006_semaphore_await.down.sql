@@ -1,0 +1,1 @@
+DROP FUNCTION semaphore_await(text, bigint, text, integer, text);
