@@ -387,6 +387,8 @@ func faultChildMain(role string) int {
 		err = runLockCoreChild(out)
 	case "nemesis":
 		err = runNemesisChild(out)
+	case "contend":
+		err = runContendChild(out)
 	default:
 		err = fmt.Errorf("unknown role %q", role)
 	}
