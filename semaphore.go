@@ -240,8 +240,15 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 		SELECT count(pg_catalog.pg_advisory_unlock(m.k)) FILTER (WHERE m.k & 65535 <> 65535 AND m.k <> ALL ($2::int8[])),
 			coalesce(bool_or(m.k & 65535 = 65535), false)
 		FROM mine m WHERE pg_catalog.pg_backend_pid() = $4`
+	// The release notifies only if the slot is still free after it: a
+	// head that waited for the slot on the server (Semaphore.await) has
+	// it already, and a slot taken at once by another acquire frees no
+	// permit. The try that finds out is undone at once.
 	s.releaseSQL = `WITH gone AS (DELETE FROM ` + cfg.table("semaphore_holders") + ` WHERE name = $4 AND slot = $5 AND pid = $6)
-		SELECT pg_catalog.pg_advisory_unlock($1), pg_catalog.pg_notify($2, $3),
+		SELECT pg_catalog.pg_advisory_unlock($1),
+			CASE WHEN pg_catalog.pg_try_advisory_lock($1) THEN
+				CASE WHEN pg_catalog.pg_advisory_unlock($1) THEN pg_catalog.pg_notify($2, $3) IS NOT NULL END
+			END,
 			pg_catalog.set_config('synchronous_commit', 'off', true)
 		WHERE pg_catalog.pg_backend_pid() = $6`
 	return nil
@@ -784,8 +791,9 @@ func (b *Session) adopt(k Key) (*Lock, error) {
 	}
 }
 
-// Release gives the permit back: its slot is free on the server and the
-// next waiter is notified when Release returns nil. It works even if ctx
+// Release gives the permit back: when Release returns nil its slot is
+// free on the server, or already granted to the next waiter, and otherwise
+// the next waiter is notified. It works even if ctx
 // is already cancelled: the release is sent with a context that keeps
 // ctx's values, bounded by the backend's lease.
 //
