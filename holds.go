@@ -213,16 +213,21 @@ func (s *Session) tryKeys(ctx context.Context, chunk []Key, shared bool) (bool, 
 // order, and only the one it needs), and reports whether it had to wait.
 // A slice that ends without the key is undone as lockStatement's is.
 func (s *Session) tryThenWait(ctx context.Context, k Key, shared bool) (waited bool, err error) {
-	st := s.lockStatement([]Key{k}, shared)
-	st.sql, st.args = tryThenWaitSQL(k, shared, s.pid)
-	st.run = func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
-		var setting string
-		var free bool
-		err := conn.QueryRow(ctx, sql, args...).Scan(&setting, &free)
-		waited = err == nil && !free
-		return s.wrongBackend(err)
-	}
-	err = s.block(ctx, st)
+	sql, args := tryThenWaitSQL(k, shared, s.pid)
+	err = s.block(ctx, blockingStatement{
+		sql:   sql,
+		args:  args,
+		locks: 1,
+		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+			var free bool
+			err := conn.QueryRow(ctx, sql, args...).Scan(nil, &free)
+			waited = err == nil && !free
+			return s.wrongBackend(err)
+		},
+		undo: func(ctx context.Context, conn *pgx.Conn) error {
+			return s.unlockStatement(ctx, conn, []Key{k}, shared, false)
+		},
+	})
 	return waited, err
 }
 
@@ -688,6 +693,9 @@ func (s *Session) wrongBackend(err error) error {
 
 // pgCode returns the SQLSTATE of err, or "".
 func pgCode(err error) string {
+	if err == nil {
+		return ""
+	}
 	var pe *pgconn.PgError
 	if errors.As(err, &pe) {
 		return pe.Code
