@@ -213,9 +213,10 @@ func (s *Session) tryKeys(ctx context.Context, chunk []Key, shared bool) (bool, 
 // order, and only the one it needs), and reports whether it had to wait.
 // A slice that ends without the key is undone as lockStatement's is.
 func (s *Session) tryThenWait(ctx context.Context, k Key, shared bool) (waited bool, err error) {
-	sql, args := tryThenWaitSQL(k, shared, s.pid)
+	sql, bare, args := tryThenWaitSQL(k, shared, s.pid)
 	err = s.block(ctx, blockingStatement{
 		sql:   sql,
+		bare:  bare,
 		args:  args,
 		locks: 1,
 		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
@@ -237,6 +238,10 @@ func (s *Session) tryThenWait(ctx context.Context, k Key, shared bool) (waited b
 type blockingStatement struct {
 	sql  string
 	args []any // the last one is the slice's lock_timeout, in milliseconds, as text: block fills it in
+	// bare, if not empty, is sql with NULL in place of its set_config of
+	// lock_timeout, for a slice as long as the session's lock_timeout
+	// (the wait slice, see sessionSettings): it takes args but the last.
+	bare string
 	run  func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error
 	// undo releases, on the same connection, whatever a slice that ended
 	// without success may have taken; nil if such a slice takes nothing.
@@ -322,7 +327,13 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 			}
 		}
 		each := slice / time.Duration(max(st.locks, 1))
-		st.args[last] = strconv.FormatInt(max((each+time.Millisecond-1).Milliseconds(), 1), 10)
+		sql, args := st.sql, st.args
+		if ms := max((each+time.Millisecond-1).Milliseconds(), 1); st.bare != "" && ms == s.c.cfg.waitSlice().Milliseconds() {
+			// The session's own lock_timeout (see sessionSettings).
+			sql, args = st.bare, st.args[:last]
+		} else {
+			st.args[last] = strconv.FormatInt(ms, 10)
+		}
 		sctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 		stop := context.AfterFunc(ctx, func() {
 			if byDeadline && ctx.Err() == context.DeadlineExceeded {
@@ -356,7 +367,7 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 			}).Stop
 		}
 		err := s.exec(sctx, func(ctx context.Context, conn *pgx.Conn) error {
-			return st.run(ctx, conn, st.sql, st.args)
+			return st.run(ctx, conn, sql, args)
 		})
 		s.state.Lock()
 		s.interrupt = nil

@@ -290,21 +290,26 @@ func waitSQL(fn string, keys []Key, pid int32) (string, []any) {
 // tryThenWaitSQL takes one key: it tries the key and, only if that
 // fails, waits for it at most the lock_timeout given as the last argument
 // (which the caller fills in). Its second column is true if the try took
-// the key, false if the statement waited.
-func tryThenWaitSQL(k Key, shared bool, pid int32) (string, []any) {
+// the key, false if the statement waited. bare is the same statement
+// without the setting of lock_timeout (see blockingStatement.bare).
+func tryThenWaitSQL(k Key, shared bool, pid int32) (sql, bare string, args []any) {
 	_, _, pair := k.Pair()
 	ck := singleKey{"try-then-wait", lockFunc(shared, false), pair}
-	sql, ok := singleKeyCache.Load(ck)
+	texts, ok := singleKeyCache.Load(ck)
 	if !ok {
 		list, args := k.sqlArgs(1, nil)
-		text := fmt.Sprintf("SELECT set_config('lock_timeout', $%d, true), CASE WHEN %s(%s) THEN true ELSE %s(%s) IS NULL END WHERE pg_backend_pid() = $%d",
-			len(args)+2, lockFunc(shared, true), list, lockFunc(shared, false), list, len(args)+1)
-		sql, _ = singleKeyCache.LoadOrStore(ck, text)
+		format := "SELECT %s, CASE WHEN %s(%s) THEN true ELSE %s(%s) IS NULL END WHERE pg_backend_pid() = $%d"
+		setting := fmt.Sprintf("set_config('lock_timeout', $%d, true)", len(args)+2)
+		texts, _ = singleKeyCache.LoadOrStore(ck, [2]string{
+			fmt.Sprintf(format, setting, lockFunc(shared, true), list, lockFunc(shared, false), list, len(args)+1),
+			fmt.Sprintf(format, "NULL", lockFunc(shared, true), list, lockFunc(shared, false), list, len(args)+1),
+		})
 	}
+	t := texts.([2]string)
 	if a, b, pair := k.Pair(); pair {
-		return sql.(string), []any{a, b, pid, ""}
+		return t[0], t[1], []any{a, b, pid, ""}
 	}
-	return sql.(string), []any{k.v, pid, ""}
+	return t[0], t[1], []any{k.v, pid, ""}
 }
 
 // singleKeySQL builds the statement for one key from a cache: the common
