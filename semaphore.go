@@ -573,8 +573,9 @@ func (s *Semaphore) await(ctx context.Context, q *Lock, sub *subscription) (p *P
 		// semaphore full: the head waits for a notification, unless the
 		// watch took some meanwhile.
 		return p, p == nil && stopWatch(), nil
-	case pgCode(err) == "42883":
-		// The schema predates semaphore_await: wait for notifications.
+	case pgCode(err) == "42883" || pgCode(err) == "42501":
+		// The schema predates semaphore_await, or the role may not
+		// execute it: wait for notifications.
 		c.noAwait.Store(true)
 		return nil, false, nil
 	case b.Err() != nil:
