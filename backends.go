@@ -327,11 +327,12 @@ func (c *Client) backendFreed() {
 // takeOnce is one attempt of take; waiting is called when it has a
 // backend to wait on.
 func (c *Client) takeOnce(ctx context.Context, r request, waiting func()) (*Lock, error) {
-	if !r.try && !r.shared && len(r.keys) == 1 && c.contention.recent(r.keys[0]) {
+	if !r.try && !r.shared && len(r.keys) == 1 && !c.watchesContention() && c.contention.recent(r.keys[0]) {
 		// The key was held elsewhere a moment ago: a try would most
 		// likely fail and cost a round trip, so try and wait in one
 		// statement, on a backend that may wait. Without such a backend
-		// free now, go the usual way.
+		// free now, go the usual way. A Client that reports contention
+		// tries first, so that it reports each wait as it starts.
 		b, done, err := c.waitBackend(ctx)
 		switch {
 		case err == nil:
@@ -541,11 +542,19 @@ func (c *Client) waitBackend(ctx context.Context) (*Session, func(), error) {
 	}
 }
 
+// watchesContention reports whether the Client reports each wait as it
+// starts: to OnContention, or in its debug log.
+func (c *Client) watchesContention() bool {
+	return c.hooks != nil && c.hooks.h.OnContention != nil || c.cfg.debugging()
+}
+
 // contention remembers which keys the Client's blocking acquires found
 // held elsewhere during the last contentionMemory. A blocking acquire of
 // such a key skips the try on a shared backend, which would most likely
 // fail, and tries and waits in one statement on a backend that may wait:
-// under contention, one statement per acquire instead of two. Keys share
+// under contention, one statement per acquire instead of two. A Client
+// that reports contention (watchesContention) does not: the one statement
+// tells whether it waited only once it ends. Keys share
 // slots by their hash; a key that collides with a contended one only takes
 // that path too, which costs it nothing but its place on a shared backend.
 type contention struct {

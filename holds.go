@@ -145,13 +145,12 @@ func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, er
 		if !r.try {
 			if r.direct && len(need) == 1 {
 				// A key contended a moment ago: one statement tries it
-				// and, if it is held, waits for it, and says which.
+				// and, if it is held, waits for it, and says which (the
+				// Client does not report contention, see
+				// watchesContention).
 				waited, err := s.tryThenWait(ctx, chunk[0], r.shared)
 				if err != nil {
 					return false, err
-				}
-				if waited && s.c.observed() && !r.again {
-					s.c.contended(r, false)
 				}
 				if waited {
 					s.c.contention.note(chunk[0])
@@ -328,7 +327,7 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 		}
 		each := slice / time.Duration(max(st.locks, 1))
 		sql, args := st.sql, st.args
-		if ms := max((each+time.Millisecond-1).Milliseconds(), 1); st.bare != "" && ms == s.c.cfg.waitSlice().Milliseconds() {
+		if ms := max((each + time.Millisecond - 1).Milliseconds(), 1); st.bare != "" && ms == s.c.cfg.waitSlice().Milliseconds() {
 			// The session's own lock_timeout (see sessionSettings).
 			sql, args = st.bare, st.args[:last]
 		} else {

@@ -28,20 +28,26 @@ func waitingQuery(t *testing.T, dsn string, k Key) string {
 }
 
 // A blocking Lock of a key that the Client found held a moment ago does
-// not try it first: it tries and waits in one statement, and still reports
-// the contention. Once the key is free, that statement takes it without a
-// contention event. The locks are read back from pg_locks.
+// not try it first: it tries and waits in one statement (seen in
+// pg_stat_activity while it waits), and takes a free key with it too. A
+// Client that reports contention to its hooks tries first, so that it
+// reports each wait as it starts. The locks are read back from pg_locks.
 func TestContendedKeyTriesAndWaitsInOneStatement(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
 	dsn := pgtest.DB(t)
-	var rec recorder
 	holder := newTestClient(t, dsn)
-	c := newTestClient(t, dsn, WithHooks(rec.hooks()))
-	c.contention.memory = time.Hour // the test's pace does not matter
+	var rec recorder
+	watched := newTestClient(t, dsn, WithHooks(rec.hooks()))
+	plain := newTestClient(t, dsn)
+	for _, c := range []*Client{watched, plain} {
+		c.contention.memory = time.Hour // the test's pace does not matter
+	}
 	k := Int64Key(7001)
 
-	lockWhileHeld := func() *Lock {
+	// lockWhileHeld has c Lock k while holder holds it, and returns the
+	// statement c's backend waits in.
+	lockWhileHeld := func(c *Client) string {
 		t.Helper()
 		h, err := holder.Lock(ctx, k)
 		if err != nil {
@@ -62,49 +68,39 @@ func TestContendedKeyTriesAndWaitsInOneStatement(t *testing.T) {
 			t.FailNow()
 		}
 		heldOnlyBy(t, dsn, k, l.s.PID())
-		t.Logf("waiting statement: %s", q)
-		return l
+		mustUnlock(t, l)
+		return q
 	}
 
 	// The first contended acquire learns of the contention from a try.
-	l := lockWhileHeld()
-	mustUnlock(t, l)
-	if !c.contention.recent(k) {
+	if q := lockWhileHeld(plain); strings.Contains(q, "CASE WHEN") {
+		t.Fatalf("the first contended Lock waits in %q, want the plain wait after a try", q)
+	}
+	if !plain.contention.recent(k) {
 		t.Fatal("the Client did not remember that the key was held elsewhere")
 	}
 	// The next one waits in the statement that tries.
-	h, err := holder.Lock(ctx, k)
-	if err != nil {
-		t.Fatal(err)
-	}
-	got := make(chan *Lock, 1)
-	go func() {
-		l, err := c.Lock(ctx, k)
-		if err != nil {
-			t.Error(err)
-		}
-		got <- l
-	}()
-	if q := waitingQuery(t, dsn, k); !strings.Contains(q, "CASE WHEN pg_try_advisory_lock(") {
+	if q := lockWhileHeld(plain); !strings.Contains(q, "CASE WHEN pg_try_advisory_lock(") {
 		t.Fatalf("the second contended Lock waits in %q, want the statement that tries and waits", q)
 	}
-	mustUnlock(t, h)
-	l = <-got
-	if l == nil {
-		t.FailNow()
-	}
-	heldOnlyBy(t, dsn, k, l.s.PID())
-	mustUnlock(t, l)
-	rec.until(t, 2, 2, 2, 0)
-
-	// A free key: taken by the same statement, with no contention event.
-	l, err = c.Lock(ctx, k)
+	// A free key: taken by the same statement.
+	l, err := plain.Lock(ctx, k)
 	if err != nil {
 		t.Fatal(err)
 	}
 	heldOnlyBy(t, dsn, k, l.s.PID())
 	mustUnlock(t, l)
-	rec.until(t, 3, 3, 2, 0)
+
+	// The watched Client tries first every time, and reports each wait.
+	for range 2 {
+		if q := lockWhileHeld(watched); strings.Contains(q, "CASE WHEN") {
+			t.Fatalf("a Client with OnContention waits in %q, want the plain wait after a try", q)
+		}
+	}
+	if !watched.contention.recent(k) {
+		t.Fatal("the watched Client did not remember that the key was held elsewhere")
+	}
+	rec.until(t, 2, 2, 2, 0)
 	notHeld(t, dsn, k)
 }
 

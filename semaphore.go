@@ -545,8 +545,7 @@ func (s *Semaphore) await(ctx context.Context, q *Lock, sub *subscription) (p *P
 		locks: 2, // slot 0, then the semaphore's row
 		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 			var slot *int32
-			var limit, holders int32
-			err := conn.QueryRow(ctx, sql, args...).Scan(&slot, &limit, &holders)
+			err := conn.QueryRow(ctx, sql, args...).Scan(&slot, nil, nil)
 			if err = b.wrongBackend(err); err != nil || slot == nil {
 				return err
 			}
@@ -554,10 +553,12 @@ func (s *Semaphore) await(ctx context.Context, q *Lock, sub *subscription) (p *P
 			// as admitOn does.
 			b.forgetReleased(q, ErrNotHeld)
 			l, err := b.adopt(s.slotKey(int(*slot)))
-			if err == nil {
-				p = &Permit{sem: s, l: l, slot: int(*slot)}
+			if err != nil {
+				s.unadopted(ctx, conn, b)
+				return err
 			}
-			return err
+			p = &Permit{sem: s, l: l, slot: int(*slot)}
+			return nil
 		},
 		undo: func(ctx context.Context, conn *pgx.Conn) error {
 			// A slice that timed out may have been granted slot 0
@@ -697,9 +698,28 @@ func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock) (*Permit, 
 	k := s.slotKey(int(*slot))
 	l, err := b.adopt(k)
 	if err != nil {
+		_ = b.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+			s.unadopted(ctx, conn, b)
+			return nil
+		})
 		return nil, adm, err
 	}
 	return &Permit{sem: s, l: l, slot: int(*slot)}, adm, nil
+}
+
+// unadopted releases, on conn (b's connection, which the caller holds), a
+// slot that a grant just took and that b could not record as held (b
+// ended meanwhile: the Client closes, or the connection was lost), with
+// its row, so that an Acquire that fails leaves no row behind. With the
+// connection gone, the server has freed the slot, and the row is a dead
+// holder's, which Holders ignores and later acquires remove.
+func (s *Semaphore) unadopted(ctx context.Context, conn *pgx.Conn, b *Session) {
+	if conn.IsClosed() {
+		return
+	}
+	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+	defer cancel()
+	_, _ = s.cleanupOn(uctx, conn, b)
 }
 
 // cleanup releases, on b (whose connection the caller holds), every slot

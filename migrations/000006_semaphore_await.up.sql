@@ -13,7 +13,9 @@
 -- these functions, is not a permit): then it writes the holder's row,
 -- releases the queue key (the caller is the head and holds it) and returns
 -- the slot; otherwise (the limit was lowered while other slots are held)
--- it releases the slot and returns a NULL slot. Like semaphore_acquire it
+-- it releases the slot and returns a NULL slot. While another slot is
+-- granted (a lowered limit) it does not wait, and returns a NULL slot at
+-- once: the head is then woken by notification. Like semaphore_acquire it
 -- does nothing on a backend other than p_pid. If it fails after the slot
 -- was granted (a row lock waited for longer than p_lock_timeout, say), the
 -- slot stays held by the session: the caller releases it.
@@ -32,6 +34,18 @@ BEGIN
     END IF;
     PERFORM pg_catalog.set_config('synchronous_commit', 'off', true),
             pg_catalog.set_config('lock_timeout', p_lock_timeout, true);
+    -- Another slot granted (a lowered limit): slot 0 may be free while the
+    -- semaphore is full, and taking it even for a moment would show more
+    -- permits than the limit in pg_locks. Leave it to notifications.
+    IF EXISTS (SELECT FROM pg_catalog.pg_locks pl
+                WHERE pl.locktype = 'advisory' AND pl.objsubid = 1 AND pl.granted
+                  AND pl.database = (SELECT d.oid FROM pg_catalog.pg_database d
+                                      WHERE d.datname = pg_catalog.current_database())
+                  AND ((pl.classid::bigint << 32) | pl.objid::bigint) >> 16 = v_prefix
+                  AND ((pl.classid::bigint << 32) | pl.objid::bigint) & 65535 NOT IN (0, 65535)) THEN
+        RETURN NEXT;
+        RETURN;
+    END IF;
     PERFORM pg_catalog.pg_advisory_lock(v_prefix << 16);
 
     SELECT s."limit" INTO sem_limit FROM semaphores s WHERE s.name = p_name FOR UPDATE;
