@@ -389,6 +389,8 @@ func faultChildMain(role string) int {
 		err = runNemesisChild(out)
 	case "contend":
 		err = runContendChild(out)
+	case "handoff":
+		err = runHandoffChild(out)
 	default:
 		err = fmt.Errorf("unknown role %q", role)
 	}

@@ -22,7 +22,7 @@ import (
 // keys. Each sits next to its raw pgx floor, which does the same work, so
 // that a pinned run gives a ratio:
 //
-//	scripts/bench-pinned.sh 'HandoffClients|Processes8|Contended8Processes'
+//	scripts/bench-pinned.sh 'HandoffClients|HandoffProcesses|Processes8|Contended8Processes'
 //	COUNT=1 PGCOORD_BENCH_MANY_LOCKS=20000 scripts/bench-pinned.sh 'ManyLocks'
 //
 // The process and many-lock benchmarks time whole runs of seconds; run them
@@ -559,4 +559,243 @@ func manyLocksRows(b *testing.B, ctx context.Context, conn *pgx.Conn, first, las
 		b.Fatalf("read pg_locks: %v", err)
 	}
 	return granted, rows
+}
+
+// Child process of the HandoffProcesses benchmarks.
+const (
+	// handoffModeEnv says what a "handoff" child waits with: "client" (a
+	// Client with default options) or "raw" (one pgx connection).
+	handoffModeEnv = "PGCOORD_HANDOFF_MODE"
+	// handoffKey is the key the HandoffProcesses benchmarks hand over,
+	// as an Int64Key.
+	handoffKey = 42
+	// handoffWarmup is how many handoffs run untimed before the first
+	// timed one, so that both connections, backends and prepared
+	// statements are in place.
+	handoffWarmup = 2
+)
+
+// BenchmarkHandoffProcesses measures handing a key to a waiter in another
+// process, as between two instances of a service: the benchmark holds
+// Int64Key(42) with a Client and hands it to a child process of the test
+// binary (GOMAXPROCS=1, on the CPUs of the benchmark, whose affinity it
+// inherits) that waits for it with a Client of its own; both Clients have
+// default options. Each iteration:
+//
+//  1. Untimed: the benchmark holds the key and tells the child "lock"; the
+//     child calls Client.Lock, and the benchmark polls pg_locks until the
+//     child's request waits (not granted); see awaitWaiting.
+//  2. Timed: the benchmark calls Lock.Unlock, and waits for the child to
+//     report the time, by this machine's wall clock, at which its Lock
+//     returned.
+//  3. Untimed: the child unlocks when told to, and the benchmark takes the
+//     key again.
+//
+// ns/op is the time of step 2 as b.Loop times it: from the start of the
+// Unlock until the Unlock has returned and the benchmark has read the
+// child's line, so it includes the pipe from the child. waiter-p50-us and
+// waiter-p90-us are the median and 90th percentile of the time from the
+// start of the Unlock to the child's Lock returning, by the child's
+// report: the handoff as the waiter sees it, without the pipe. A report
+// earlier than the Unlock fails the benchmark. unlock-p50-us is the
+// median of the Unlock call alone, with the child queued. Two handoffs run
+// untimed first. The floor is BenchmarkRawHandoffProcesses. At the end the
+// child exits cleanly and nobody holds or waits for the key. Fix the
+// count:
+//
+//	go test -run '^$' -bench 'HandoffProcesses' -benchtime=200x .
+//
+// or, pinned (the default -benchtime):
+//
+//	scripts/bench-pinned.sh 'HandoffProcesses'
+func BenchmarkHandoffProcesses(b *testing.B) {
+	dsn := pgtest.DB(b)
+	c := newTestClient(b, dsn)
+	var held *Lock
+	handoffProcesses(b, dsn, "client",
+		func(ctx context.Context) error {
+			l, err := c.Lock(ctx, Int64Key(handoffKey))
+			held = l
+			return err
+		},
+		func(ctx context.Context) error {
+			return held.Unlock(ctx)
+		})
+}
+
+// BenchmarkRawHandoffProcesses is the floor of BenchmarkHandoffProcesses:
+// the same protocol with one raw pgx connection on each side, the
+// benchmark running SELECT pg_advisory_unlock($1) while the child is
+// blocked in SELECT pg_advisory_lock($1), and the child counted as queued
+// as soon as pg_locks shows its request not granted. ns/op,
+// waiter-p50-us, waiter-p90-us and unlock-p50-us are as there.
+func BenchmarkRawHandoffProcesses(b *testing.B) {
+	dsn := pgtest.DB(b)
+	conn := pgtest.Conn(b, dsn)
+	handoffProcesses(b, dsn, "raw",
+		func(ctx context.Context) error {
+			_, err := conn.Exec(ctx, rawLockSQL, int64(handoffKey))
+			return err
+		},
+		func(ctx context.Context) error {
+			return rawUnlock(ctx, conn, handoffKey)
+		})
+}
+
+// handoffProcesses runs the protocol of BenchmarkHandoffProcesses with a
+// "handoff" child of the given mode (see handoffModeEnv), lock blocking
+// until the benchmark holds the key and unlock releasing it, and reports
+// its metrics. Every call and every wait for the child is bounded by
+// testTimeout. At the end the child has exited and nobody holds or waits
+// for the key.
+func handoffProcesses(b *testing.B, dsn, mode string, lock, unlock func(ctx context.Context) error) {
+	k := Int64Key(handoffKey)
+	bounded := func(f func(context.Context) error) error {
+		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		defer cancel()
+		return f(ctx)
+	}
+	p := startFaultChild(b, "handoff", dsn, lockTarget{"handoff"}, "",
+		handoffModeEnv+"="+mode, "GOMAXPROCS=1")
+	p.await(b, "ready", testTimeout)
+	obs := pgtest.Conn(b, dsn)
+	if err := bounded(lock); err != nil {
+		b.Fatal(err)
+	}
+
+	var waited, gave []time.Duration
+	// handoff does steps 1-3 with the benchmark holding k, and records
+	// the times when record is set. The timer is stopped during steps 1
+	// and 3, so b.Loop times only step 2 (and the loop's own overhead).
+	handoff := func(record bool) {
+		b.StopTimer()
+		p.Send(b, "lock")
+		awaitWaiting(b, obs, k)
+		b.StartTimer()
+
+		start := time.Now()
+		if err := bounded(unlock); err != nil {
+			b.Fatal(err)
+		}
+		unlocked := time.Since(start)
+		f := p.await(b, "locked", testTimeout)
+		b.StopTimer()
+		ns, err := strconv.ParseInt(f[len(f)-1], 10, 64)
+		if err != nil || len(f) != 2 {
+			b.Fatalf("child %d: bad line %q, want \"locked UNIXNANO\"", p.Pid(), strings.Join(f, " "))
+		}
+		wait := time.Unix(0, ns).Sub(start)
+		if wait < 0 {
+			b.Fatalf("child %d: Lock returned %v before the Unlock started, want after", p.Pid(), -wait)
+		}
+		if record {
+			waited = append(waited, wait)
+			gave = append(gave, unlocked)
+		}
+
+		p.Send(b, "unlock")
+		p.await(b, "unlocked", testTimeout)
+		if err := bounded(lock); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer() // b.Loop must be called with the timer on
+	}
+	for range handoffWarmup {
+		handoff(false)
+	}
+	for b.Loop() {
+		handoff(true)
+	}
+	slices.Sort(waited)
+	slices.Sort(gave)
+	b.ReportMetric(quantileMS(waited, 0.5)*1e3, "waiter-p50-us")
+	b.ReportMetric(quantileMS(waited, 0.9)*1e3, "waiter-p90-us")
+	b.ReportMetric(quantileMS(gave, 0.5)*1e3, "unlock-p50-us")
+
+	if err := bounded(unlock); err != nil {
+		b.Fatal(err)
+	}
+	p.Send(b, "exit")
+	select {
+	case <-p.Exited():
+	case <-time.After(testTimeout):
+		b.Fatalf("child %d did not exit within %v of \"exit\"; stderr:\n%s", p.Pid(), testTimeout, p.Stderr())
+	}
+	if err := p.ExitErr(); err != nil {
+		b.Fatalf("child %d: %v; stderr:\n%s", p.Pid(), err, p.Stderr())
+	}
+	notHeld(b, dsn, k)
+}
+
+// runHandoffChild is the child of the HandoffProcesses benchmarks. It opens
+// one Client (PGCOORD_HANDOFF_MODE=client, with the options of
+// PGCOORD_FAULT_OPTS) or one pgx connection (raw) on PGCOORD_FAULT_DSN and
+// reports "ready". Then, on the command "lock", it waits for
+// Int64Key(handoffKey) (Client.Lock or SELECT pg_advisory_lock($1)) and
+// reports "locked UNIXNANO", the wall-clock time at which the wait
+// returned; on "unlock" it releases the key and reports "unlocked". Each
+// call is bounded by testTimeout. It returns on the command "exit" or at
+// the end of its standard input, after closing its Client or connection.
+func runHandoffChild(out *childOut) error {
+	ctx := context.Background()
+	var lock, unlock func(ctx context.Context) error
+	switch mode := os.Getenv(handoffModeEnv); mode {
+	case "client":
+		pool, c, _, err := childClient(ctx)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		defer c.Close(context.Background())
+		var held *Lock
+		lock = func(ctx context.Context) error {
+			l, err := c.Lock(ctx, Int64Key(handoffKey))
+			held = l
+			return err
+		}
+		unlock = func(ctx context.Context) error { return held.Unlock(ctx) }
+	case "raw":
+		conn, err := pgx.Connect(ctx, os.Getenv(faultDSNEnv))
+		if err != nil {
+			return err
+		}
+		defer conn.Close(context.Background())
+		lock = func(ctx context.Context) error {
+			_, err := conn.Exec(ctx, rawLockSQL, int64(handoffKey))
+			return err
+		}
+		unlock = func(ctx context.Context) error { return rawUnlock(ctx, conn, handoffKey) }
+	default:
+		return fmt.Errorf("%s=%q: want client or raw", handoffModeEnv, mode)
+	}
+	bounded := func(f func(context.Context) error) error {
+		ctx, cancel := context.WithTimeout(ctx, testTimeout)
+		defer cancel()
+		return f(ctx)
+	}
+
+	out.printf("ready")
+	in := bufio.NewScanner(os.Stdin)
+	held := false
+	for in.Scan() {
+		switch cmd := in.Text(); {
+		case cmd == "exit":
+			return nil
+		case cmd == "lock" && !held:
+			if err := bounded(lock); err != nil {
+				return fmt.Errorf("lock: %w", err)
+			}
+			out.printf("locked %d", time.Now().UnixNano())
+			held = true
+		case cmd == "unlock" && held:
+			if err := bounded(unlock); err != nil {
+				return fmt.Errorf("unlock: %w", err)
+			}
+			out.printf("unlocked")
+			held = false
+		default:
+			return fmt.Errorf("command %q with the key held=%v: want \"lock\" when not held, \"unlock\" when held, or \"exit\"", cmd, held)
+		}
+	}
+	return in.Err()
 }
