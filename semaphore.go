@@ -790,6 +790,7 @@ func (b *Session) adopt(k Key) (*Lock, error) {
 		h := b.keys[k]
 		if h == nil {
 			b.keys[k] = &keyHold{n: 1}
+			b.permits = true
 			// No gate: the row lock of semaphore_acquire, not this
 			// process, decides who takes a slot.
 			l := &Lock{s: b, keys: []Key{k}, done: make(chan struct{})}

@@ -51,6 +51,7 @@ type Session struct {
 	cleaned     chan struct{} // closed when the connection is closed and the heartbeat has stopped
 
 	waiting bool // a blocking acquire of the Client's has this backend (see waitBackend)
+	permits bool // the backend has held a semaphore's permit: close deletes its holder rows
 }
 
 // keyHold is one key on one backend. The server holds the key (once) while
@@ -135,6 +136,15 @@ func (s *Session) close(ctx context.Context) error {
 		// cancel request, which a silent network does not deliver.)
 		stop := context.AfterFunc(ctx, func() { _ = s.conn.PgConn().Conn().SetDeadline(time.Now()) })
 		defer stop()
+		s.state.Lock()
+		permits := s.permits
+		s.state.Unlock()
+		if permits {
+			// The rows of the permits that end with the session, which
+			// no Release deletes. Best effort: a row left behind is a
+			// dead holder's, which Holders ignores and acquires remove.
+			_, _ = s.conn.Exec(context.WithoutCancel(ctx), "DELETE FROM "+s.c.cfg.table("semaphore_holders")+" WHERE pid = pg_catalog.pg_backend_pid()")
+		}
 		if _, err = s.conn.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock_all()"); err != nil && ctx.Err() != nil {
 			err = errorf("%w: %w", context.Cause(ctx), err)
 		}
