@@ -957,6 +957,10 @@ func TestElectionObserveSequence(t *testing.T) {
 	}
 	la2 := receiveLeader(t, won)
 	handover(leaderOf(la2, "a"))
+	// The terminations below are not notified: Observe finds them by its
+	// own re-check. Each is timed from a state Observe has delivered, so
+	// that the no leader it then delivers is the new one.
+	rec.awaitLast(t, leaderOf(la2, "a"))
 
 	terminateBackend(t, pool, la2.lock.s.PID())
 	freed := time.Now()
@@ -972,6 +976,7 @@ func TestElectionObserveSequence(t *testing.T) {
 		t.Fatal(err)
 	}
 	expect(info)
+	rec.awaitLast(t, info)
 	p.Kill(t)
 	pgtest.Eventually(t, testTimeout, "the server frees the killed leader's lock", func() bool {
 		return len(grantedTo(t, dsn, ea.Key())) == 0
