@@ -259,7 +259,7 @@ func contend(b *testing.B, op func(ctx context.Context, i int) error) {
 //  1. Client A holds the key.
 //  2. Untimed: B calls Lock in a goroutine, and the benchmark polls the
 //     server until B's backend waits for the key and has gone to sleep on
-//     it (see awaitQueued).
+//     it (see awaitWaiter).
 //  3. Timed: A calls Unlock, and the benchmark waits for B's Lock to return.
 //  4. B is now the holder and A the waiter; go to 2.
 //
@@ -267,7 +267,8 @@ func contend(b *testing.B, op func(ctx context.Context, i int) error) {
 // holder's Unlock until both the holder's Unlock and the waiter's Lock
 // have returned. waiter-p50-us is the median time from the start of the
 // holder's Unlock to the waiter's Lock returning: the handoff as the
-// waiter sees it. The holder's Unlock may return after the waiter's Lock
+// waiter sees it (waiter-p90-us its 90th percentile, unlock-p50-us the
+// median of the Unlock call alone). The holder's Unlock may return after the waiter's Lock
 // (when the server sends the grant before the unlock's reply), so the two
 // can differ. The floor is BenchmarkRawHandoffRemote.
 func BenchmarkHandoffRemote(b *testing.B) {
@@ -275,7 +276,7 @@ func BenchmarkHandoffRemote(b *testing.B) {
 	k := Int64Key(42)
 	clients := [2]*Client{newTestClient(b, dsn), newTestClient(b, dsn)}
 	var held [2]*Lock
-	handoff(b, dsn, k,
+	handoff(b, dsn, k, true,
 		func(ctx context.Context, side int) error {
 			l, err := clients[side].Lock(ctx, k)
 			held[side] = l
@@ -294,7 +295,7 @@ func BenchmarkRawHandoffRemote(b *testing.B) {
 	dsn := pgtest.DB(b)
 	k := Int64Key(42)
 	conns := [2]*pgx.Conn{pgtest.Conn(b, dsn), pgtest.Conn(b, dsn)}
-	handoff(b, dsn, k,
+	handoff(b, dsn, k, true,
 		func(ctx context.Context, side int) error {
 			_, err := conns[side].Exec(ctx, rawLockSQL, mustInt64(k))
 			return err
@@ -306,31 +307,54 @@ func BenchmarkRawHandoffRemote(b *testing.B) {
 
 // handoff runs the ping-pong protocol of BenchmarkHandoffRemote between
 // side 0 and side 1, with lock blocking until side holds k and unlock
-// releasing it. Each side first takes and releases k once, untimed, to
-// warm its connection. At the end nobody holds or waits for k.
-func handoff(b *testing.B, dsn string, k Key, lock, unlock func(ctx context.Context, side int) error) {
+// releasing it, and reports waiter-p50-us, waiter-p90-us and
+// unlock-p50-us (the holder's Unlock call alone). Each handoff starts once
+// the waiter waits for k on the server, and, if asleep, sleeps on it (see
+// awaitWaiter). Each side first takes and releases k once, untimed, to
+// warm its connection. Every call is bounded by testTimeout. At the end
+// nobody holds or waits for k.
+func handoff(b *testing.B, dsn string, k Key, asleep bool, lock, unlock func(ctx context.Context, side int) error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	var waiter sync.WaitGroup
 	defer func() {
 		cancel() // only a failure leaves a waiter blocked
 		waiter.Wait()
 	}()
+	// Each call has a bound of its own, so that the bound is per handoff,
+	// not for the whole run.
+	bounded := func(ctx context.Context, side int, f func(context.Context, int) error) error {
+		ctx, cancel := context.WithTimeout(ctx, testTimeout)
+		defer cancel()
+		return f(ctx, side)
+	}
 	for side := range 2 {
-		if err := lock(ctx, side); err != nil {
+		if err := bounded(ctx, side, lock); err != nil {
 			b.Fatal(err)
 		}
-		if err := unlock(ctx, side); err != nil {
+		if err := bounded(ctx, side, unlock); err != nil {
 			b.Fatal(err)
 		}
 	}
-	if err := lock(ctx, 0); err != nil {
+	if err := bounded(ctx, 0, lock); err != nil {
 		b.Fatal(err)
 	}
 
 	obs := pgtest.Conn(b, dsn)
-	holder, waited := pingPong(b, ctx, &waiter, lock, unlock, func(int) { awaitQueued(b, obs, k) })
-	b.ReportMetric(float64(waited[len(waited)/2].Nanoseconds())/1e3, "waiter-p50-us")
-	if err := unlock(ctx, holder); err != nil {
+	var gave []time.Duration
+	holder, waited := pingPong(b, ctx, &waiter,
+		func(ctx context.Context, side int) error { return bounded(ctx, side, lock) },
+		func(ctx context.Context, side int) error {
+			start := time.Now()
+			err := bounded(ctx, side, unlock)
+			gave = append(gave, time.Since(start))
+			return err
+		},
+		func(int) { awaitWaiter(b, obs, k, asleep) })
+	slices.Sort(gave)
+	b.ReportMetric(quantileMS(waited, 0.5)*1e3, "waiter-p50-us")
+	b.ReportMetric(quantileMS(waited, 0.9)*1e3, "waiter-p90-us")
+	b.ReportMetric(quantileMS(gave, 0.5)*1e3, "unlock-p50-us")
+	if err := bounded(ctx, holder, unlock); err != nil {
 		b.Fatal(err)
 	}
 	notHeld(b, dsn, k)
@@ -371,14 +395,15 @@ func pingPong(b *testing.B, ctx context.Context, waiter *sync.WaitGroup, take, g
 	return holder, waited
 }
 
-// awaitQueued returns once a backend waits for k in pg_locks and sleeps on
-// it: pg_stat_activity shows it in the wait event for advisory locks. A
-// backend shows in pg_locks as soon as it has joined the key's queue, a
-// few microseconds before it arms its timers and sleeps; timing a handoff
-// from that moment would time the end of the waiter's own setup on the
-// server's CPU too, and more so the later the waiter joined. It polls
-// without sleeping (each poll is a round trip), bounded by testTimeout.
-func awaitQueued(b *testing.B, conn *pgx.Conn, k Key) {
+// awaitWaiter returns once a backend waits for k: pg_locks shows a request
+// of k that is not granted, and, if asleep, pg_stat_activity shows that
+// backend in the wait event for advisory locks. A backend shows in
+// pg_locks as soon as it has joined the key's queue, a few microseconds
+// before it arms its timers and sleeps; timing a handoff from that moment
+// times the end of the waiter's own setup on the server's CPU too, and
+// more so the later the waiter joined. It polls without sleeping (each
+// poll is a round trip), bounded by testTimeout.
+func awaitWaiter(b *testing.B, conn *pgx.Conn, k Key, asleep bool) {
 	b.Helper()
 	classid, objid, objsubid := k.lockColumns()
 	deadline := time.Now().Add(testTimeout)
@@ -387,9 +412,10 @@ func awaitQueued(b *testing.B, conn *pgx.Conn, k Key) {
 		err := conn.QueryRow(context.Background(), `
 			SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
 			WHERE l.locktype = 'advisory' AND NOT l.granted
+			  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 			  AND l.classid = $1 AND l.objid = $2 AND l.objsubid = $3
-			  AND a.wait_event_type = 'Lock' AND a.wait_event = 'advisory'`,
-			int64(classid), int64(objid), objsubid).Scan(&n)
+			  AND (NOT $4 OR a.wait_event_type = 'Lock' AND a.wait_event = 'advisory')`,
+			int64(classid), int64(objid), objsubid, asleep).Scan(&n)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -397,7 +423,7 @@ func awaitQueued(b *testing.B, conn *pgx.Conn, k Key) {
 			return
 		}
 		if time.Now().After(deadline) {
-			b.Fatalf("no backend asleep waiting for %v within %v", k, testTimeout)
+			b.Fatalf("no backend waiting for %v (asleep: %v) within %v", k, asleep, testTimeout)
 		}
 	}
 }

@@ -9,7 +9,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -36,7 +35,7 @@ import (
 //  1. Client A holds the key.
 //  2. Untimed: B calls Lock in a goroutine, and the benchmark polls
 //     pg_locks until B's backend waits for the key (not granted); see
-//     awaitWaiting. Unlike BenchmarkHandoffRemote it does not wait for the
+//     awaitWaiter. Unlike BenchmarkHandoffRemote it does not wait for the
 //     backend to go to sleep on the lock.
 //  3. Timed: A calls Unlock, and the benchmark waits for B's Lock to return.
 //  4. B is now the holder and A the waiter; go to 2.
@@ -56,7 +55,7 @@ func BenchmarkHandoffClients(b *testing.B) {
 	k := Int64Key(42)
 	clients := [2]*Client{newTestClient(b, dsn), newTestClient(b, dsn)}
 	var held [2]*Lock
-	handoffWaiting(b, dsn, k,
+	handoff(b, dsn, k, false,
 		func(ctx context.Context, side int) error {
 			l, err := clients[side].Lock(ctx, k)
 			held[side] = l
@@ -77,7 +76,7 @@ func BenchmarkRawHandoffClients(b *testing.B) {
 	dsn := pgtest.DB(b)
 	k := Int64Key(42)
 	conns := [2]*pgx.Conn{pgtest.Conn(b, dsn), pgtest.Conn(b, dsn)}
-	handoffWaiting(b, dsn, k,
+	handoff(b, dsn, k, false,
 		func(ctx context.Context, side int) error {
 			_, err := conns[side].Exec(ctx, rawLockSQL, mustInt64(k))
 			return err
@@ -85,86 +84,6 @@ func BenchmarkRawHandoffClients(b *testing.B) {
 		func(ctx context.Context, side int) error {
 			return rawUnlock(ctx, conns[side], mustInt64(k))
 		})
-}
-
-// handoffWaiting runs the protocol of BenchmarkHandoffClients between side
-// 0 and side 1, with lock blocking until side holds k and unlock releasing
-// it, and reports its metrics. Each side first takes and releases k once,
-// untimed, to warm its connection. Every wait is bounded by testTimeout. At
-// the end nobody holds or waits for k.
-func handoffWaiting(b *testing.B, dsn string, k Key, lock, unlock func(ctx context.Context, side int) error) {
-	ctx, cancel := context.WithCancel(context.Background())
-	var waiter sync.WaitGroup
-	defer func() {
-		cancel() // only a failure leaves a waiter blocked
-		waiter.Wait()
-	}()
-	wctx := testCtx(b)
-	for side := range 2 {
-		if err := lock(wctx, side); err != nil {
-			b.Fatal(err)
-		}
-		if err := unlock(wctx, side); err != nil {
-			b.Fatal(err)
-		}
-	}
-	if err := lock(wctx, 0); err != nil {
-		b.Fatal(err)
-	}
-
-	obs := pgtest.Conn(b, dsn)
-	var gave []time.Duration
-	// Each call has a bound of its own, so that the bound is per handoff,
-	// not for the whole run.
-	bounded := func(ctx context.Context, side int, f func(context.Context, int) error) error {
-		ctx, cancel := context.WithTimeout(ctx, testTimeout)
-		defer cancel()
-		return f(ctx, side)
-	}
-	holder, waited := pingPong(b, ctx, &waiter,
-		func(ctx context.Context, side int) error { return bounded(ctx, side, lock) },
-		func(ctx context.Context, side int) error {
-			start := time.Now()
-			err := bounded(ctx, side, unlock)
-			gave = append(gave, time.Since(start))
-			return err
-		},
-		func(int) { awaitWaiting(b, obs, k) })
-	slices.Sort(gave)
-	b.ReportMetric(quantileMS(waited, 0.5)*1e3, "waiter-p50-us")
-	b.ReportMetric(quantileMS(waited, 0.9)*1e3, "waiter-p90-us")
-	b.ReportMetric(quantileMS(gave, 0.5)*1e3, "unlock-p50-us")
-	if err := bounded(context.Background(), holder, unlock); err != nil {
-		b.Fatal(err)
-	}
-	notHeld(b, dsn, k)
-}
-
-// awaitWaiting returns once a backend waits for k: pg_locks shows a
-// request of k that is not granted. It polls without sleeping (each poll is
-// a round trip), bounded by testTimeout.
-func awaitWaiting(b *testing.B, conn *pgx.Conn, k Key) {
-	b.Helper()
-	classid, objid, objsubid := k.lockColumns()
-	deadline := time.Now().Add(testTimeout)
-	for {
-		var n int
-		err := conn.QueryRow(context.Background(), `
-			SELECT count(*) FROM pg_locks
-			WHERE locktype = 'advisory' AND NOT granted
-			  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-			  AND classid::int8 = $1 AND objid::int8 = $2 AND objsubid = $3`,
-			int64(classid), int64(objid), objsubid).Scan(&n)
-		if err != nil {
-			b.Fatal(err)
-		}
-		if n > 0 {
-			return
-		}
-		if time.Now().After(deadline) {
-			b.Fatalf("no backend waiting for %v within %v", k, testTimeout)
-		}
-	}
 }
 
 // Child processes of the Processes8 benchmarks.
@@ -584,7 +503,7 @@ const (
 //
 //  1. Untimed: the benchmark holds the key and tells the child "lock"; the
 //     child calls Client.Lock, and the benchmark polls pg_locks until the
-//     child's request waits (not granted); see awaitWaiting.
+//     child's request waits (not granted); see awaitWaiter.
 //  2. Timed: the benchmark calls Lock.Unlock, and waits for the child to
 //     report the time, by this machine's wall clock, at which its Lock
 //     returned.
@@ -670,7 +589,7 @@ func handoffProcesses(b *testing.B, dsn, mode string, lock, unlock func(ctx cont
 	handoff := func(record bool) {
 		b.StopTimer()
 		p.Send(b, "lock")
-		awaitWaiting(b, obs, k)
+		awaitWaiter(b, obs, k, false)
 		b.StartTimer()
 
 		start := time.Now()
