@@ -333,17 +333,27 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 		} else {
 			st.args[last] = strconv.FormatInt(ms, 10)
 		}
-		sctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
-		stop := context.AfterFunc(ctx, func() {
-			if byDeadline && ctx.Err() == context.DeadlineExceeded {
-				select {
-				case <-sctx.Done():
-					return
-				case <-time.After(deadlineGrace):
+		var sctx context.Context
+		var cancel context.CancelCauseFunc
+		stop := func() bool { return true }
+		if byDeadline {
+			// ctx's deadline is the server's to enforce; a cancel
+			// request follows only if it does not answer in time.
+			sctx, cancel = context.WithCancelCause(context.WithoutCancel(ctx))
+			stop = context.AfterFunc(ctx, func() {
+				if ctx.Err() == context.DeadlineExceeded {
+					select {
+					case <-sctx.Done():
+						return
+					case <-time.After(deadlineGrace):
+					}
 				}
-			}
-			cancel(context.Cause(ctx))
-		})
+				cancel(context.Cause(ctx))
+			})
+		} else {
+			// Any end of ctx ends the slice at once, with ctx's cause.
+			sctx, cancel = context.WithCancelCause(ctx)
+		}
 		// The server ends the statement within the slice; should it not
 		// answer (a loaded server, a lock it waits for that lock_timeout
 		// does not cover), a cancel request does, early enough to leave
@@ -576,10 +586,15 @@ func (s *Session) unlockKeys(ctx context.Context, keys []Key, shared, strict boo
 // conn, which the caller holds.
 func (s *Session) unlockStatement(ctx context.Context, conn *pgx.Conn, keys []Key, shared, strict bool) error {
 	sql, args := unlockSQL(unlockFunc(shared), keys, s.pid)
-	ok := make([]bool, len(keys))
-	dest := make([]any, len(keys))
-	for i := range ok {
-		dest[i] = &ok[i]
+	var one [1]bool
+	ok := one[:]
+	dest := []any{&one[0]}
+	if len(keys) > 1 {
+		ok = make([]bool, len(keys))
+		dest = make([]any, len(keys))
+		for i := range ok {
+			dest[i] = &ok[i]
+		}
 	}
 	if err := s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(dest...)); err != nil {
 		return err

@@ -357,7 +357,10 @@ func (s *Session) run(ctx context.Context, f func(ctx context.Context, conn *pgx
 		return err
 	}
 	defer s.release()
-	return s.exec(context.WithoutCancel(ctx), f)
+	if ctx.Done() != nil {
+		ctx = context.WithoutCancel(ctx)
+	}
+	return s.exec(ctx, f)
 }
 
 // exec runs f while the caller holds the connection. An answer from the
@@ -392,12 +395,12 @@ func (s *Session) exec(ctx context.Context, f func(ctx context.Context, conn *pg
 
 // proved records that the server answered a statement sent at start.
 func (s *Session) proved(start time.Time) {
+	// The lease timer is left as it is: when it fires, checkLease finds
+	// the newer answer and sets it again for the rest of the deadline, so
+	// a statement costs no timer operation.
 	s.state.Lock()
 	if start.After(s.lastOK) {
 		s.lastOK = start
-		if s.err == nil {
-			s.lease.Reset(s.c.cfg.lossDeadline - time.Since(start))
-		}
 	}
 	s.state.Unlock()
 }
