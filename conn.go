@@ -55,6 +55,7 @@ func (c *Client) newSession(ctx context.Context, managed bool) (*Session, error)
 		stopHB:   make(chan struct{}),
 		hbDone:   make(chan struct{}),
 		cleaned:  make(chan struct{}),
+		traced:   conn.Config().Tracer != nil,
 	}
 	// The lease's callback reads s.lease under s.state.
 	s.state.Lock()

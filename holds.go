@@ -191,7 +191,7 @@ func (s *Session) tryKeys(ctx context.Context, chunk []Key, shared bool) (bool, 
 	err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 		if len(chunk) == 1 {
 			var ok bool
-			err := conn.QueryRow(ctx, sql, args...).Scan(&ok)
+			err := s.queryRow(ctx, conn, sql, args, &ok)
 			if !ok {
 				failed = 1
 			}
@@ -220,7 +220,7 @@ func (s *Session) tryThenWait(ctx context.Context, k Key, shared bool) (waited b
 		locks: 1,
 		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 			var free bool
-			err := conn.QueryRow(ctx, sql, args...).Scan(nil, &free)
+			err := s.queryRow(ctx, conn, sql, args, nil, &free)
 			waited = err == nil && !free
 			return s.wrongBackend(err)
 		},
@@ -275,6 +275,9 @@ func (s *Session) lockStatement(keys []Key, shared bool) blockingStatement {
 		args:  args,
 		locks: len(keys),
 		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+			if len(keys) == 1 {
+				return s.wrongBackend(s.queryRow(ctx, conn, sql, args))
+			}
 			tag, err := conn.Exec(ctx, sql, args...)
 			if err == nil && tag.RowsAffected() == 0 {
 				err = s.wrongBackend(pgx.ErrNoRows)
@@ -586,18 +589,22 @@ func (s *Session) unlockKeys(ctx context.Context, keys []Key, shared, strict boo
 // conn, which the caller holds.
 func (s *Session) unlockStatement(ctx context.Context, conn *pgx.Conn, keys []Key, shared, strict bool) error {
 	sql, args := unlockSQL(unlockFunc(shared), keys, s.pid)
-	var one [1]bool
-	ok := one[:]
-	dest := []any{&one[0]}
-	if len(keys) > 1 {
+	var one bool
+	ok := []bool{false}
+	if len(keys) == 1 {
+		if err := s.wrongBackend(s.queryRow(ctx, conn, sql, args, &one)); err != nil {
+			return err
+		}
+		ok[0] = one
+	} else {
 		ok = make([]bool, len(keys))
-		dest = make([]any, len(keys))
+		dest := make([]any, len(keys))
 		for i := range ok {
 			dest[i] = &ok[i]
 		}
-	}
-	if err := s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(dest...)); err != nil {
-		return err
+		if err := s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(dest...)); err != nil {
+			return err
+		}
 	}
 	for i, k := range keys {
 		if strict && !ok[i] {

@@ -37,6 +37,8 @@ type Session struct {
 
 	state       sync.Mutex
 	lastOK      time.Time          // start of the last statement the server answered
+	wire        wireBuf            // queryRow's buffer, used under the use token
+	traced      bool               // the connection's pgx config has a tracer (see queryRow)
 	keys        map[Key]*keyHold   // what this backend holds, by key
 	locks       map[*Lock]struct{} // live handles
 	err         error              // why the session ended; nil while open
