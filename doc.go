@@ -145,7 +145,9 @@
 //   - A cancelled wait returns within a few milliseconds of ctx's end: the
 //     cancel request is sent at once, and the connection is used again as
 //     soon as the server has acted on it, which is also exactly when a
-//     late cancel can no longer hit the next statement.
+//     late cancel can no longer hit the next statement. A backend that
+//     cannot act on it (stopped, or out of reach) ends the wait when the
+//     lease declares it lost, within the loss deadline.
 //   - Unlock works with an already-cancelled context (it sends the release
 //     with a fresh, bounded one). When it returns nil, the key is free on
 //     the server, or handed to another goroutine of the same Client that
