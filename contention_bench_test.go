@@ -104,6 +104,106 @@ func BenchmarkContendedClients8(b *testing.B) {
 	})
 }
 
+// BenchmarkContendedClients8Interleaved runs BenchmarkContendedClients8
+// and its floor, BenchmarkRawContended8, in alternating bursts inside one
+// benchmark: each iteration runs contendBurst Lock+Unlock with the 8 raw
+// connections and contendBurst with the 8 Clients, the order swapped every
+// iteration, so that a change in the machine's speed during the run (on a
+// small VM, round trips slow down or speed up by a tenth for seconds at a
+// time) hits both sides alike. It reports each side's throughput
+// (raw-ops/s, ops/s) and x-raw, pgcoord's throughput over raw's; ns/op is
+// one iteration, both bursts. At the end nobody holds or waits for the key.
+func BenchmarkContendedClients8Interleaved(b *testing.B) {
+	dsn := pgtest.DB(b)
+	cs := make([]*Client, contenders)
+	conns := make([]*pgx.Conn, contenders)
+	for i := range cs {
+		cs[i] = newTestClient(b, dsn)
+		conns[i] = pgtest.Conn(b, dsn)
+	}
+	k := Int64Key(42)
+	sides := [2]func(ctx context.Context, i int) error{
+		func(ctx context.Context, i int) error {
+			if _, err := conns[i].Exec(ctx, rawLockSQL, int64(42)); err != nil {
+				return err
+			}
+			return rawUnlock(ctx, conns[i], 42)
+		},
+		func(ctx context.Context, i int) error {
+			l, err := cs[i].Lock(ctx, k)
+			if err != nil {
+				return err
+			}
+			return l.Unlock(ctx)
+		},
+	}
+	for _, op := range sides {
+		if _, err := burst(op, contenders*contendWarmup); err != nil {
+			b.Fatal(err)
+		}
+	}
+	var took [2]time.Duration
+	var ops [2]int
+	for it := 0; b.Loop(); it++ {
+		for j := range 2 {
+			side := (it + j) % 2
+			d, err := burst(sides[side], contendBurst)
+			if err != nil {
+				b.Fatal(err)
+			}
+			took[side] += d
+			ops[side] += contendBurst
+		}
+	}
+	raw, pg := float64(ops[0])/took[0].Seconds(), float64(ops[1])/took[1].Seconds()
+	b.ReportMetric(raw, "raw-ops/s")
+	b.ReportMetric(pg, "ops/s")
+	b.ReportMetric(pg/raw, "x-raw")
+	notHeld(b, dsn, k)
+}
+
+// contendBurst is how many Lock+Unlock one burst of
+// BenchmarkContendedClients8Interleaved runs, all contenders together.
+const contendBurst = 800
+
+// burst runs n calls of op spread over contenders goroutines (goroutine i
+// calls op(ctx, i) until n calls have started) and returns the time from
+// the start of the first to the end of the last. Each burst is bounded by
+// testTimeout.
+func burst(op func(ctx context.Context, i int) error, n int) (time.Duration, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	var (
+		wg    sync.WaitGroup
+		left  atomic.Int64
+		start = make(chan struct{})
+		errc  = make(chan error, contenders)
+	)
+	left.Store(int64(n))
+	for i := range contenders {
+		wg.Go(func() {
+			<-start
+			for left.Add(-1) >= 0 {
+				if err := op(ctx, i); err != nil {
+					errc <- err
+					cancel()
+					return
+				}
+			}
+		})
+	}
+	began := time.Now()
+	close(start)
+	wg.Wait()
+	took := time.Since(began)
+	select {
+	case err := <-errc:
+		return took, err
+	default:
+	}
+	return took, nil
+}
+
 // BenchmarkRawContended8 is the floor of
 // BenchmarkContendedClient8NoHandoff: what 8 goroutines do without pgcoord
 // and without handoff. Each has its own raw pgx connection and loops
