@@ -5,6 +5,8 @@
 # Usage: scripts/bench-pinned.sh [BENCH_REGEXP]     (default: all, ".")
 #
 #   COUNT=6            -count passed to go test
+#   BENCHTIME=         -benchtime passed to go test, if set (default: go
+#                      test's own, 1s)
 #   ROUNDS=1           run the whole pattern this many times in turn, each
 #                      time with -count COUNT: with ROUNDS=8 COUNT=1, every
 #                      benchmark runs once per round, next to its floor, so a
@@ -164,7 +166,7 @@ fi
 # bench runs one test binary's benchmarks once, appending to a file.
 bench() {
 	"$taskset" -c "$client_cpu" "$1" -test.run '^$' -test.bench "$pattern" -test.benchmem \
-		-test.count "$count" 2>&1 | tee -a "$2"
+		-test.count "$count" ${BENCHTIME:+-test.benchtime "$BENCHTIME"} 2>&1 | tee -a "$2"
 	[[ ${PIPESTATUS[0]} -eq 0 ]] || die "benchmarks of $1 failed in round $round"
 }
 
