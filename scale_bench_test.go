@@ -334,8 +334,25 @@ func manyLocksCount(b *testing.B) int {
 //
 //	go test -run '^$' -bench 'ManyLocks' -benchtime=1x .
 func BenchmarkManyLocks(b *testing.B) {
+	manyLocksClient(b)
+}
+
+// BenchmarkManyLocksWide is BenchmarkManyLocks with
+// WithSharedBackends(manyLocksWide): a Client allowed the connections it
+// takes to keep a cycle next to 20,000 held keys within twice the cycle
+// with none (up to manyLocksWide + DefaultMaxWaits - 1 = 15 of them hold
+// keys, about 1,300 each). Run it with -benchtime=1x.
+func BenchmarkManyLocksWide(b *testing.B) {
+	manyLocksClient(b, WithSharedBackends(manyLocksWide))
+}
+
+// manyLocksWide is the WithSharedBackends of BenchmarkManyLocksWide.
+const manyLocksWide = 12
+
+// manyLocksClient runs the ManyLocks protocol with a Client of opts.
+func manyLocksClient(b *testing.B, opts ...Option) {
 	dsn := pgtest.DB(b)
-	c := newTestClient(b, dsn)
+	c := newTestClient(b, dsn, opts...)
 	held := make([]*Lock, manyLocksCount(b))
 	manyLocksBench(b, dsn, len(held), manySide{
 		take: func(ctx context.Context, i int) error {
