@@ -589,13 +589,12 @@ func (s *Session) unlockKeys(ctx context.Context, keys []Key, shared, strict boo
 // conn, which the caller holds.
 func (s *Session) unlockStatement(ctx context.Context, conn *pgx.Conn, keys []Key, shared, strict bool) error {
 	sql, args := unlockSQL(unlockFunc(shared), keys, s.pid)
-	var one bool
-	ok := []bool{false}
+	var one [1]bool
+	ok := one[:]
 	if len(keys) == 1 {
-		if err := s.wrongBackend(s.queryRow(ctx, conn, sql, args, &one)); err != nil {
+		if err := s.wrongBackend(s.queryRow(ctx, conn, sql, args, &one[0])); err != nil {
 			return err
 		}
-		ok[0] = one
 	} else {
 		ok = make([]bool, len(keys))
 		dest := make([]any, len(keys))
