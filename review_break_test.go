@@ -22,21 +22,6 @@ import (
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
-// pollFor calls cond until it returns true or d passes, and reports
-// whether it did: a bounded poll for tests that must go on after it fails.
-func pollFor(d time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(d)
-	pause := time.Millisecond
-	for !cond() {
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(pause)
-		pause = min(2*pause, 20*time.Millisecond)
-	}
-	return true
-}
-
 // contentionCount returns how many OnContention events r holds.
 func (r *recorder) contentionCount() int {
 	_, _, c, _ := r.counts()
@@ -103,7 +88,7 @@ func TestReviewContendedDirectWaitReportedAndCancelled(t *testing.T) {
 	cc.contention.note(k)
 	rctx, rcancel := context.WithCancel(ctx)
 	rch := goLock(func() (*Lock, error) { return cc.RLock(rctx, k) })
-	if !pollFor(testTimeout, func() bool { return ctl.contentionCount() == 1 }) {
+	if !pgtest.Poll(testTimeout, func() bool { return ctl.contentionCount() == 1 }) {
 		t.Fatalf("control: OnContention: %d events while an RLock waits, want 1", ctl.contentionCount())
 	}
 	stillWaiting(t, rch)
@@ -119,7 +104,7 @@ func TestReviewContendedDirectWaitReportedAndCancelled(t *testing.T) {
 		t.Fatalf("the contended Lock of a Client with OnContention waits in %q, want the wait after a try", q)
 	}
 	stillWaiting(t, ch)
-	if !pollFor(5*time.Second, func() bool { return rec.contentionCount() >= 1 }) {
+	if !pgtest.Poll(5*time.Second, func() bool { return rec.contentionCount() >= 1 }) {
 		t.Errorf("OnContention: no event in 5s while the blocking Lock of %v waits on the server (pg_locks shows it waiting); want one when it starts to wait", k)
 	}
 	cancel()
@@ -132,7 +117,7 @@ func TestReviewContendedDirectWaitReportedAndCancelled(t *testing.T) {
 	if n := waitingOn(t, dsn, k); n != 0 {
 		t.Fatalf("pg_locks: %d backends still wait for %v after the cancelled Lock returned", n, k)
 	}
-	if !pollFor(5*time.Second, func() bool { return rec.contentionCount() == 1 }) {
+	if !pgtest.Poll(5*time.Second, func() bool { return rec.contentionCount() == 1 }) {
 		t.Errorf("OnContention: %d events after a blocking Lock that waited and was cancelled, want 1", rec.contentionCount())
 	}
 
@@ -201,7 +186,7 @@ func TestReviewContendedDirectWaitBackendTerminated(t *testing.T) {
 	if r.l.s.PID() != second {
 		t.Logf("granted on backend %d, which waited second was %d", r.l.s.PID(), second)
 	}
-	if !pollFor(5*time.Second, func() bool { return rec.contentionCount() == 1 }) {
+	if !pgtest.Poll(5*time.Second, func() bool { return rec.contentionCount() == 1 }) {
 		t.Errorf("OnContention: %d events for one blocking Lock that waited (twice, on backends %d and %d), want 1", rec.contentionCount(), first, second)
 	}
 	mustUnlock(t, r.l)

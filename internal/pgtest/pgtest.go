@@ -290,15 +290,25 @@ func (o *observer) close() {
 // being granted), never for sleeping. Call it from the test's goroutine.
 func Eventually(t testing.TB, timeout time.Duration, msg string, cond func() bool) {
 	t.Helper()
+	if !Poll(timeout, cond) {
+		t.Fatalf("pgcoord: pgtest: not within %v: %s", timeout, msg)
+	}
+}
+
+// Poll is Eventually that reports whether cond became true within timeout
+// instead of failing the test, for a caller that reports the failure itself
+// (or from another goroutine).
+func Poll(timeout time.Duration, cond func() bool) bool {
 	deadline := time.Now().Add(timeout)
 	pause := time.Millisecond
 	for !cond() {
 		if time.Now().After(deadline) {
-			t.Fatalf("pgcoord: pgtest: not within %v: %s", timeout, msg)
+			return false
 		}
 		time.Sleep(pause)
 		pause = min(2*pause, 20*time.Millisecond)
 	}
+	return true
 }
 
 // Terminate ends the backend with process id pid through
