@@ -89,19 +89,41 @@ func contendClient(b *testing.B, opts ...Option) {
 // there. ns/op is wall time per completed Lock+Unlock, all Clients
 // together. Its floor is BenchmarkRawContended8.
 func BenchmarkContendedClients8(b *testing.B) {
-	dsn := pgtest.DB(b)
+	contend(b, clientsContender(b, pgtest.DB(b)))
+}
+
+// clientsContender opens contenders Clients and returns the op of
+// BenchmarkContendedClients8: contender i locks and unlocks Int64Key(42)
+// with Client i.
+func clientsContender(b *testing.B, dsn string) func(ctx context.Context, i int) error {
 	cs := make([]*Client, contenders)
 	for i := range cs {
 		cs[i] = newTestClient(b, dsn)
 	}
 	k := Int64Key(42)
-	contend(b, func(ctx context.Context, i int) error {
+	return func(ctx context.Context, i int) error {
 		l, err := cs[i].Lock(ctx, k)
 		if err != nil {
 			return err
 		}
 		return l.Unlock(ctx)
-	})
+	}
+}
+
+// rawContender opens contenders raw connections and returns the op of
+// BenchmarkRawContended8: contender i runs pg_advisory_lock(42) and
+// pg_advisory_unlock(42) on connection i.
+func rawContender(b *testing.B, dsn string) func(ctx context.Context, i int) error {
+	conns := make([]*pgx.Conn, contenders)
+	for i := range conns {
+		conns[i] = pgtest.Conn(b, dsn)
+	}
+	return func(ctx context.Context, i int) error {
+		if _, err := conns[i].Exec(ctx, rawLockSQL, int64(42)); err != nil {
+			return err
+		}
+		return rawUnlock(ctx, conns[i], 42)
+	}
 }
 
 // BenchmarkContendedClients8Interleaved runs BenchmarkContendedClients8
@@ -115,28 +137,7 @@ func BenchmarkContendedClients8(b *testing.B) {
 // one iteration, both bursts. At the end nobody holds or waits for the key.
 func BenchmarkContendedClients8Interleaved(b *testing.B) {
 	dsn := pgtest.DB(b)
-	cs := make([]*Client, contenders)
-	conns := make([]*pgx.Conn, contenders)
-	for i := range cs {
-		cs[i] = newTestClient(b, dsn)
-		conns[i] = pgtest.Conn(b, dsn)
-	}
-	k := Int64Key(42)
-	sides := [2]func(ctx context.Context, i int) error{
-		func(ctx context.Context, i int) error {
-			if _, err := conns[i].Exec(ctx, rawLockSQL, int64(42)); err != nil {
-				return err
-			}
-			return rawUnlock(ctx, conns[i], 42)
-		},
-		func(ctx context.Context, i int) error {
-			l, err := cs[i].Lock(ctx, k)
-			if err != nil {
-				return err
-			}
-			return l.Unlock(ctx)
-		},
-	}
+	sides := [2]func(ctx context.Context, i int) error{rawContender(b, dsn), clientsContender(b, dsn)}
 	for _, op := range sides {
 		if _, err := burst(op, contenders*contendWarmup); err != nil {
 			b.Fatal(err)
@@ -159,7 +160,7 @@ func BenchmarkContendedClients8Interleaved(b *testing.B) {
 	b.ReportMetric(raw, "raw-ops/s")
 	b.ReportMetric(pg, "ops/s")
 	b.ReportMetric(pg/raw, "x-raw")
-	notHeld(b, dsn, k)
+	notHeld(b, dsn, Int64Key(42))
 }
 
 // contendBurst is how many Lock+Unlock one burst of
@@ -211,17 +212,7 @@ func burst(op func(ctx context.Context, i int) error, n int) (time.Duration, err
 // key, so all 8 queue on the server. ns/op is wall time per completed
 // lock+unlock, all goroutines together.
 func BenchmarkRawContended8(b *testing.B) {
-	dsn := pgtest.DB(b)
-	conns := make([]*pgx.Conn, contenders)
-	for i := range conns {
-		conns[i] = pgtest.Conn(b, dsn)
-	}
-	contend(b, func(ctx context.Context, i int) error {
-		if _, err := conns[i].Exec(ctx, rawLockSQL, int64(42)); err != nil {
-			return err
-		}
-		return rawUnlock(ctx, conns[i], 42)
-	})
+	contend(b, rawContender(b, pgtest.DB(b)))
 }
 
 // BenchmarkRawContended8Handoff is the floor of BenchmarkContendedClient8:
@@ -372,11 +363,17 @@ func contend(b *testing.B, op func(ctx context.Context, i int) error) {
 // (when the server sends the grant before the unlock's reply), so the two
 // can differ. The floor is BenchmarkRawHandoffRemote.
 func BenchmarkHandoffRemote(b *testing.B) {
+	clientsHandoff(b, true)
+}
+
+// clientsHandoff runs handoff on Int64Key(42) between two Clients of their
+// own, waiting for the waiter to be asleep on the server if asleep.
+func clientsHandoff(b *testing.B, asleep bool) {
 	dsn := pgtest.DB(b)
 	k := Int64Key(42)
 	clients := [2]*Client{newTestClient(b, dsn), newTestClient(b, dsn)}
 	var held [2]*Lock
-	handoff(b, dsn, k, true,
+	handoff(b, dsn, k, asleep,
 		func(ctx context.Context, side int) error {
 			l, err := clients[side].Lock(ctx, k)
 			held[side] = l
@@ -392,10 +389,15 @@ func BenchmarkHandoffRemote(b *testing.B) {
 // pg_advisory_unlock($1) while the waiter is blocked in SELECT
 // pg_advisory_lock($1). ns/op is the time of one handoff.
 func BenchmarkRawHandoffRemote(b *testing.B) {
+	rawHandoff(b, true)
+}
+
+// rawHandoff is clientsHandoff on two raw pgx connections.
+func rawHandoff(b *testing.B, asleep bool) {
 	dsn := pgtest.DB(b)
 	k := Int64Key(42)
 	conns := [2]*pgx.Conn{pgtest.Conn(b, dsn), pgtest.Conn(b, dsn)}
-	handoff(b, dsn, k, true,
+	handoff(b, dsn, k, asleep,
 		func(ctx context.Context, side int) error {
 			_, err := conns[side].Exec(ctx, rawLockSQL, mustInt64(k))
 			return err

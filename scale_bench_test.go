@@ -51,19 +51,7 @@ import (
 //
 //	go test -run '^$' -bench 'HandoffClients' -benchtime=200x .
 func BenchmarkHandoffClients(b *testing.B) {
-	dsn := pgtest.DB(b)
-	k := Int64Key(42)
-	clients := [2]*Client{newTestClient(b, dsn), newTestClient(b, dsn)}
-	var held [2]*Lock
-	handoff(b, dsn, k, false,
-		func(ctx context.Context, side int) error {
-			l, err := clients[side].Lock(ctx, k)
-			held[side] = l
-			return err
-		},
-		func(ctx context.Context, side int) error {
-			return held[side].Unlock(ctx)
-		})
+	clientsHandoff(b, false)
 }
 
 // BenchmarkRawHandoffClients is the floor of BenchmarkHandoffClients: the
@@ -73,17 +61,7 @@ func BenchmarkHandoffClients(b *testing.B) {
 // pg_locks shows its request not granted. ns/op, waiter-p50-us,
 // waiter-p90-us and unlock-p50-us are as there.
 func BenchmarkRawHandoffClients(b *testing.B) {
-	dsn := pgtest.DB(b)
-	k := Int64Key(42)
-	conns := [2]*pgx.Conn{pgtest.Conn(b, dsn), pgtest.Conn(b, dsn)}
-	handoff(b, dsn, k, false,
-		func(ctx context.Context, side int) error {
-			_, err := conns[side].Exec(ctx, rawLockSQL, mustInt64(k))
-			return err
-		},
-		func(ctx context.Context, side int) error {
-			return rawUnlock(ctx, conns[side], mustInt64(k))
-		})
+	rawHandoff(b, false)
 }
 
 // Child processes of the Processes8 benchmarks.
