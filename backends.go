@@ -25,10 +25,22 @@ import (
 //   - A statement that does not block (a try, an unlock, the heartbeat)
 //     runs on any backend that is not waiting.
 //   - A statement that waits for a lock held elsewhere runs only on a
-//     backend that holds nothing. The backend is marked as waiting for the
-//     length of the acquire, and nothing else takes a key on it meanwhile.
-//     A backend whose wait was granted keeps its key and serves tries from
-//     then on, like any other; it can wait again once it holds nothing.
+//     backend that holds nothing and on which no statement that may take a
+//     key is in flight. The backend is marked as waiting for the length of
+//     the acquire, and nothing else takes a key on it meanwhile. A backend
+//     whose wait was granted keeps its key and serves tries from then on,
+//     like any other; it can wait again once it holds nothing.
+//   - The rule covers every key a Client takes, not only the keys of
+//     Lock and friends: an election's lock and guard, a semaphore's queue
+//     key, and a semaphore's permits. A try or a wait reserves its keys
+//     in the backend's records before its statement is sent (Session.
+//     reserve), so a claim sees them. A semaphore's grant cannot: it
+//     learns which slot it took only when its statement ends, and the
+//     statement may first wait for the semaphore's row. So a grant counts
+//     as in flight on its backend from before it asks for the connection
+//     until its slot is recorded or released (beginGrant), a backend with
+//     a grant in flight cannot be claimed to wait, and a grant never runs
+//     on a backend claimed to wait (it picks another).
 //   - One exception: the head of the queue of a semaphore of limit 1
 //     waits for the semaphore's slot on the backend that holds the queue
 //     key (Semaphore.await), and only while that backend holds nothing
@@ -179,9 +191,10 @@ func (c *Client) warm(ctx context.Context, n int) error {
 	return nil
 }
 
-// claimWait marks b, which holds only the key only, as waiting, if fewer
-// than WithMaxWaits acquires of the Client wait: nothing else takes a key
-// on it until unclaimWait. It reports whether it did.
+// claimWait marks b, which holds only the key only and has no grant in
+// flight, as waiting, if fewer than WithMaxWaits acquires of the Client
+// wait: nothing else takes a key on it until unclaimWait. It reports
+// whether it did.
 func (c *Client) claimWait(b *Session, only Key) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -198,7 +211,7 @@ func (c *Client) claimWait(b *Session, only Key) bool {
 	}
 	b.state.Lock()
 	defer b.state.Unlock()
-	if b.waiting || b.err != nil || len(b.keys) != 1 || b.keys[only] == nil {
+	if b.waiting || b.granting != 0 || b.err != nil || len(b.keys) != 1 || b.keys[only] == nil {
 		return false
 	}
 	b.waiting = true
@@ -480,9 +493,9 @@ func (c *Client) joinable(h *keyHold) bool {
 	return h.busy != nil || h.joins < c.cfg.maxHandoffs && time.Since(h.since) < c.cfg.handoffWindow
 }
 
-// waitBackend picks a backend that holds nothing for a blocking acquire
-// and marks it as waiting, so that nothing else takes a key on it; done
-// unmarks it. It opens one while fewer than WithSharedBackends +
+// waitBackend picks a backend that holds nothing, and has no grant in
+// flight, for a blocking acquire and marks it as waiting, so that nothing
+// else takes a key on it; done unmarks it. It opens one while fewer than WithSharedBackends +
 // WithMaxWaits are open. It returns errNoWaitBackend when WithMaxWaits
 // acquires wait already, or no backend may be opened and every open one
 // holds locks or waits.
@@ -499,7 +512,7 @@ func (c *Client) waitBackend(ctx context.Context) (*Session, func(), error) {
 			b.state.Lock()
 			if b.waiting {
 				waits++
-			} else if len(b.keys) == 0 && (pick == nil || len(b.use) == 0) {
+			} else if len(b.keys) == 0 && b.granting == 0 && (pick == nil || len(b.use) == 0) {
 				pick = b
 			}
 			b.state.Unlock()
@@ -510,7 +523,7 @@ func (c *Client) waitBackend(ctx context.Context) (*Session, func(), error) {
 		}
 		if pick != nil {
 			pick.state.Lock()
-			ok := len(pick.keys) == 0 && !pick.waiting && pick.err == nil
+			ok := len(pick.keys) == 0 && pick.granting == 0 && !pick.waiting && pick.err == nil
 			pick.waiting = ok
 			pick.state.Unlock()
 			c.mu.Unlock()
@@ -540,6 +553,33 @@ func (c *Client) waitBackend(ctx context.Context) (*Session, func(), error) {
 			return nil, nil, err
 		}
 	}
+}
+
+// beginGrant records that a statement which may take a key the backend's
+// records cannot show yet (a semaphore's grant) is about to run on b, so
+// that no blocking acquire claims b to wait meanwhile; endGrant ends the
+// record once the key taken is recorded as held, or released. It returns
+// errRoute, recording nothing, if b is claimed to wait already: the grant
+// then runs elsewhere.
+func (b *Session) beginGrant() error {
+	b.state.Lock()
+	defer b.state.Unlock()
+	switch {
+	case b.err != nil:
+		return b.err
+	case b.waiting:
+		return errRoute
+	}
+	b.granting++
+	return nil
+}
+
+// endGrant ends beginGrant's record.
+func (b *Session) endGrant() {
+	b.state.Lock()
+	b.granting--
+	b.state.Unlock()
+	b.c.backendFreed()
 }
 
 // watchesContention reports whether the Client reports each wait as it

@@ -2,10 +2,12 @@ package pgcoord
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -151,4 +153,270 @@ func TestManyKeysSpreadOverBackends(t *testing.T) {
 	if got := len(lockState(t, dsn)); got != 0 {
 		t.Fatalf("%d keys still locked after unlocking all", got)
 	}
+}
+
+// backendWaitsOnRow reports whether backend pid waits for a row lock or a
+// transaction (a semaphore's grant that waits for the semaphore's row).
+func backendWaitsOnRow(t testing.TB, conn *pgx.Conn, pid int32) bool {
+	t.Helper()
+	var n int
+	err := conn.QueryRow(context.Background(), `
+		SELECT count(*) FROM pg_locks
+		WHERE pid = $1 AND NOT granted AND locktype IN ('transactionid', 'tuple')`, pid).Scan(&n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n > 0
+}
+
+// waitsWhileHolding fails the test if a backend that waits for an advisory
+// lock holds another one, in pg_locks: the routing rule keeps every wait
+// of a Client on a backend that holds nothing (or, for the head of a
+// semaphore's queue, nothing but the queue key, allowed).
+func waitsWhileHolding(t testing.TB, dsn string, allowed ...Key) {
+	t.Helper()
+	waiting := make(map[int32][]Key)
+	held := make(map[int32][]Key)
+	for k, hs := range lockState(t, dsn) {
+		for _, h := range hs {
+			if h.granted {
+				if !containsKey(allowed, k) {
+					held[h.pid] = append(held[h.pid], k)
+				}
+			} else {
+				waiting[h.pid] = append(waiting[h.pid], k)
+			}
+		}
+	}
+	for pid, ks := range waiting {
+		if len(held[pid]) != 0 {
+			t.Fatalf("pg_locks: backend %d waits for %v while it holds %v", pid, ks, held[pid])
+		}
+	}
+}
+
+// A semaphore's grant that waits for the semaphore's row (a SetLimit in
+// progress, or another process's grant) has not recorded its slot yet; a
+// blocking Lock that needs a backend to wait on must not claim that one.
+// If it did, the slot would be granted on the backend that waits for the
+// key, and when the key's holder asked for the slot the server would see a
+// cycle and end the Lock with a deadlock that the application does not
+// have. Read back from pg_locks.
+func TestLockWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, pool := semaphoreDB(t)
+	// A long slice, so that the grant's wait for the row outlasts the test's
+	// steps on a loaded machine.
+	c := newTestClient(t, dsn, WithSharedBackends(1), WithLossDeadline(20*time.Second))
+	c.contention.memory = time.Hour
+	sem := c.Semaphore("grant-in-flight", 1)
+	k := Int64Key(7101)
+
+	mustRelease(t, mustAcquire(t, sem, true)) // the row exists; one backend is open
+	if st := c.Stat(); st.Backends != 1 {
+		t.Fatalf("Stat: %+v, want one backend", st)
+	}
+	shared := c.backends[0].PID()
+
+	holder := pgtest.Conn(t, dsn)
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+		t.Fatal(err)
+	}
+	c.contention.note(k) // found held a moment ago: the Lock waits at once
+
+	// Another transaction holds the semaphore's row.
+	row, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = row.Rollback(context.Background()) }()
+	if _, err := row.Exec(ctx, "SELECT 1 FROM pgcoord.semaphores WHERE name = $1 FOR UPDATE", sem.Name()); err != nil {
+		t.Fatal(err)
+	}
+
+	granted := make(chan permitResult, 1)
+	go func() {
+		p, err := sem.TryAcquire(ctx)
+		granted <- permitResult{p, err}
+	}()
+	watch := pgtest.Conn(t, dsn)
+	pgtest.Eventually(t, testTimeout, "the grant to wait for the semaphore's row", func() bool {
+		return backendWaitsOnRow(t, watch, shared)
+	})
+
+	locked := goLock(func() (*Lock, error) { return c.Lock(ctx, k) })
+	pgtest.Eventually(t, testTimeout, "the Lock to claim a backend to wait on", func() bool {
+		return c.Stat().Waits == 1
+	})
+
+	if err := row.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	g := receivePermit(t, granted)
+	if g.err != nil {
+		t.Fatalf("TryAcquire: %v", g.err)
+	}
+	slot := sem.slotKey(g.p.Slot())
+	heldOnlyBy(t, dsn, slot, shared)
+	pgtest.Eventually(t, testTimeout, "the Lock to wait for the key on the server", func() bool {
+		return waitingOn(t, dsn, k) == 1
+	})
+	waitsWhileHolding(t, dsn, k)
+
+	// The key's holder asks for the slot: a cycle only if the slot and the
+	// wait for the key share a backend.
+	asked := make(chan error, 1)
+	go func() {
+		_, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", slot.v)
+		asked <- err
+	}()
+	pgtest.Eventually(t, testTimeout, "the holder to wait for the slot", func() bool {
+		return waitingOn(t, dsn, slot) == 1
+	})
+	mustRelease(t, g.p)
+	if err := <-asked; err != nil {
+		t.Fatalf("the holder's request for the slot: %v", err)
+	}
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1), pg_advisory_unlock($2)", k.v, slot.v); err != nil {
+		t.Fatal(err)
+	}
+	r := receive(t, locked)
+	if r.err != nil {
+		t.Fatalf("Lock: %v, want the key once its holder let it go", r.err)
+	}
+	heldOnlyBy(t, dsn, k, r.l.s.PID())
+	mustUnlock(t, r.l)
+}
+
+// The head of a semaphore's queue waits on the server for slot 0 on the
+// backend that holds its queue key, and only while that backend holds
+// nothing else. Another semaphore's grant in flight on that backend (its
+// statement waits for that semaphore's row, and records its slot only
+// when it ends) counts as something else: the head does not wait there,
+// since the slot granted meanwhile would sit on a waiting backend. Read
+// back from pg_locks.
+func TestQueueHeadWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, pool := semaphoreDB(t)
+	c := newTestClient(t, dsn, WithSharedBackends(1), WithLossDeadline(20*time.Second))
+	other := newTestClient(t, dsn)
+	semA := c.Semaphore("queue-head-a", 1)
+	semB := c.Semaphore("queue-head-b", 1)
+	mustRelease(t, mustAcquire(t, semB, true)) // the row exists
+	full := mustAcquire(t, other.Semaphore(semA.Name(), 1), true)
+	defer mustRelease(t, full)
+
+	// This Client heads semaphore A's queue on its one shared backend.
+	q, err := c.Lock(ctx, semA.queueKey(), withoutHooks())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mustUnlock(t, q)
+	shared := q.s.PID()
+	sub, err := c.subscribe(semaphoreChannel, semA.payload)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.close()
+	// The listener's first entry, a resync marker, would end the head's
+	// wait at once (a head looks again after it): take it now, as
+	// Semaphore.lead does.
+	if _, err := sub.next(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+
+	// Semaphore B's grant goes to the same backend and waits for B's row.
+	row, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = row.Rollback(context.Background()) }()
+	if _, err := row.Exec(ctx, "SELECT 1 FROM pgcoord.semaphores WHERE name = $1 FOR UPDATE", semB.Name()); err != nil {
+		t.Fatal(err)
+	}
+	granted := make(chan permitResult, 1)
+	go func() {
+		p, err := semB.TryAcquire(ctx)
+		granted <- permitResult{p, err}
+	}()
+	watch := pgtest.Conn(t, dsn)
+	pgtest.Eventually(t, testTimeout, "B's grant to wait for its row on the head's backend", func() bool {
+		return backendWaitsOnRow(t, watch, shared)
+	})
+
+	type awaited struct {
+		p     *Permit
+		again bool
+		err   error
+	}
+	head := make(chan awaited, 1)
+	go func() {
+		p, again, err := semA.await(ctx, q, sub)
+		head <- awaited{p, again, err}
+	}()
+	if err := row.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	g := receivePermit(t, granted)
+	if g.err != nil {
+		t.Fatalf("TryAcquire of B: %v", g.err)
+	}
+	defer mustRelease(t, g.p)
+	heldOnlyBy(t, dsn, semB.slotKey(g.p.Slot()), shared)
+
+	var a awaited
+	returned := false
+	pgtest.Eventually(t, testTimeout, "the head to give up waiting there, or to wait for slot 0", func() bool {
+		select {
+		case a = <-head:
+			returned = true
+			return true
+		default:
+			return waitingOn(t, dsn, semA.slotKey(0)) > 0
+		}
+	})
+	waitsWhileHolding(t, dsn, semA.queueKey())
+	if !returned {
+		a = <-head
+	}
+	if a.p != nil || a.err != nil {
+		t.Fatalf("await = %v, %v, %v: want no permit and no error (the head waits for a notification instead)", a.p, a.again, a.err)
+	}
+}
+
+// A grant never runs on a backend that a blocking acquire has claimed to
+// wait on, even when it was picked before the claim: it sends nothing
+// there, and the acquire takes its permit on another backend. Read back
+// from pg_locks.
+func TestGrantAvoidsBackendClaimedToWait(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, _ := semaphoreDB(t)
+	c := newTestClient(t, dsn, WithSharedBackends(1))
+	sem := c.Semaphore("claimed-backend", 1)
+	mustRelease(t, mustAcquire(t, sem, true)) // one backend is open
+	b := c.backends[0]
+
+	claimed, done, err := c.waitBackend(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if claimed != b {
+		t.Fatalf("waitBackend claimed backend %d, want the one open, %d", claimed.PID(), b.PID())
+	}
+	if _, _, err := sem.admitOn(ctx, b, nil); !errors.Is(err, errRoute) {
+		t.Fatalf("a grant on a backend claimed to wait: %v, want errRoute", err)
+	}
+	p := mustAcquire(t, sem, true)
+	if p.l.s == b {
+		t.Fatal("the permit went to the backend claimed to wait")
+	}
+	heldOnlyBy(t, dsn, sem.slotKey(p.Slot()), p.l.s.PID())
+	if got := lockState(t, dsn); len(got) != 1 {
+		t.Fatalf("pg_locks: %v, want only the permit's slot", got)
+	}
+	done()
+	mustRelease(t, p)
 }

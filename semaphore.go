@@ -445,6 +445,11 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 		if errorIsLoss(err) && q.Err() != nil {
 			return nil, nil
 		}
+		if errors.Is(err, errRoute) {
+			// q's backend is claimed to wait (by this head's own await
+			// only, which has ended by now): look again after a while.
+			err, adm = nil, admission{}
+		}
 		if err != nil && !lockTimedOut(err) {
 			return nil, err
 		}
@@ -636,19 +641,32 @@ func (s *Semaphore) admitRiding(ctx context.Context, try bool) (*Permit, admissi
 // admit runs semaphore_acquire on a shared backend, for an acquire that
 // does not head the queue. A backend found dead takes nothing with it that
 // this call holds: it goes on on another.
+//
+// A backend that a blocking acquire claimed to wait on between the pick and
+// the grant takes no grant (see beginGrant): the grant goes to another.
 func (s *Semaphore) admit(ctx context.Context) (*Permit, admission, error) {
 	c := s.c
 	var err error
-	for range c.cfg.sharedBackends + c.cfg.maxWaits + 1 {
+	for lost, routed := 0, 0; lost <= c.cfg.sharedBackends+c.cfg.maxWaits; {
 		var b *Session
 		if b, err = c.route(ctx, request{}); err != nil {
 			return nil, admission{}, err
 		}
 		var p *Permit
 		var adm admission
-		if p, adm, err = s.admitOn(ctx, b, nil); err == nil || !errorIsLoss(err) || ctx.Err() != nil {
+		p, adm, err = s.admitOn(ctx, b, nil)
+		switch {
+		case errors.Is(err, errRoute):
+			if routed++; routed%maxRoutes == 0 {
+				if err := c.pause(ctx, minPollInterval); err != nil {
+					return nil, admission{}, err
+				}
+			}
+			continue
+		case err == nil || !errorIsLoss(err) || ctx.Err() != nil:
 			return p, adm, err
 		}
+		lost++
 	}
 	return nil, admission{}, err
 }
@@ -659,8 +677,14 @@ func (s *Semaphore) admit(ctx context.Context) (*Permit, admission, error) {
 // it. If the statement fails, a slot it may have taken before failing is
 // released on b, so that nothing stays behind, and q ends if the server no
 // longer holds it; if that fails too, b is lost, which frees everything.
+// It returns errRoute, sending nothing, if a blocking acquire has claimed
+// b to wait on (see beginGrant).
 func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock) (*Permit, admission, error) {
 	head := q != nil
+	if err := b.beginGrant(); err != nil {
+		return nil, admission{}, err
+	}
+	defer b.endGrant()
 	if err := b.grab(ctx); err != nil {
 		return nil, admission{}, err
 	}

@@ -53,7 +53,12 @@ type Session struct {
 	cleaned     chan struct{} // closed when the connection is closed and the heartbeat has stopped
 
 	waiting bool // a blocking acquire of the Client's has this backend (see waitBackend)
-	permits bool // the backend has held a semaphore's permit: close deletes its holder rows
+	// granting counts the statements in flight that may take a key the
+	// backend's records cannot show before the statement ends (a
+	// semaphore's grant picks its slot on the server): while it is not 0,
+	// no blocking acquire may claim the backend (see beginGrant).
+	granting int
+	permits  bool // the backend has held a semaphore's permit: close deletes its holder rows
 }
 
 // keyHold is one key on one backend. The server holds the key (once) while
