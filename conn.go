@@ -69,7 +69,9 @@ func (c *Client) newSession(ctx context.Context, managed bool) (*Session, error)
 // backends) and records it so Close can end it. The connection is opened
 // in the background, bounded by the connect timeout and by Close; ctx
 // bounds only the wait for it, and a session that is ready after ctx ended
-// is closed. It returns ErrClosed if the Client was closed meanwhile.
+// is closed. It returns ErrClosed if the Client was closed meanwhile, and
+// a failure to connect as a connectFailure (see connectFailed), as
+// startConnect does.
 func (c *Client) openSession(ctx context.Context) (*Session, error) {
 	type opened struct {
 		s   *Session
@@ -95,6 +97,8 @@ func (c *Client) openSession(ctx context.Context) (*Session, error) {
 			}
 		} else if c.closing.Err() != nil {
 			err = ErrClosed
+		} else {
+			err = connectFailed(err)
 		}
 		ch <- opened{s, err}
 	}()
@@ -137,8 +141,8 @@ func (c *Client) startConnect() *connectCall {
 		case err != nil:
 			if cause := context.Cause(ctx); c.closed && cause != nil {
 				err = cause
-			} else if !errors.Is(err, ErrTransactionPooling) {
-				err = &connectFailure{err}
+			} else {
+				err = connectFailed(err)
 			}
 		case c.closed:
 			err = ErrClosed
@@ -168,6 +172,19 @@ type connectFailure struct{ err error }
 func (e *connectFailure) Error() string        { return e.err.Error() }
 func (e *connectFailure) Unwrap() error        { return e.err }
 func (e *connectFailure) Is(target error) bool { return target == errConnect }
+
+// connectFailed marks err, an error of opening a dedicated connection, as
+// a connectFailure, unless it is one that trying again cannot cure (a
+// transaction pooler in between). Every connection of a Client is opened
+// through it, so a blocking call rides through the same errors whichever
+// connection it needed: its shared backends, a Session, the election
+// guard's session.
+func connectFailed(err error) error {
+	if errors.Is(err, ErrTransactionPooling) || errors.Is(err, errConnect) {
+		return err
+	}
+	return &connectFailure{err}
+}
 
 // anyConnect returns a connection being opened, or starts one. The caller
 // holds c.mu.

@@ -472,12 +472,17 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 	guarded := make(chan struct{})
 	go func() {
 		defer close(guarded)
-		g, gerr = e.takeGuard(ctx)
+		g, gerr = e.takeGuard(ctx, l.Done())
 	}()
 	term, since, wait, loss, err := e.record(ctx, l)
 	until := time.Now().Add(wait) // the server's now() was a little earlier
 	<-guarded
-	if gerr != nil {
+	switch {
+	case gerr != nil && l.Err() != nil:
+		// The server went away (a restart, a failover) while this
+		// candidate won: the campaign goes on.
+		return fail(g, errLostWhileWinning)
+	case gerr != nil:
 		return fail(g, gerr)
 	}
 	switch {
@@ -706,7 +711,12 @@ func (e *Election) mark(ctx context.Context, l *Lock, term Term, set, notice str
 
 // takeGuard takes the election's guard on the Client's guard session,
 // waiting at most the loss deadline for a previous leader that lives to
-// free it. It returns a nil Lock, and no error, when that wait ran out.
+// free it. It returns a nil Lock, and no error, when that wait ran out,
+// also when the guard session could not be opened meanwhile (the server
+// cannot be reached, has no free connection slot, or is a standby): the
+// new leader then leads without the guard, which the handover covers. It
+// returns early, with errLostWhileWinning, when lockLost (the election
+// lock's Done) closes.
 //
 // The wait runs on the server, so the guard is granted the moment it is
 // freed (a killed leader's guard backend exits), but in short slices
@@ -715,11 +725,12 @@ func (e *Election) mark(ctx context.Context, l *Lock, term Term, set, notice str
 // guard that is slow to come must not hold up another's for longer than a
 // slice. Slices that short also end before the server would look for a
 // deadlock between two Clients that take over from each other at once.
-func (e *Election) takeGuard(ctx context.Context) (*Lock, error) {
+func (e *Election) takeGuard(ctx context.Context, lockLost <-chan struct{}) (*Lock, error) {
 	c := e.c
 	deadline := time.Now().Add(c.cfg.lossDeadline)
+	retry := minRetryInterval
 	var err error
-	for lost := 0; ; {
+	for lost := false; ; {
 		var s *Session
 		var g *Lock
 		s, err = c.guardSession(ctx)
@@ -747,11 +758,33 @@ func (e *Election) takeGuard(ctx context.Context) (*Lock, error) {
 			return g, nil
 		case ctx.Err() != nil:
 			return nil, errorf("election %q: take guard: %w", e.name, context.Cause(ctx))
-		case errorIsLoss(err) && lost < 3:
-			lost++ // the guard session was lost: a new one is opened
-		default:
+		case !connectionTrouble(err) || errors.Is(err, ErrClosed):
 			return nil, errorf("election %q: take guard: %w", e.name, err)
 		}
+		// The guard session was lost (a new one is opened at once, the
+		// first time), or cannot be opened now: open another, at growing
+		// intervals, within the guard's deadline.
+		if errorIsLoss(err) && !lost {
+			lost = true
+			continue
+		}
+		left := time.Until(deadline)
+		if left <= 0 {
+			c.cfg.warnLogger().Warn("pgcoord: the election's guard could not be taken within the loss deadline; leading without it",
+				"election", e.name, "loss_deadline", c.cfg.lossDeadline, "error", err)
+			return nil, nil
+		}
+		t := time.NewTimer(min(retry, left))
+		select {
+		case <-t.C:
+		case <-lockLost:
+			t.Stop()
+			return nil, errLostWhileWinning
+		case <-ctx.Done():
+			t.Stop()
+			return nil, errorf("election %q: take guard: %w", e.name, context.Cause(ctx))
+		}
+		retry = min(2*retry, maxRetryInterval)
 	}
 }
 

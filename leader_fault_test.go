@@ -1270,3 +1270,168 @@ func TestElectionConnectionUse(t *testing.T) {
 		}
 	}
 }
+
+// A Campaign that starts while the server is down waits, as a Lock does,
+// and leads once the server is back, within its ctx; it does not give up
+// because the guard session cannot be opened meanwhile.
+func TestCampaignWaitsThroughServerRestart(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	srv := pgtest.NewServer(t)
+	dsn := srv.DB(t)
+	migrated(t, dsn)
+	c := newTestClient(t, dsn, WithHeartbeat(100*time.Millisecond), WithLossDeadline(time.Second))
+	e := c.Election("restart-campaign")
+
+	srv.Stop(t)
+	type won struct {
+		ld  *Leadership
+		err error
+	}
+	campaign := make(chan won, 1)
+	go func() {
+		ld, err := e.Campaign(ctx)
+		campaign <- won{ld, err}
+	}()
+	// The campaign's lock wait retries the connection, as a Lock does.
+	if !pgtest.Poll(testTimeout, func() bool {
+		select {
+		case w := <-campaign:
+			t.Fatalf("Campaign returned (%v) while the server was down, want it to wait", w.err)
+		default:
+		}
+		return c.Stat().QueuedWaits > 0
+	}) {
+		t.Fatal("the campaign never retried its connection while the server was down")
+	}
+	srv.Start(t)
+	var ld *Leadership
+	select {
+	case w := <-campaign:
+		if w.err != nil {
+			t.Fatalf("Campaign after the server came back: %v", w.err)
+		}
+		ld = w.ld
+	case <-ctx.Done():
+		t.Fatalf("Campaign did not lead within %v of its start", testTimeout)
+	}
+	if ld.Term() < 1 {
+		t.Fatalf("term %d after the restart, want >= 1", ld.Term())
+	}
+	heldOnlyBy(t, dsn, e.Key(), ld.lock.s.PID())
+	info, err := e.Leader(ctx)
+	if err != nil || info.Term != ld.Term() {
+		t.Fatalf("Leader after the restart: %+v, %v; want term %d", info, err, ld.Term())
+	}
+	if err := ld.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A leader's Run whose server goes away (stopped and started again, or
+// stopped and replaced by its promoted standby) cancels fn's ctx and
+// campaigns on: it keeps waiting while no primary can be reached and leads
+// again, fn called a second time with a greater term, instead of returning
+// an error.
+func TestRunCampaignsOnAfterPrimaryGoes(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		failover bool
+	}{{"restart", false}, {"failover", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := testCtx(t)
+			primary := pgtest.NewServer(t)
+			pdsn := primary.DB(t)
+			migrated(t, pdsn)
+			dsn, after := pdsn, pdsn
+			var standby *pgtest.Server
+			if tc.failover {
+				cfg, err := pgx.ParseConfig(pdsn)
+				if err != nil {
+					t.Fatal(err)
+				}
+				standby = primary.StartStandby(t)
+				after = standby.ConnString(cfg.Database)
+				dsn = fmt.Sprintf("postgres://postgres@127.0.0.1:%d,127.0.0.1:%d/%s?sslmode=disable", primary.Port(), standby.Port(), cfg.Database)
+			}
+			c := newTestClient(t, dsn, WithHeartbeat(100*time.Millisecond), WithLossDeadline(time.Second))
+			e := c.Election("primary-goes")
+
+			type lead struct {
+				term Term
+				ctx  context.Context
+			}
+			leads := make(chan lead, 4)
+			runCtx, stopRun := context.WithCancel(ctx)
+			defer stopRun()
+			ran := make(chan error, 1)
+			go func() {
+				ran <- e.Run(runCtx, func(lctx context.Context, term Term) error {
+					leads <- lead{term, lctx}
+					<-lctx.Done()
+					return lctx.Err()
+				})
+			}()
+			next := func(what string) lead {
+				t.Helper()
+				select {
+				case l := <-leads:
+					return l
+				case err := <-ran:
+					t.Fatalf("%s: Run returned %v, want it to campaign on", what, err)
+				case <-ctx.Done():
+					t.Fatalf("%s: not within %v", what, testTimeout)
+				}
+				panic("unreachable")
+			}
+			first := next("first term")
+			if tc.failover {
+				// The term has reached the standby before the primary goes.
+				replica := pgtest.Conn(t, after)
+				pgtest.Eventually(t, testTimeout, "the term replicates", func() bool {
+					var n int64
+					err := replica.QueryRow(ctx, "SELECT coalesce(max(term), 0) FROM pgcoord.leaders WHERE name = $1", e.Name()).Scan(&n)
+					return err == nil && Term(n) == first.term
+				})
+			}
+
+			primary.Stop(t)
+			select {
+			case <-first.ctx.Done():
+			case <-ctx.Done():
+				t.Fatal("fn's ctx was not cancelled after the primary stopped")
+			}
+			// With no primary, Run campaigns: its lock wait retries the
+			// connection, and it neither returns nor leads.
+			if !pgtest.Poll(testTimeout, func() bool {
+				select {
+				case err := <-ran:
+					t.Fatalf("Run returned %v while no primary could be reached, want it to campaign on", err)
+				case l := <-leads:
+					t.Fatalf("term %d began while no primary could be reached", l.term)
+				default:
+				}
+				return c.Stat().QueuedWaits > 0
+			}) {
+				t.Fatal("Run never retried its connection while no primary could be reached")
+			}
+			if tc.failover {
+				standby.Promote(t)
+			} else {
+				primary.Start(t)
+			}
+			second := next("a term on the server that came back")
+			if second.term <= first.term {
+				t.Fatalf("term %d after the primary went, not above %d", second.term, first.term)
+			}
+			ld := leadershipOf(second.ctx)
+			heldOnlyBy(t, after, e.Key(), ld.lock.s.PID())
+			stopRun()
+			if err := <-ran; !errors.Is(err, context.Canceled) {
+				t.Fatalf("Run after its ctx ended: %v, want context.Canceled", err)
+			}
+		})
+	}
+}
