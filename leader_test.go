@@ -240,11 +240,19 @@ func TestElectionRequestResign(t *testing.T) {
 	e := outsider.Election("cron")
 	first := <-starts
 	for range 3 {
+		asked := time.Now()
 		if err := e.RequestResign(ctx); err != nil {
 			t.Fatal(err)
 		}
 		second := <-starts
 		end := <-ends
+		// The bound RELIABILITY.md states: a request reaches the leader
+		// within H and a round trip (1 s on a loaded machine), far inside
+		// L, after which the leader would read it from the row anyway.
+		if took := end.at.Sub(asked); took > DefaultHeartbeat+time.Second {
+			t.Errorf("the leader's context was cancelled %v after RequestResign was called, want within H + 1 s = %v (L = %v)",
+				took.Round(time.Millisecond), DefaultHeartbeat+time.Second, DefaultLossDeadline)
+		}
 		if second.who == first.who || second.term <= first.term {
 			t.Fatalf("after RequestResign: %+v then %+v", first, second)
 		}
