@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/pgcoord/pgcoord/internal/xactsql"
 )
 
@@ -118,12 +120,26 @@ func nextFence(ctx context.Context, q interface {
 // that happens with a wrong key, schema or database, or when a database
 // failover lost recently issued fences, and in every case the write must not
 // happen and retrying cannot make it safe. Other errors: [ErrInvalidKey] for
-// an invalid key, a plain error for fence <= 0 (fences start at 1),
-// [ErrNotMigrated] when the fences
-// table does not exist in the schema, and the server's error, wrapped, when
-// the query fails. Under REPEATABLE READ or SERIALIZABLE, a fence issued
-// after tx's snapshot was taken makes the server report a serialization
-// failure (SQLSTATE 40001). After any error, roll tx back.
+// an invalid key, a plain error for a nil tx (a nil *pgxpool.Tx included) or
+// fence <= 0 (fences start at 1), [ErrNotMigrated] when the fences table
+// does not exist in the schema, and the server's error, wrapped, when the
+// query fails. After any error, roll tx back.
+//
+// Under REPEATABLE READ or SERIALIZABLE, tx reads the fences table as of its
+// snapshot, taken by its first statement. A fence issued after that, over an
+// older one tx can see, makes the server report a serialization failure
+// (SQLSTATE 40001) on the read. The key's first fence, issued after the
+// snapshot, leaves tx nothing to read: CheckFence then cannot tell it from a
+// fence never issued, and returns an error that does not wrap ErrStaleFence
+// but wraps a *pgconn.PgError with Code "40001", which pgcoord builds (the
+// server reports nothing), so that code that retries serialization failures
+// (errors.As with *pgconn.PgError, or an error with a SQLState method)
+// retries this one too: a retry in a new transaction whose snapshot is
+// taken after the fence was issued sees it and decides. A fence that was
+// never issued for the key keeps failing this way under these levels;
+// READ COMMITTED, where each statement sees every committed fence, reports
+// it as ErrStaleFence (never issued). TestCheckFenceFirstFenceAfterSnapshot
+// checks both levels.
 //
 // ctx governs the query, including the wait for a new fence being issued at
 // the same moment. Options: only [WithSchema] applies; pass the schema given
@@ -159,11 +175,17 @@ func (c *Client) CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term)
 }
 
 func checkFencePgx(ctx context.Context, c *config, tx pgx.Tx, key Key, fence Term) error {
-	if tx == nil {
+	if isNil(tx) {
 		return errors.New("pgcoord: CheckFence: tx is nil")
 	}
-	return checkFence(ctx, c, pgxTx{tx}, key, fence)
+	return checkFence(ctx, c, pgxTx{tx: tx}, key, fence)
 }
+
+// fenceSnapshotSQLState is the SQLSTATE of the error CheckFence builds when
+// no fence for the key is visible to a REPEATABLE READ or SERIALIZABLE
+// transaction's snapshot: serialization_failure, the code the server gives
+// when a fence was issued after the snapshot over an older visible one.
+const fenceSnapshotSQLState = "40001"
 
 // checkFence runs CheckFence on tx, for pgx and for package pgcoordsql.
 func checkFence(ctx context.Context, c *config, tx xactsql.Tx, key Key, fence Term) error {
@@ -178,6 +200,23 @@ func checkFence(ctx context.Context, c *config, tx xactsql.Tx, key Key, fence Te
 	err := tx.QueryRow(ctx, "SELECT fence FROM "+c.table("fences")+" WHERE key_space = $1 AND key = $2 FOR SHARE", []any{space, k}, &stored)
 	switch {
 	case errors.Is(err, xactsql.ErrNoRows):
+		// Under REPEATABLE READ or SERIALIZABLE the row may exist but be
+		// invisible to tx's snapshot: the key's first fence was issued after
+		// the snapshot was taken. Nothing then conflicts with the read, so
+		// the server reports no serialization failure; report one.
+		var iso string
+		if err := tx.QueryRow(ctx, "SELECT current_setting('transaction_isolation')", nil, &iso); err != nil {
+			return pgError("CheckFence", err)
+		}
+		if iso == "repeatable read" || iso == "serializable" {
+			return errorf("CheckFence: fence %d for key %s cannot be checked in this transaction: %w", fence, key, &pgconn.PgError{
+				Severity: "ERROR",
+				Code:     fenceSnapshotSQLState,
+				Message: fmt.Sprintf("could not serialize access: no fence for the key in schema %s is visible to the snapshot of this %s transaction, and it may have been issued after the snapshot was taken (reported by pgcoord, not the server)",
+					c.quotedSchema(), strings.ToUpper(iso)),
+				Hint: "retry in a new transaction, or check the fence under READ COMMITTED",
+			})
+		}
 		return errorf("CheckFence: %w: fence %d for key %s was never issued: no fence exists for the key in schema %s", ErrStaleFence, fence, key, c.quotedSchema())
 	case err != nil:
 		return notMigrated(c, "CheckFence", err)

@@ -273,8 +273,110 @@ func TestCheckFence(t *testing.T) {
 	if err := CheckFence(ctx, nil, k, Term(f2)); err == nil {
 		t.Fatal("CheckFence(nil tx) = nil")
 	}
+	var nilTx *pgxpool.Tx
+	if err := xactNoPanic(t, "CheckFence(nil *pgxpool.Tx)", func() error { return CheckFence(ctx, nilTx, k, Term(f2)) }); err == nil || !strings.HasPrefix(err.Error(), "pgcoord: ") {
+		t.Fatalf("CheckFence(nil *pgxpool.Tx) = %v, want a pgcoord error", err)
+	}
+	client := newTestClientOn(t, pool)
+	if err := xactNoPanic(t, "Client.CheckFence(nil *pgxpool.Tx)", func() error { return client.CheckFence(ctx, nilTx, k, Term(f2)) }); err == nil || !strings.HasPrefix(err.Error(), "pgcoord: ") {
+		t.Fatalf("Client.CheckFence(nil *pgxpool.Tx) = %v, want a pgcoord error", err)
+	}
 	if err := checkInTx(t, ctx, pool, k, Term(f2), WithSchema("missing")); !errors.Is(err, ErrNotMigrated) {
 		t.Fatalf("CheckFence in an unmigrated schema = %v, want ErrNotMigrated", err)
+	}
+}
+
+// fenceSQLState returns the SQLSTATE of the *pgconn.PgError in err's chain,
+// or "".
+func fenceSQLState(err error) string {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return pe.Code
+	}
+	return ""
+}
+
+// TestCheckFenceFirstFenceAfterSnapshot: under REPEATABLE READ and
+// SERIALIZABLE, a key's first fence issued after the transaction's snapshot
+// was taken is invisible to it; CheckFence of that current fence reports a
+// serialization failure (a *pgconn.PgError with Code 40001, also through a
+// SQLState method), not ErrStaleFence, and a retry in a new transaction
+// succeeds. A later fence issued after the snapshot over a visible one gets
+// the server's own 40001. Under READ COMMITTED the current first fence
+// passes at once.
+func TestCheckFenceFirstFenceAfterSnapshot(t *testing.T) {
+	ctx := testCtx(t)
+	_, pool := migratedPool(t, ctx, DefaultSchema)
+	c := mustFenceConfig(t)
+	for i, level := range []pgx.TxIsoLevel{pgx.RepeatableRead, pgx.Serializable, pgx.ReadCommitted} {
+		t.Run(string(level), func(t *testing.T) {
+			k := Int64Key(int64(1000 + i))
+			begin := func() pgx.Tx {
+				t.Helper()
+				tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: level})
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+				// The snapshot (under REPEATABLE READ and SERIALIZABLE) is
+				// taken here, before any fence of k exists.
+				var n int
+				if err := tx.QueryRow(ctx, "SELECT count(*) FROM "+c.table("fences")).Scan(&n); err != nil {
+					t.Fatal(err)
+				}
+				return tx
+			}
+			tx := begin()
+			f1 := Term(mustNextFence(t, ctx, pool, c, k))
+			if f1 != 1 {
+				t.Fatalf("first fence = %d, want 1", f1)
+			}
+			err := CheckFence(ctx, tx, k, f1)
+			if level == pgx.ReadCommitted {
+				if err != nil {
+					t.Fatalf("CheckFence(first fence %d) under READ COMMITTED = %v, want nil", f1, err)
+				}
+				return
+			}
+			var se interface{ SQLState() string }
+			switch {
+			case errors.Is(err, ErrStaleFence):
+				t.Fatalf("CheckFence(current first fence %d, issued after the snapshot) = %v, want no ErrStaleFence", f1, err)
+			case fenceSQLState(err) != "40001" || !errors.As(err, &se) || se.SQLState() != "40001":
+				t.Fatalf("CheckFence(current first fence %d, issued after the snapshot) = %v, want SQLSTATE 40001", f1, err)
+			case !strings.HasPrefix(err.Error(), "pgcoord: ") || !strings.Contains(err.Error(), "issued after the snapshot"):
+				t.Fatalf("CheckFence: %q does not say the fence may have been issued after the snapshot", err)
+			}
+			t.Logf("CheckFence: %v", err)
+			if err := tx.Rollback(ctx); err != nil {
+				t.Fatal(err)
+			}
+
+			// The retry, in a new transaction, sees the fence.
+			tx = begin()
+			if err := CheckFence(ctx, tx, k, f1); err != nil {
+				t.Fatalf("retried CheckFence(first fence %d) = %v, want nil", f1, err)
+			}
+			if err := tx.Rollback(ctx); err != nil {
+				t.Fatal(err)
+			}
+
+			// A newer fence issued after the snapshot, over a visible one:
+			// the server reports 40001 for the newest, and a stale fence
+			// seen in a fresh transaction is ErrStaleFence.
+			tx = begin()
+			f2 := Term(mustNextFence(t, ctx, pool, c, k))
+			if err := CheckFence(ctx, tx, k, f2); errors.Is(err, ErrStaleFence) || fenceSQLState(err) != "40001" {
+				t.Fatalf("CheckFence(fence %d issued after the snapshot over fence %d) = %v, want SQLSTATE 40001", f2, f1, err)
+			}
+			if err := tx.Rollback(ctx); err != nil {
+				t.Fatal(err)
+			}
+			tx = begin()
+			if err := CheckFence(ctx, tx, k, f1); !errors.Is(err, ErrStaleFence) {
+				t.Fatalf("CheckFence(stale fence %d, newest %d) = %v, want ErrStaleFence", f1, f2, err)
+			}
+		})
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"time"
 
@@ -45,7 +46,9 @@ import (
 //     keys taken after the savepoint are released, keys taken before it stay
 //     held. InTx rolls back as soon as fn returns an error or panics; if fn
 //     ignores a statement error and returns nil, COMMIT turns into ROLLBACK
-//     and InTx returns an error wrapping pgx.ErrTxCommitRollback.
+//     and InTx returns an error wrapping pgx.ErrTxCommitRollback. Nested in
+//     a pgx.Tx, InTx then rolls back to its savepoint instead of sending
+//     RELEASE SAVEPOINT, so the outer transaction is not left failed.
 //   - ROLLBACK TO SAVEPOINT releases the keys taken after that savepoint,
 //     while the transaction goes on (a subtransaction's locks go with it, as
 //     row and table locks do). A key that was already held before the
@@ -179,8 +182,12 @@ func init() {
 	}
 }
 
-// pgxTx is a pgx.Tx as an xactsql.Txn.
-type pgxTx struct{ tx pgx.Tx }
+// pgxTx is a pgx.Tx as an xactsql.Txn. nested marks a transaction that
+// InTx began on a pgx.Tx: a savepoint, which its Commit treats apart.
+type pgxTx struct {
+	tx     pgx.Tx
+	nested bool
+}
 
 func (t pgxTx) Exec(ctx context.Context, sql string, args ...any) error {
 	_, err := t.tx.Exec(ctx, sql, args...)
@@ -195,8 +202,46 @@ func (t pgxTx) QueryRow(ctx context.Context, sql string, args []any, dest ...any
 	return err
 }
 
-func (t pgxTx) Commit(ctx context.Context) error   { return t.tx.Commit(ctx) }
 func (t pgxTx) Rollback(ctx context.Context) error { return t.tx.Rollback(ctx) }
+
+// Commit commits t. For a savepoint, it first makes sure that fn's work
+// is not left in the outer transaction when it cannot be kept: pgx's Commit
+// of a nested transaction sends RELEASE SAVEPOINT and marks the transaction
+// closed even when that fails, rolling nothing back, so a failed release
+// would leave the savepoint open, with fn's work and keys, in the outer
+// transaction, and a subtransaction aborted by a statement error that fn
+// ignored would poison the outer transaction. So:
+//
+//   - if the connection reports a failed transaction (a statement failed
+//     in the savepoint and fn returned nil), it rolls back to the savepoint
+//     and returns an error wrapping pgx.ErrTxCommitRollback;
+//   - if ctx is done, it rolls back to the savepoint and returns an error
+//     wrapping ctx's error;
+//   - otherwise it releases the savepoint with a context that ctx's end does
+//     not cut short (bounded by xactRollbackTimeout), so the release is not
+//     skipped halfway: RELEASE SAVEPOINT waits for nothing.
+//
+// The rollback, too, runs with such a context.
+func (t pgxTx) Commit(ctx context.Context) error {
+	if !t.nested {
+		return t.tx.Commit(ctx)
+	}
+	var why error
+	if c := t.tx.Conn(); c != nil && c.PgConn().TxStatus() == 'E' {
+		why = fmt.Errorf("a statement failed in the savepoint and fn returned nil: %w", pgx.ErrTxCommitRollback)
+	} else if err := ctx.Err(); err != nil {
+		why = fmt.Errorf("ctx ended before the savepoint was released: %w", err)
+	}
+	rctx, cancel := withoutCancel(ctx, xactRollbackTimeout)
+	defer cancel()
+	if why == nil {
+		return t.tx.Commit(rctx)
+	}
+	if err := t.tx.Rollback(rctx); err != nil {
+		return errorf("%w; rolling back to the savepoint failed too (roll the outer transaction back): %w", why, err)
+	}
+	return errorf("%w; rolled back to the savepoint, the outer transaction goes on", why)
+}
 
 // pgxLockTx is a pgx.Tx that runs the lock statements in
 // pgx.QueryExecModeExec, whatever the connection's default query mode: one
@@ -224,14 +269,15 @@ func lockTx(tx xactsql.Tx) xactsql.Tx {
 	return tx
 }
 
-// beginPgx begins a transaction with begin, as an xactsql.Txn.
-func beginPgx(begin func(context.Context) (pgx.Tx, error)) func(context.Context) (xactsql.Txn, error) {
+// beginPgx begins a transaction with begin, as an xactsql.Txn; nested
+// says that begin starts a savepoint (see pgxTx.Commit).
+func beginPgx(begin func(context.Context) (pgx.Tx, error), nested bool) func(context.Context) (xactsql.Txn, error) {
 	return func(ctx context.Context) (xactsql.Txn, error) {
 		tx, err := begin(ctx)
 		if err != nil {
 			return nil, err
 		}
-		return pgxTx{tx}, nil
+		return pgxTx{tx: tx, nested: nested}, nil
 	}
 }
 
@@ -289,7 +335,8 @@ func withPgx(fn func(pgx.Tx) error) func(xactsql.Txn) error {
 // a deadlock victim (possible only with keys taken by other calls or with
 // other locks, such as row locks), [ErrTooManyLocks] if the server's lock
 // table is full, and the context's error when ctx ended the wait; other
-// errors are pgx's, wrapped.
+// errors are pgx's, wrapped. A nil tx, or a nil pointer in it (a nil
+// *pgxpool.Tx), is an error.
 func XactLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 	return xactAcquirePgx(ctx, modeXactLock, tx, keys)
 }
@@ -362,19 +409,36 @@ func XactTryRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // savepoint) at the outer transaction's isolation level: on success the
 // savepoint is released and the keys stay held until the outer transaction
 // ends; on failure ROLLBACK TO SAVEPOINT releases them while the outer
-// transaction goes on.
+// transaction goes on. That holds for every failure after the savepoint:
+// the lock, fn's error or panic, a statement error that fn ignored before
+// returning nil (the error then wraps pgx.ErrTxCommitRollback and says so),
+// and ctx ending after fn returned nil (the error then wraps ctx's and says
+// that the savepoint was not released). InTx checks those two before it
+// sends RELEASE SAVEPOINT, and sends it and any ROLLBACK TO SAVEPOINT with a
+// context that ctx's end does not cut short, bounded by a timeout: neither
+// waits for anything. So when a nested InTx returns an error, the outer
+// transaction holds exactly what it held before the call (its keys, its
+// work) and nothing of fn's, and it can go on and commit; only if the
+// rollback itself fails (a broken connection), which the error then says,
+// must the outer transaction be rolled back. When it returns nil, the outer
+// transaction holds fn's work and the keys. TestInTxNestedFailureRollsBackSavepoint
+// checks this in pg_locks and in the table the outer transaction commits.
 //
 // fn's error is returned unchanged (a rollback error after it is dropped: a
 // failed rollback closes the connection, which ends the transaction on the
 // server). Other errors: those of XactLock ([ErrInvalidKey], checked before
 // BEGIN; [ErrDeadlock]; [ErrTooManyLocks]; the context's error), and BEGIN or
-// COMMIT errors from pgx, wrapped. A nil db or fn is an error.
+// COMMIT errors from pgx, wrapped. A nil db or fn is an error, and so is a
+// nil pointer in db (a nil *pgxpool.Pool, *pgx.Conn or *pgxpool.Tx).
 //
 // InTx works behind PgBouncer's transaction pooling, since it uses no session
 // state.
 func InTx(ctx context.Context, db TxBeginner, keys []Key, fn func(tx pgx.Tx) error) error {
-	if db == nil {
+	if isNil(db) {
 		return errors.New("pgcoord: InTx: nil TxBeginner")
+	}
+	if _, nested := db.(pgx.Tx); nested {
+		return inTx(ctx, "InTx", beginPgx(db.Begin, true), keys, withPgx(fn))
 	}
 	begin := db.Begin
 	if b, ok := db.(TxOptionsBeginner); ok {
@@ -382,7 +446,7 @@ func InTx(ctx context.Context, db TxBeginner, keys []Key, fn func(tx pgx.Tx) err
 			return b.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 		}
 	}
-	return inTx(ctx, "InTx", beginPgx(begin), keys, withPgx(fn))
+	return inTx(ctx, "InTx", beginPgx(begin, false), keys, withPgx(fn))
 }
 
 // TxOptionsBeginner starts a transaction with options. *pgxpool.Pool and
@@ -411,19 +475,21 @@ type TxOptionsBeginner interface {
 // error; InTxOptions does not retry. Use READ COMMITTED unless fn needs
 // REPEATABLE READ or SERIALIZABLE for reasons of its own.
 //
+// A nil db, or a nil *pgxpool.Pool or *pgx.Conn in it, is an error.
+//
 // It is a separate function rather than an option of InTx because only a
 // database or connection can begin a transaction with options: InTx also
 // accepts a pgx.Tx, and a variadic option would then have to fail at run
 // time instead of at compile time.
 func InTxOptions(ctx context.Context, db TxOptionsBeginner, txOptions pgx.TxOptions, keys []Key, fn func(tx pgx.Tx) error) error {
-	if db == nil {
+	if isNil(db) {
 		return errors.New("pgcoord: InTxOptions: nil TxOptionsBeginner")
 	}
 	if txOptions.IsoLevel == "" {
 		txOptions.IsoLevel = pgx.ReadCommitted
 	}
 	begin := func(ctx context.Context) (pgx.Tx, error) { return db.BeginTx(ctx, txOptions) }
-	return inTx(ctx, "InTxOptions", beginPgx(begin), keys, withPgx(fn))
+	return inTx(ctx, "InTxOptions", beginPgx(begin, false), keys, withPgx(fn))
 }
 
 // inTx runs InTx and InTxOptions, named op in errors, and those of package
@@ -473,7 +539,7 @@ func inTx(ctx context.Context, op string, begin func(context.Context) (xactsql.T
 // reach, bounded by xactRollbackTimeout. The error is dropped: pgx closes
 // the connection when a rollback fails, which ends the transaction on the
 // server.
-func rollbackTx(ctx context.Context, tx pgx.Tx) { rollbackTxn(ctx, pgxTx{tx}) }
+func rollbackTx(ctx context.Context, tx pgx.Tx) { rollbackTxn(ctx, pgxTx{tx: tx}) }
 
 // rollbackTxn is rollbackTx for any transaction InTx begins. database/sql
 // discards a connection whose rollback failed, as pgx closes it.
@@ -483,12 +549,22 @@ func rollbackTxn(ctx context.Context, tx xactsql.Txn) {
 	_ = tx.Rollback(ctx)
 }
 
+// isNil reports whether v is nil or holds a nil pointer, such as a nil
+// *pgxpool.Pool, *pgx.Conn or *pgxpool.Tx, whose methods would panic.
+func isNil(v any) bool {
+	if v == nil {
+		return true
+	}
+	rv := reflect.ValueOf(v)
+	return rv.Kind() == reflect.Pointer && rv.IsNil()
+}
+
 // xactAcquirePgx validates tx and keys and runs the lock statement.
 func xactAcquirePgx(ctx context.Context, mode xactMode, tx pgx.Tx, keys []Key) error {
-	if tx == nil {
+	if isNil(tx) {
 		return errorf("%s: nil pgx.Tx; begin a transaction first, or use InTx", mode.op)
 	}
-	return xactAcquire(ctx, mode, pgxTx{tx}, keys)
+	return xactAcquire(ctx, mode, pgxTx{tx: tx}, keys)
 }
 
 // xactAcquire validates keys and runs the lock statement on tx.

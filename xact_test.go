@@ -565,6 +565,129 @@ func TestXactLockSavepoint(t *testing.T) {
 	xactWantHeld(t, dsn, pid)
 }
 
+// TestInTxNestedFailureRollsBackSavepoint: InTx on a pgx.Tx (a savepoint)
+// that fails after fn returned nil, because ctx ended before RELEASE
+// SAVEPOINT or because fn ignored a statement error, rolls back to the
+// savepoint: its key is released (pg_locks, read from another connection)
+// while the outer transaction's key stays held, the error says which
+// happened, the outer transaction runs statements, and its commit keeps
+// its own earlier row and none of fn's. A nested InTx that succeeds keeps
+// fn's row and key until the outer commit.
+func TestInTxNestedFailureRollsBackSavepoint(t *testing.T) {
+	dsn, pool := xactPool(t)
+	ctx := t.Context()
+	if _, err := pool.Exec(ctx, "CREATE TABLE t (v text)"); err != nil {
+		t.Fatal(err)
+	}
+	outerKey, innerKey := Int64Key(1), Int64Key(2)
+	for _, c := range []struct {
+		name string
+		fn   func(ctx context.Context, cancel context.CancelFunc, tx pgx.Tx) error
+		want []error  // the error must wrap each
+		says string   // and say this
+		rows []string // in t after the outer commit
+	}{
+		{
+			name: "ctx ends after fn",
+			fn: func(ctx context.Context, cancel context.CancelFunc, tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, "INSERT INTO t VALUES ('fn')"); err != nil {
+					return err
+				}
+				cancel()
+				return nil
+			},
+			want: []error{context.Canceled},
+			says: "ctx ended before the savepoint was released",
+			rows: []string{"outer"},
+		},
+		{
+			name: "fn ignores a statement error",
+			fn: func(ctx context.Context, _ context.CancelFunc, tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, "INSERT INTO t VALUES ('fn')"); err != nil {
+					return err
+				}
+				_, _ = tx.Exec(ctx, "SELECT 1/0")
+				return nil
+			},
+			want: []error{pgx.ErrTxCommitRollback},
+			says: "a statement failed in the savepoint and fn returned nil",
+			rows: []string{"outer"},
+		},
+		{
+			name: "success",
+			fn: func(ctx context.Context, _ context.CancelFunc, tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, "INSERT INTO t VALUES ('fn')")
+				return err
+			},
+			rows: []string{"fn", "outer"},
+		},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if _, err := pool.Exec(ctx, "TRUNCATE t"); err != nil {
+				t.Fatal(err)
+			}
+			outer := xactBegin(t, pool)
+			pid := xactPID(outer)
+			if err := XactLock(ctx, outer, outerKey); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := outer.Exec(ctx, "INSERT INTO t VALUES ('outer')"); err != nil {
+				t.Fatal(err)
+			}
+			cctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			err := InTx(cctx, outer, []Key{innerKey}, func(tx pgx.Tx) error {
+				xactWantHeld(t, dsn, pid, xactEx(outerKey), xactEx(innerKey))
+				return c.fn(cctx, cancel, tx)
+			})
+			for _, w := range c.want {
+				if !errors.Is(err, w) {
+					t.Errorf("InTx: got %v, want an error wrapping %v", err, w)
+				}
+			}
+			if c.want == nil && err != nil {
+				t.Fatalf("InTx: %v", err)
+			}
+			if err != nil && !strings.Contains(err.Error(), c.says) {
+				t.Errorf("InTx: got %q, want it to say %q", err, c.says)
+			}
+			if c.want != nil {
+				t.Logf("InTx: %v", err)
+				// The savepoint is rolled back: its key is free while the
+				// outer transaction goes on.
+				xactWantHeld(t, dsn, pid, xactEx(outerKey))
+				other := xactBegin(t, pool)
+				if err := XactTryLock(ctx, other, innerKey); err != nil {
+					t.Fatalf("the savepoint's key is not free: %v", err)
+				}
+				if err := other.Rollback(ctx); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				xactWantHeld(t, dsn, pid, xactEx(outerKey), xactEx(innerKey))
+			}
+			if _, err := outer.Exec(ctx, "SELECT 1"); err != nil {
+				t.Fatalf("the outer transaction after InTx: %v", err)
+			}
+			if err := outer.Commit(ctx); err != nil {
+				t.Fatalf("outer commit: %v", err)
+			}
+			xactWantHeld(t, dsn, pid)
+			rows, err := pool.Query(ctx, "SELECT v FROM t ORDER BY v")
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(got, c.rows) {
+				t.Fatalf("committed rows: got %q, want %q", got, c.rows)
+			}
+		})
+	}
+}
+
 // xactTracer counts the statements and prepares that pgx sends.
 type xactTracer struct {
 	queries, prepares atomic.Int64
@@ -758,6 +881,49 @@ func TestXactInvalidArguments(t *testing.T) {
 	xactWantHeld(t, dsn, xactPID(tx))
 	if _, err := tx.Exec(ctx, "SELECT 1"); err != nil {
 		t.Fatalf("transaction after invalid calls: %v", err)
+	}
+}
+
+// xactNoPanic runs f and returns its error, or fails the test if f panics.
+func xactNoPanic(t *testing.T, what string, f func() error) (err error) {
+	t.Helper()
+	defer func() {
+		if p := recover(); p != nil {
+			t.Errorf("%s panicked: %v", what, p)
+		}
+	}()
+	return f()
+}
+
+// TestXactTypedNilArguments: a nil *pgxpool.Pool, *pgx.Conn or *pgxpool.Tx
+// in the interface argument is reported as an error prefixed "pgcoord: ",
+// as an untyped nil is, by InTx, InTxOptions and every Xact function,
+// instead of a nil-pointer panic.
+func TestXactTypedNilArguments(t *testing.T) {
+	ctx := t.Context()
+	k := Int64Key(1)
+	fn := func(pgx.Tx) error { t.Error("fn called with a nil db"); return nil }
+	var (
+		pool *pgxpool.Pool
+		conn *pgx.Conn
+		ptx  *pgxpool.Tx
+	)
+	calls := map[string]func() error{
+		"InTx(nil *pgxpool.Pool)":        func() error { return InTx(ctx, pool, []Key{k}, fn) },
+		"InTx(nil *pgx.Conn)":            func() error { return InTx(ctx, conn, []Key{k}, fn) },
+		"InTx(nil *pgxpool.Tx)":          func() error { return InTx(ctx, ptx, []Key{k}, fn) },
+		"InTxOptions(nil *pgxpool.Pool)": func() error { return InTxOptions(ctx, pool, pgx.TxOptions{}, []Key{k}, fn) },
+		"InTxOptions(nil *pgx.Conn)":     func() error { return InTxOptions(ctx, conn, pgx.TxOptions{}, []Key{k}, fn) },
+	}
+	for name, f := range map[string]func(context.Context, pgx.Tx, ...Key) error{
+		"XactLock": XactLock, "XactRLock": XactRLock, "XactTryLock": XactTryLock, "XactTryRLock": XactTryRLock,
+	} {
+		calls[name+"(nil *pgxpool.Tx)"] = func() error { return f(ctx, ptx, k) }
+	}
+	for name, call := range calls {
+		if err := xactNoPanic(t, name, call); err == nil || !strings.HasPrefix(err.Error(), "pgcoord: ") || !strings.Contains(err.Error(), "nil") {
+			t.Errorf("%s: got %v, want a pgcoord error about the nil argument", name, err)
+		}
 	}
 }
 
