@@ -1,0 +1,644 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// haTimeout bounds the whole switchover test: a cluster's start, two
+// switchovers and the waits for the old primary to stream again.
+const haTimeout = 4 * time.Minute
+
+// A planned switchover, and one back, on a Patroni cluster (three nodes,
+// two synchronous standbys, one multi-host connection string with
+// target_session_attrs=read-write) while one Client holds a fenced lock,
+// leads an election and holds a semaphore's only permit, and another Client
+// waits for each of the three. Each time: every hold on the old primary
+// reports ErrLockLost within 2H of the server ending it; every wait rides
+// through and is granted on the new primary (in pg_locks, to the waiter's
+// backend); the new leader starts after the old leader's context was
+// cancelled; fences and terms only grow, and CheckFence on the new primary
+// refuses every earlier one and accepts the newest. A watcher reads
+// pg_locks on all three nodes every few milliseconds throughout: no key or
+// slot is granted on two nodes at once.
+func TestHASwitchoverAndBack(t *testing.T) {
+	t.Parallel()
+	began := time.Now()
+	cluster := pgtest.NewPatroniCluster(t)
+	t.Logf("cluster of three nodes up after %v", time.Since(began).Round(time.Millisecond))
+	ctx, cancel := context.WithTimeout(context.Background(), haTimeout)
+	defer cancel()
+	fail := func(format string, args ...any) {
+		t.Helper()
+		t.Fatalf("%s%s", fmt.Sprintf(format, args...), cluster.Logs())
+	}
+
+	const db = "pgcoord_ha"
+	first, err := cluster.Primary(ctx)
+	if err != nil {
+		fail("primary: %v", err)
+	}
+	createDatabase(t, ctx, cluster.NodeConnString(first, "postgres"), db)
+	dsn := cluster.ConnString(db)
+	pool := pgtest.Pool(t, dsn)
+	if err := Migrate(ctx, pool); err != nil {
+		fail("Migrate: %v", err)
+	}
+
+	a := newTestClient(t, dsn, WithApplicationName("pgcoord-ha-a"))
+	b := newTestClient(t, dsn, WithApplicationName("pgcoord-ha-b"))
+	k := HashKey("ha", "fenced")
+	electionA, electionB := a.Election("ha", WithIdentity("a")), b.Election("ha", WithIdentity("b"))
+	semA, semB := a.Semaphore("ha", 1), b.Semaphore("ha", 1)
+	watched := map[Key]string{
+		k:               "fenced lock",
+		electionA.Key(): "election lock",
+		electionA.guard: "election guard",
+		semA.slotKey(0): "permit slot 0",
+		semA.queueKey(): "permit queue",
+	}
+	w := watchLocks(t, cluster, db, watched)
+	defer w.stop()
+
+	// The first holder takes all three on the first primary.
+	var fences, terms []Term
+	holds := haTake(t, ctx, a, electionA, semA, k)
+	fences, terms = append(fences, holds.lock.Fence()), append(terms, holds.leader.Term())
+	primary := first
+	holder, waiter := holds, haParty{c: b, e: electionB, s: semB}
+	for round := 1; round <= 2; round++ {
+		// The other Client waits for each of them on the server.
+		waits := haWait(ctx, waiter, k)
+		pgtest.Eventually(t, testTimeout, "the waits of round "+fmt.Sprint(round)+" are queued on the primary", func() bool {
+			return w.waiting(primary, k) && w.waiting(primary, electionA.Key()) &&
+				(w.waiting(primary, semA.slotKey(0)) || w.granted(primary, semA.queueKey()))
+		})
+
+		to := first
+		if round == 1 {
+			h, err := cluster.Health(ctx)
+			if err != nil || len(h.Sync) == 0 {
+				fail("health: %+v, %v", h, err)
+			}
+			to = slices.Min(h.Sync)
+		}
+		sent, answering, err := cluster.Switchover(ctx, to)
+		if err != nil {
+			fail("round %d: %v", round, err)
+		}
+		t.Logf("round %d: switchover %s -> %s: the new primary answered %v after the request", round, primary, to, answering.Sub(sent).Round(time.Millisecond))
+
+		// Every hold on the old primary reports its loss within 2H of the
+		// server ending it.
+		bound := lossNoticeBound(&config{heartbeat: DefaultHeartbeat})
+		for _, h := range holder.list(k, semA) {
+			select {
+			case <-h.Done():
+			case <-time.After(testTimeout):
+				fail("round %d: %s still believed held %v after the switchover", round, h.what, testTimeout)
+			}
+			at := h.doneAt()
+			if !errors.Is(h.Err(), ErrLockLost) {
+				fail("round %d: %s ended with %v, want ErrLockLost", round, h.what, h.Err())
+			}
+			var gone time.Time
+			if !pgtest.Poll(testTimeout, func() (ok bool) { gone, ok = w.goneAt(primary, h.key, h.pid); return ok }) {
+				fail("round %d: the watcher never saw %s held on %s, then gone", round, h.what, primary)
+			}
+			t.Logf("round %d: %s reported lost %v after the request, %v after the watcher found it gone from %s",
+				round, h.what, at.Sub(sent).Round(time.Millisecond), at.Sub(gone).Round(time.Millisecond), primary)
+			if at.Sub(gone) > bound {
+				fail("round %d: %s reported lost %v after the server had ended it, want within 2H = %v", round, h.what, at.Sub(gone), bound)
+			}
+		}
+
+		// Every wait rode through and was granted on the new primary.
+		next := waits.receive(t, fail, round)
+		for _, h := range next.list(k, semA) {
+			t.Logf("round %d: %s granted %v after the request, %v after the new primary answered",
+				round, h.what, h.at.Sub(sent).Round(time.Millisecond), h.at.Sub(answering).Round(time.Millisecond))
+			if pids := w.grantedTo(to, h.key); !slices.Equal(pids, []int32{h.pid}) {
+				fail("round %d: pg_locks on the new primary %s: %s held by %v, want only the waiter's backend %d", round, to, h.what, pids, h.pid)
+			}
+		}
+		if ca := holder.leader.cancelledAt(); !ca.Before(next.leader.Since()) {
+			fail("round %d: the new leader began at %v, not after the old leader's context was cancelled at %v", round, next.leader.Since(), ca)
+		}
+		fences, terms = append(fences, next.lock.Fence()), append(terms, next.leader.Term())
+		for _, tokens := range []struct {
+			what string
+			key  Key
+			seq  []Term
+		}{{"fence", k, fences}, {"term", electionA.Key(), terms}} {
+			for i := 1; i < len(tokens.seq); i++ {
+				if tokens.seq[i] <= tokens.seq[i-1] {
+					fail("round %d: %ss handed out %v, want strictly increasing", round, tokens.what, tokens.seq)
+				}
+			}
+			// On the new primary, every earlier token is stale and the
+			// newest is not.
+			for i, tok := range tokens.seq {
+				err := checkFenceOn(ctx, pool, tokens.key, tok)
+				newest := i == len(tokens.seq)-1
+				if newest && err != nil || !newest && !errors.Is(err, ErrStaleFence) {
+					fail("round %d: CheckFence of %s %d (of %v) on %s: %v, want %s", round, tokens.what, tok, tokens.seq, to,
+						err, map[bool]string{true: "nil", false: "ErrStaleFence"}[newest])
+				}
+			}
+		}
+		holder, waiter, primary = next, holder.party, to
+	}
+	// The last holder holds all three, on the first primary again.
+	if err := holder.lock.Unlock(ctx); err != nil {
+		fail("Unlock after the switchover back: %v", err)
+	}
+	if err := holder.leader.Resign(ctx); err != nil || !errors.Is(holder.leader.Err(), ErrNotHeld) {
+		fail("Resign after the switchover back: %v (leadership ended with %v)", err, holder.leader.Err())
+	}
+	if err := holder.permit.Release(ctx); err != nil {
+		fail("Release after the switchover back: %v", err)
+	}
+
+	w.stop()
+	if err := w.check(); err != nil {
+		fail("%v", err)
+	}
+	t.Logf("pg_locks read %s; the whole test took %v", w.summary(), time.Since(began).Round(time.Millisecond))
+}
+
+// createDatabase creates database name through dsn.
+func createDatabase(t *testing.T, ctx context.Context, dsn, name string) {
+	t.Helper()
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// checkFenceOn runs CheckFence for key and fence in a transaction of its
+// own on pool, and rolls it back.
+func checkFenceOn(ctx context.Context, pool *pgxpool.Pool, key Key, fence Term) error {
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(context.Background())
+	return CheckFence(ctx, tx, key, fence)
+}
+
+// haParty is one Client of the switchover test with its election and
+// semaphore.
+type haParty struct {
+	c *Client
+	e *Election
+	s *Semaphore
+}
+
+// haHolds are what one party holds: a fenced lock, a leadership, a permit.
+type haHolds struct {
+	party                      haParty
+	lock                       *Lock
+	leader                     *Leadership
+	permit                     *Permit
+	lockAt, leaderAt, permitAt time.Time // when each acquire returned
+	watch                      map[string]*haDone
+}
+
+// haDone records when a hold's Done channel closed.
+type haDone struct {
+	ch <-chan struct{}
+	mu sync.Mutex
+	at time.Time
+}
+
+func watchDone(ch <-chan struct{}) *haDone {
+	d := &haDone{ch: ch}
+	go func() {
+		<-ch
+		d.mu.Lock()
+		d.at = time.Now()
+		d.mu.Unlock()
+	}()
+	return d
+}
+
+// haHold is one of haHolds, seen uniformly.
+type haHold struct {
+	what string
+	key  Key   // the key the hold has granted in pg_locks
+	pid  int32 // the backend that holds it
+	at   time.Time
+	done *haDone
+	err  func() error
+}
+
+func (h haHold) Done() <-chan struct{} { return h.done.ch }
+func (h haHold) Err() error            { return h.err() }
+
+// doneAt returns when Done closed, once it has.
+func (h haHold) doneAt() time.Time {
+	<-h.done.ch
+	for {
+		h.done.mu.Lock()
+		at := h.done.at
+		h.done.mu.Unlock()
+		if !at.IsZero() {
+			return at
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+func (hs *haHolds) list(k Key, sem *Semaphore) []haHold {
+	return []haHold{
+		{what: "fenced lock", key: k, pid: hs.lock.s.PID(), at: hs.lockAt, done: hs.watch["lock"], err: hs.lock.Err},
+		{what: "leadership", key: hs.party.e.Key(), pid: hs.leader.lock.s.PID(), at: hs.leaderAt, done: hs.watch["leader"], err: hs.leader.Err},
+		{what: "permit", key: sem.slotKey(hs.permit.Slot()), pid: hs.permit.l.s.PID(), at: hs.permitAt, done: hs.watch["permit"], err: hs.permit.Err},
+	}
+}
+
+func (hs *haHolds) watchAll() {
+	hs.watch = map[string]*haDone{
+		"lock":   watchDone(hs.lock.Done()),
+		"leader": watchDone(hs.leader.Done()),
+		"permit": watchDone(hs.permit.Done()),
+	}
+}
+
+// haTake takes the three at once, with nobody else waiting.
+func haTake(t *testing.T, ctx context.Context, c *Client, e *Election, s *Semaphore, k Key) *haHolds {
+	t.Helper()
+	hs := &haHolds{party: haParty{c: c, e: e, s: s}}
+	var err error
+	if hs.lock, err = c.Lock(ctx, k, WithFence()); err != nil {
+		t.Fatalf("Lock: %v", err)
+	}
+	hs.lockAt = time.Now()
+	if hs.leader, err = e.Campaign(ctx); err != nil {
+		t.Fatalf("Campaign: %v", err)
+	}
+	hs.leaderAt = time.Now()
+	if hs.permit, err = s.Acquire(ctx); err != nil {
+		t.Fatalf("Acquire: %v", err)
+	}
+	hs.permitAt = time.Now()
+	hs.watchAll()
+	return hs
+}
+
+// haWaits are the three blocking acquires of one party, under way.
+type haWaits struct {
+	party  haParty
+	lock   chan haGot[*Lock]
+	leader chan haGot[*Leadership]
+	permit chan haGot[*Permit]
+}
+
+type haGot[T any] struct {
+	v   T
+	err error
+	at  time.Time
+}
+
+func goGet[T any](f func() (T, error)) chan haGot[T] {
+	ch := make(chan haGot[T], 1)
+	go func() {
+		v, err := f()
+		ch <- haGot[T]{v, err, time.Now()}
+	}()
+	return ch
+}
+
+// haWait starts a blocking Lock with a fence, a Campaign and an Acquire of
+// p, each bounded by ctx.
+func haWait(ctx context.Context, p haParty, k Key) *haWaits {
+	return &haWaits{
+		party:  p,
+		lock:   goGet(func() (*Lock, error) { return p.c.Lock(ctx, k, WithFence()) }),
+		leader: goGet(func() (*Leadership, error) { return p.e.Campaign(ctx) }),
+		permit: goGet(func() (*Permit, error) { return p.s.Acquire(ctx) }),
+	}
+}
+
+// receive waits, bounded, for the three acquires, and fails the test
+// unless each got its hold.
+func (ws *haWaits) receive(t *testing.T, fail func(string, ...any), round int) *haHolds {
+	t.Helper()
+	hs := &haHolds{party: ws.party}
+	timer := time.NewTimer(2 * time.Minute)
+	defer timer.Stop()
+	var errs []string
+	for range 3 {
+		select {
+		case g := <-ws.lock:
+			hs.lock, hs.lockAt = g.v, g.at
+			if g.err != nil {
+				errs = append(errs, fmt.Sprintf("Lock: %v", g.err))
+			}
+		case g := <-ws.leader:
+			hs.leader, hs.leaderAt = g.v, g.at
+			if g.err != nil {
+				errs = append(errs, fmt.Sprintf("Campaign: %v", g.err))
+			}
+		case g := <-ws.permit:
+			hs.permit, hs.permitAt = g.v, g.at
+			if g.err != nil {
+				errs = append(errs, fmt.Sprintf("Acquire: %v", g.err))
+			}
+		case <-timer.C:
+			fail("round %d: the waits did not return within 2 minutes of the switchover (lock %v, leader %v, permit %v)", round, hs.lock != nil, hs.leader != nil, hs.permit != nil)
+		}
+	}
+	if len(errs) > 0 {
+		fail("round %d: waits that should have ridden through the switchover failed:\n%s", round, strings.Join(errs, "\n"))
+	}
+	hs.watchAll()
+	return hs
+}
+
+// lockWatch reads the advisory locks of a database on every node of a
+// cluster, over and over, from a goroutine per node, until stopped.
+type lockWatch struct {
+	keys    map[Key]string
+	cancel  context.CancelFunc
+	wg      sync.WaitGroup
+	stopped sync.Once
+
+	mu      sync.Mutex
+	samples map[string][]lockSample // by node
+}
+
+// lockSample is one read of pg_locks on one node: the query ran between
+// start and end, and saw granted (key -> pids) and waiting (key -> count),
+// or failed with err.
+type lockSample struct {
+	start, end time.Time
+	granted    map[Key][]int32
+	waiting    map[Key]int
+	err        error
+}
+
+// watchLocks starts reading pg_locks on every node of cluster, for the
+// database db, every few milliseconds, keeping what it sees of keys.
+func watchLocks(t *testing.T, cluster *pgtest.PatroniCluster, db string, keys map[Key]string) *lockWatch {
+	ctx, cancel := context.WithCancel(context.Background())
+	w := &lockWatch{keys: keys, cancel: cancel, samples: map[string][]lockSample{}}
+	for _, node := range cluster.Nodes() {
+		dsn := cluster.NodeConnString(node, db)
+		w.wg.Add(1)
+		go func() {
+			defer w.wg.Done()
+			w.run(ctx, node, dsn)
+		}()
+	}
+	t.Cleanup(w.stop)
+	return w
+}
+
+func (w *lockWatch) stop() {
+	w.stopped.Do(func() {
+		w.cancel()
+		w.wg.Wait()
+	})
+}
+
+// run reads pg_locks on one node until ctx ends, connecting again after
+// each failure.
+func (w *lockWatch) run(ctx context.Context, node, dsn string) {
+	var conn *pgx.Conn
+	defer func() {
+		if conn != nil {
+			conn.Close(context.Background())
+		}
+	}()
+	for ctx.Err() == nil {
+		s := lockSample{start: time.Now()}
+		if conn == nil {
+			cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			conn, s.err = pgx.Connect(cctx, dsn)
+			cancel()
+		}
+		if s.err == nil {
+			s.granted, s.waiting, s.err = w.read(ctx, conn)
+		}
+		s.end = time.Now()
+		if ctx.Err() != nil {
+			return
+		}
+		if s.err != nil && conn != nil {
+			conn.Close(context.Background())
+			conn = nil
+		}
+		w.mu.Lock()
+		w.samples[node] = append(w.samples[node], s)
+		w.mu.Unlock()
+		pause := 5 * time.Millisecond
+		if s.err != nil {
+			pause = 20 * time.Millisecond
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(pause):
+		}
+	}
+}
+
+func (w *lockWatch) read(ctx context.Context, conn *pgx.Conn) (map[Key][]int32, map[Key]int, error) {
+	qctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	rows, err := conn.Query(qctx, `
+SELECT classid::int8, objid::int8, objsubid::int4, pid, granted FROM pg_locks
+WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`)
+	if err != nil {
+		return nil, nil, err
+	}
+	granted, waiting := map[Key][]int32{}, map[Key]int{}
+	for rows.Next() {
+		var classid, objid int64
+		var objsubid, pid int32
+		var g bool
+		if err := rows.Scan(&classid, &objid, &objsubid, &pid, &g); err != nil {
+			return nil, nil, err
+		}
+		k, err := KeyFromLock(uint32(classid), uint32(objid), int16(objsubid))
+		if err != nil {
+			return nil, nil, err
+		}
+		if _, ok := w.keys[k]; !ok {
+			continue
+		}
+		if g {
+			granted[k] = append(granted[k], pid)
+		} else {
+			waiting[k]++
+		}
+	}
+	return granted, waiting, rows.Err()
+}
+
+// last returns the newest successful sample of node.
+func (w *lockWatch) last(node string) (lockSample, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	ss := w.samples[node]
+	for i := len(ss) - 1; i >= 0; i-- {
+		if ss[i].err == nil {
+			return ss[i], true
+		}
+	}
+	return lockSample{}, false
+}
+
+// waiting reports whether the newest read of node shows a waiter for k.
+func (w *lockWatch) waiting(node string, k Key) bool {
+	s, ok := w.last(node)
+	return ok && s.waiting[k] > 0
+}
+
+// granted reports whether the newest read of node shows k granted.
+func (w *lockWatch) granted(node string, k Key) bool {
+	s, ok := w.last(node)
+	return ok && len(s.granted[k]) > 0
+}
+
+// grantedTo returns the backends that hold k on node by a read that
+// started now or later.
+func (w *lockWatch) grantedTo(node string, k Key) []int32 {
+	since := time.Now()
+	var s lockSample
+	pgtest.Poll(testTimeout, func() bool {
+		var ok bool
+		s, ok = w.last(node)
+		return ok && s.start.After(since)
+	})
+	return s.granted[k]
+}
+
+// goneAt returns the end of the first read of node after which k was no
+// longer seen granted to pid: a read that failed, or that did not show it.
+// The server had ended the hold by then.
+func (w *lockWatch) goneAt(node string, k Key, pid int32) (time.Time, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	ss := w.samples[node]
+	lastHeld := -1
+	for i, s := range ss {
+		if s.err == nil && slices.Contains(s.granted[k], pid) {
+			lastHeld = i
+		}
+	}
+	if lastHeld < 0 || lastHeld == len(ss)-1 {
+		return time.Time{}, false
+	}
+	return ss[lastHeld+1].end, true
+}
+
+// check looks through every read for a key granted on two nodes at once
+// (or to two backends on one node). A run of reads of one node that show
+// the key granted to the same backend proves it held from the end of the
+// run's first read to the start of its last; a single read proves it held
+// at some moment within that read. Two runs on different nodes conflict
+// when such proven times overlap.
+func (w *lockWatch) check() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	type run struct {
+		node        string
+		pid         int32
+		first, last lockSample
+	}
+	var errs []error
+	for k, what := range w.keys {
+		var runs []run
+		for node, ss := range w.samples {
+			var cur *run
+			for _, s := range ss {
+				pids := s.granted[k]
+				if s.err == nil && len(pids) > 1 {
+					errs = append(errs, fmt.Errorf("%s (%v) granted to backends %v at once on %s at %v", what, k, pids, node, s.start))
+				}
+				if s.err != nil || len(pids) != 1 || cur != nil && cur.pid != pids[0] {
+					if cur != nil {
+						runs = append(runs, *cur)
+						cur = nil
+					}
+				}
+				if s.err == nil && len(pids) == 1 {
+					if cur == nil {
+						cur = &run{node: node, pid: pids[0], first: s}
+					}
+					cur.last = s
+				}
+			}
+			if cur != nil {
+				runs = append(runs, *cur)
+			}
+		}
+		for i, r := range runs {
+			for _, q := range runs[i+1:] {
+				if r.node == q.node {
+					continue
+				}
+				// Proven times: [first.end, last.start] for a run of
+				// reads; within [start, end] for a single read.
+				rlo, rhi := r.first.end, r.last.start
+				qlo, qhi := q.first.end, q.last.start
+				overlap := !rlo.After(rhi) && !qlo.After(qhi) && !maxTime(rlo, qlo).After(minTime(rhi, qhi))
+				within := func(a run, lo, hi time.Time) bool { // a single read of a within another run's proven time
+					return a.first.start.Equal(a.last.start) && !lo.After(hi) && !a.first.start.Before(lo) && !a.first.end.After(hi)
+				}
+				if overlap || within(r, qlo, qhi) || within(q, rlo, rhi) {
+					errs = append(errs, fmt.Errorf("%s (%v) granted on two nodes at once: on %s to backend %d from %v to %v, on %s to backend %d from %v to %v",
+						what, k, r.node, r.pid, r.first.start, r.last.end, q.node, q.pid, q.first.start, q.last.end))
+				}
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func maxTime(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
+
+func minTime(a, b time.Time) time.Time {
+	if a.Before(b) {
+		return a
+	}
+	return b
+}
+
+// summary says how many reads each node answered and how many failed.
+func (w *lockWatch) summary() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var parts []string
+	for node, ss := range w.samples {
+		failed := 0
+		for _, s := range ss {
+			if s.err != nil {
+				failed++
+			}
+		}
+		parts = append(parts, fmt.Sprintf("%s: %d reads, %d failed", node, len(ss), failed))
+	}
+	slices.Sort(parts)
+	return strings.Join(parts, "; ")
+}
