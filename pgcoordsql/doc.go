@@ -84,6 +84,25 @@
 // Either way, roll the transaction back: database/sql then discards the
 // connection rather than return it to the pool.
 //
+// A statement can also succeed on the server while ctx ends, when the
+// cancel request comes too late: lib/pq still closes the connection (it
+// does so whenever ctx ended during a call), so the backend exits and the
+// transaction ends with it, keys and row locks included, although the
+// statement reported success; pgx's stdlib closes the connection if ctx's
+// deadline cuts the answer off, and keeps it (with the transaction and its
+// keys) if the answer arrived first. So every call of
+// this package (XactLock, XactRLock, XactTryLock, XactTryRLock, CheckFence,
+// and the lock statement of InTx) returns an error wrapping the context's
+// error whenever ctx is done by the time its statement returns, even if
+// the statement succeeded, on every driver. Treat it as any error: roll the
+// transaction back (or let InTx do it), which releases the keys if the
+// connection was kept, and do not count on the keys or the fence; a new
+// transaction may try again. A nil return means ctx was still
+// live when the statement's answer arrived, so the driver kept the
+// connection. TestCallEndedByCtxAfterStatementSucceeded and
+// TestXactLockCancelRaceKeepsPromise (in pqtest) check this on lib/pq and
+// pgx's stdlib, through pg_locks.
+//
 // A ctx that is already done when a statement is about to be sent sends
 // nothing, and the call returns an error wrapping the context's error. The
 // transaction then keeps the keys it holds and can go on, if the context

@@ -33,14 +33,24 @@ import (
 // retrying cannot make it safe. Other errors: [pgcoord.ErrInvalidKey] for an
 // invalid key, a plain error for a nil tx or fence <= 0 (fences start at
 // 1), [pgcoord.ErrNotMigrated] when the fences table does not exist in the
-// schema, and the driver's error, wrapped, when the query fails. Under
-// REPEATABLE READ or SERIALIZABLE, a fence issued after tx's snapshot was
-// taken makes the server report a serialization failure (SQLSTATE 40001).
-// After any error, roll tx back.
+// schema, and the driver's error, wrapped, when the query fails. After any
+// error, roll tx back.
+//
+// Under REPEATABLE READ or SERIALIZABLE, a fence issued after tx's snapshot
+// was taken makes the server report a serialization failure (SQLSTATE
+// 40001). If it is the key's first fence, tx sees no fence at all, and
+// CheckFence, unable to tell it from a fence never issued, returns an error
+// that does not wrap ErrStaleFence but wraps a *pgconn.PgError with Code
+// "40001", built by pgcoord, whose SQLState method returns "40001" (with
+// lib/pq, errors.As finds no *pq.Error: test for an error with a SQLState
+// method). Retry in a new transaction; see [pgcoord.CheckFence].
 //
 // ctx governs the query, including the wait for a new fence being issued at
-// the same moment. Options: only [pgcoord.WithSchema] applies; pass the
-// schema given to [pgcoord.Migrate] and the Client.
+// the same moment. If ctx ends while the query succeeds, CheckFence returns
+// an error wrapping the context's error, not nil: the driver may be closing
+// the connection, which ends tx and its row lock; roll tx back. Options:
+// only [pgcoord.WithSchema] applies; pass the schema given to
+// [pgcoord.Migrate] and the Client.
 func CheckFence(ctx context.Context, tx *sql.Tx, key pgcoord.Key, fence pgcoord.Term, opts ...pgcoord.FenceOption) error {
 	if tx == nil {
 		return errors.New("pgcoord: CheckFence: tx is nil")

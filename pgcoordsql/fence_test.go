@@ -65,8 +65,8 @@ func TestCheckFence(t *testing.T) {
 	if err := checkFence(t, db, key, current+1, schema); !errors.Is(err, pgcoord.ErrStaleFence) {
 		t.Fatalf("fence %d never issued: got %v, want ErrStaleFence", current+1, err)
 	}
-	if err := checkFence(t, db, pgcoord.Int64Key(99), 1, schema); !errors.Is(err, pgcoord.ErrStaleFence) {
-		t.Fatalf("key without fences: got %v, want ErrStaleFence", err)
+	if err := checkFence(t, db, pgcoord.Int64Key(99), 1, schema); !errors.Is(err, pgcoord.ErrStaleFence) || !strings.Contains(err.Error(), "no fence exists") {
+		t.Fatalf("key without fences: got %v, want ErrStaleFence (no fence exists)", err)
 	}
 
 	tx, _ := begin(t, db)
@@ -132,5 +132,43 @@ func TestCheckFenceNotMigrated(t *testing.T) {
 	}
 	if err := checkFence(t, db, key, 1, pgcoord.WithSchema("")); err == nil || errors.Is(err, pgcoord.ErrNotMigrated) {
 		t.Errorf("empty schema: got %v, want the option's error", err)
+	}
+}
+
+// TestCheckFenceFirstFenceAfterSnapshot: in a REPEATABLE READ or
+// SERIALIZABLE *sql.Tx whose snapshot predates the key's first fence,
+// CheckFence of that current fence returns a serialization failure
+// (SQLSTATE 40001), not ErrStaleFence; a retry in a new transaction passes.
+func TestCheckFenceFirstFenceAfterSnapshot(t *testing.T) {
+	ctx := t.Context()
+	dsn := pgtest.DB(t)
+	c := fenceClient(t, dsn)
+	db := openDB(t, dsn)
+	for i, level := range []sql.IsolationLevel{sql.LevelRepeatableRead, sql.LevelSerializable} {
+		t.Run(level.String(), func(t *testing.T) {
+			key := pgcoord.Int64Key(int64(100 + i))
+			begin := func() *sql.Tx {
+				tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: level})
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = tx.Rollback() })
+				var n int // the snapshot is taken here
+				if err := tx.QueryRowContext(ctx, `SELECT count(*) FROM pgcoord.fences`).Scan(&n); err != nil {
+					t.Fatal(err)
+				}
+				return tx
+			}
+			tx := begin()
+			fence := fencedLock(t, c, key)
+			err := pgcoordsql.CheckFence(ctx, tx, key, fence)
+			if errors.Is(err, pgcoord.ErrStaleFence) || sqlStateOf(err) != "40001" {
+				t.Fatalf("CheckFence(current first fence %d, issued after the snapshot) = %v, want SQLSTATE 40001 and no ErrStaleFence", fence, err)
+			}
+			_ = tx.Rollback()
+			if err := pgcoordsql.CheckFence(ctx, begin(), key, fence); err != nil {
+				t.Fatalf("retried CheckFence(%d) = %v, want nil", fence, err)
+			}
+		})
 	}
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
+	"reflect"
 
 	"github.com/pgcoord/pgcoord"
 	"github.com/pgcoord/pgcoord/internal/xactsql"
@@ -25,7 +27,11 @@ var impl = xactsql.Registered.(xactsql.Impl[pgcoord.Key, pgcoord.Term, pgcoord.F
 // a cancel request, which aborts tx and so releases all of its keys (see
 // the package documentation for when, per driver, and inside a savepoint),
 // and XactLock returns an error wrapping the context's error; roll tx back
-// then. A ctx that is done before the statement is sent sends nothing, and
+// then. If ctx ends while the statement succeeds (the cancel request comes
+// too late), XactLock still returns an error wrapping the context's error,
+// never nil: the driver may be closing the connection (lib/pq always does),
+// which ends tx and releases its keys; roll tx back then too. A ctx that is
+// done before the statement is sent sends nothing, and
 // XactLock returns an error wrapping the context's error; what becomes of tx
 // depends on the context tx was begun with. If that context is still live
 // (ctx is another one), tx and its keys are as they were and tx can go on
@@ -76,8 +82,10 @@ func XactRLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
 // Roll tx back (which releases those keys) and retry later, rather than go
 // on holding a subset.
 //
-// ctx bounds the statement. Other errors are those of XactLock, and abort tx
-// as they do there.
+// ctx bounds the statement; if it ends during the statement, XactTryLock
+// returns an error wrapping the context's error even when the statement
+// succeeded, as XactLock does: roll tx back. Other errors are those of
+// XactLock, and abort tx as they do there.
 func XactTryLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
 	return acquire(ctx, "XactTryLock", xactsql.TryLock, tx, keys)
 }
@@ -124,8 +132,10 @@ type TxBeginner interface {
 //
 // ctx is the transaction's context: it governs BEGIN, the wait for the keys
 // and COMMIT, and database/sql rolls the transaction back as soon as ctx
-// ends, even while fn runs. fn should use the ctx it captures for its own
-// statements.
+// ends, even while fn runs. If ctx ends while the lock statement succeeds,
+// InTx does not call fn: it rolls back and returns an error wrapping the
+// context's error (see [XactLock]). fn should use the ctx it captures for
+// its own statements.
 //
 // fn should return a statement's error rather than ignore it: the error has
 // already aborted the transaction and released the keys (see the package
@@ -189,18 +199,14 @@ func inTx(ctx context.Context, op string, db TxBeginner, opts *sql.TxOptions, ke
 	return impl.InTx(ctx, op, begin, keys, run)
 }
 
-// isNil reports whether db is nil, or a nil *sql.DB or *sql.Conn, whose
-// BeginTx would panic.
+// isNil reports whether db is nil, or holds a nil pointer (a nil *sql.DB or
+// *sql.Conn, say), whose BeginTx would panic.
 func isNil(db TxBeginner) bool {
-	switch d := db.(type) {
-	case nil:
+	if db == nil {
 		return true
-	case *sql.DB:
-		return d == nil
-	case *sql.Conn:
-		return d == nil
 	}
-	return false
+	v := reflect.ValueOf(db)
+	return v.Kind() == reflect.Pointer && v.IsNil()
 }
 
 // sqlTx is a *sql.Tx as an xactsql.Txn.
@@ -208,15 +214,37 @@ type sqlTx struct{ tx *sql.Tx }
 
 func (t sqlTx) Exec(ctx context.Context, query string, args ...any) error {
 	_, err := t.tx.ExecContext(ctx, query, args...)
-	return err
+	return endedDuring(ctx, err)
 }
 
 func (t sqlTx) QueryRow(ctx context.Context, query string, args []any, dest ...any) error {
 	err := t.tx.QueryRowContext(ctx, query, args...).Scan(dest...)
 	if errors.Is(err, sql.ErrNoRows) {
-		return xactsql.ErrNoRows
+		err = xactsql.ErrNoRows
+	}
+	if err == nil || err == xactsql.ErrNoRows {
+		if cerr := endedDuring(ctx, nil); cerr != nil {
+			return cerr
+		}
 	}
 	return err
+}
+
+// endedDuring returns err, or, when the statement succeeded but ctx is done
+// by the time it returned, an error wrapping ctx's. A driver may close the
+// connection when ctx ends during a statement even though the statement
+// succeeded: lib/pq does, once it has sent the server a cancel request that
+// came too late, and the transaction (with its keys) ends with the backend.
+// Nothing tells the caller which happened, so the statement's success cannot
+// be trusted.
+func endedDuring(ctx context.Context, err error) error {
+	if err != nil {
+		return err
+	}
+	if cerr := ctx.Err(); cerr != nil {
+		return fmt.Errorf("the statement completed, but ctx ended by then and the driver may be closing the connection, which ends the transaction: %w", cerr)
+	}
+	return nil
 }
 
 // Commit and Rollback: database/sql takes no context for them; the one given

@@ -499,7 +499,10 @@ func withdrawTwice(t *testing.T, dbDefault, level string, run func(context.Conte
 // TestXactCancelRace: the cancel arrives around the grant (before, with,
 // or after the holder's rollback). Either XactLock returns nil and tx holds
 // both keys and commits, or it returns the context's error and the keys go
-// with the backend, and no connection stays in use.
+// with the backend, or, when the statement completed but ctx had ended by
+// the time it returned, it returns the context's error saying so, tx still
+// holds both keys, and its Rollback releases them. No connection stays in
+// use.
 func TestXactCancelRace(t *testing.T) {
 	ctx := t.Context()
 	dsn := pgtest.DB(t)
@@ -535,6 +538,13 @@ func TestXactCancelRace(t *testing.T) {
 			waitLocks(t, dsn, pid, want("ExclusiveLock", "granted", k1, k2))
 			if err := tx.Commit(); err != nil {
 				t.Fatalf("iteration %d: XactLock returned nil, then Commit: %v", i, err)
+			}
+			waitLocks(t, dsn, pid, nil)
+		case errors.Is(err, context.Canceled) && strings.Contains(err.Error(), "the statement completed"):
+			outcomes["completed as ctx ended"]++
+			waitLocks(t, dsn, pid, want("ExclusiveLock", "granted", k1, k2))
+			if err := tx.Rollback(); err != nil {
+				t.Fatalf("iteration %d: Rollback: %v", i, err)
 			}
 			waitLocks(t, dsn, pid, nil)
 		case errors.Is(err, context.Canceled):
