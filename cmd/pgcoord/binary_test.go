@@ -321,10 +321,10 @@ func TestBinary(t *testing.T) {
 			t.Fatalf("elections --json: exit %d, %q, %q", r.code, r.stdout, r.stderr)
 		}
 		a, b := lines[0], lines[1]
-		if a["election"] != "alpha" || a["identity"] != "pod-a" || a["leading"] != true || a["pid"] != float64(info.PID) || a["term"] != float64(live.Term()) {
+		if a["name"] != "alpha" || a["identity"] != "pod-a" || a["leading"] != true || a["pid"] != float64(info.PID) || a["term"] != float64(live.Term()) {
 			t.Errorf("alpha: %v; want pod-a leading, pid %d, term %d", a, info.PID, live.Term())
 		}
-		if b["election"] != "beta" || b["identity"] != "pod-b" || b["leading"] != false || b["term"] != float64(ended.Term()) {
+		if b["name"] != "beta" || b["identity"] != "pod-b" || b["leading"] != false || b["term"] != float64(ended.Term()) {
 			t.Errorf("beta: %v; want pod-b not leading, term %d", b, ended.Term())
 		}
 		r = exe(t, bin, env, "elections")

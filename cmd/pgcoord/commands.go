@@ -6,6 +6,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"os"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -51,6 +52,11 @@ func keyCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		if len(names) == 0 {
 			return usagef("key: give at least one NAME")
 		}
+		for _, n := range names {
+			if n == "" {
+				return usagef("key: a NAME must not be empty")
+			}
+		}
 		if *asJSON {
 			enc := json.NewEncoder(e.stdout)
 			for _, n := range names {
@@ -74,65 +80,97 @@ func keyCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 	}
 }
 
-// lockJSON is one line of "pgcoord locks --json".
-type lockJSON struct {
-	Key             pgcoord.Key `json:"key"`
-	Name            string      `json:"name,omitempty"`
-	Mode            string      `json:"mode"`
-	Granted         bool        `json:"granted"`
-	PID             int32       `json:"pid"`
-	ApplicationName string      `json:"application_name"`
-	ClientAddr      string      `json:"client_addr"`
-	Since           *time.Time  `json:"since,omitempty"`
+// namesFlags declares --name, --names-file and --sep on fs; the function
+// it returns gives the names they name, with the demo's.
+func namesFlags(fs *flag.FlagSet) func() (names, error) {
+	sep := fs.String("sep", "", "split each --name, and each line of --names-file, into HashKey parts at `SEP`")
+	file := fs.String("names-file", "", "read names from `FILE`, one per line, as if each were given with --name\n(blank lines and lines starting with # are skipped)")
+	var list []string
+	fs.Func("name", "show `NAME` instead of the number of its key, HashKey(NAME) (repeatable)", func(s string) error {
+		if s == "" {
+			return errors.New("a name must not be empty")
+		}
+		list = append(list, s)
+		return nil
+	})
+	return func() (names, error) {
+		m := names(demoNames())
+		if *file != "" {
+			b, err := os.ReadFile(*file)
+			if err != nil {
+				return nil, usagef("--names-file: %v", err)
+			}
+			for _, line := range strings.Split(string(b), "\n") {
+				line = strings.TrimRight(line, "\r")
+				if strings.TrimSpace(line) == "" || strings.HasPrefix(strings.TrimSpace(line), "#") {
+					continue
+				}
+				m[keyOf(line, *sep)] = line
+			}
+		}
+		for _, n := range list {
+			m[keyOf(n, *sep)] = n
+		}
+		return m, nil
+	}
 }
 
 func locksCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-	asJSON := fs.Bool("json", false, "print one JSON object per holder or waiter instead of a table")
-	sep := fs.String("sep", "", "split each --name into HashKey parts at `SEP`")
-	var names []string
-	fs.Func("name", "show `NAME` instead of the number of its key, HashKey(NAME) (repeatable)", func(s string) error {
-		names = append(names, s)
-		return nil
-	})
+	asJSON := fs.Bool("json", false, "print one JSON object per holder or waiter (with --waits: per backend) instead of a table")
+	waits := fs.Bool("waits", false, "print who waits for whom: under each backend, the backends waiting for it (pg_blocking_pids)")
+	schema := fs.String("schema", pgcoord.DefaultSchema, "name the keys of the elections and semaphores whose tables are in schema `NAME`")
+	userNames := namesFlags(fs)
 	return func(ctx context.Context, e *env, args []string) error {
 		if len(args) > 0 {
 			return usagef("locks takes no arguments (names go with --name)")
 		}
-		m := demoNames()
-		for _, n := range names {
-			m[keyOf(n, *sep)] = n
+		if err := checkSchema(*schema); err != nil {
+			return err
 		}
-		c, closeAll, err := openClient(ctx, e, pgcoord.WithKeyNames(m))
+		m, err := userNames()
 		if err != nil {
 			return err
 		}
-		defer closeAll()
-		locks, err := c.Locks(ctx)
+		pool, err := openPool(ctx, e)
 		if err != nil {
 			return err
+		}
+		defer pool.Close()
+		st, err := readState(ctx, pool, *schema, m)
+		if err != nil {
+			return err
+		}
+		if *waits {
+			roots := waitForest(st)
+			if *asJSON {
+				enc := json.NewEncoder(e.stdout)
+				for _, n := range flatten(roots) {
+					if err := enc.Encode(n); err != nil {
+						return err
+					}
+				}
+				return nil
+			}
+			printWaits(e.stdout, roots, time.Now())
+			return nil
 		}
 		if *asJSON {
 			enc := json.NewEncoder(e.stdout)
-			for _, l := range locks {
-				j := lockJSON{Key: l.Key, Name: l.Name, Mode: l.Mode.String(), Granted: l.Granted, PID: l.PID,
-					ApplicationName: l.ApplicationName, ClientAddr: l.ClientAddr}
-				if !l.Since.IsZero() {
-					j.Since = &l.Since
-				}
-				if err := enc.Encode(j); err != nil {
+			for _, l := range st.Locks {
+				if err := enc.Encode(l); err != nil {
 					return err
 				}
 			}
 			return nil
 		}
-		return printLocks(e, locks, time.Now())
+		return printLocks(e, st.Locks, time.Now())
 	}
 }
 
 // printLocks writes the table of "pgcoord locks": one row per holder and
-// per waiter, holders first, with the number of waiters of each key on
-// its holders' rows.
-func printLocks(e *env, locks []pgcoord.LockInfo, now time.Time) error {
+// per waiter, in the order of sortLocks, with the number of waiters of
+// each key on its holders' rows.
+func printLocks(e *env, locks []lockRow, now time.Time) error {
 	if len(locks) == 0 {
 		fmt.Fprintln(e.stdout, "no advisory locks in this database")
 		return nil
@@ -144,15 +182,11 @@ func printLocks(e *env, locks []pgcoord.LockInfo, now time.Time) error {
 		}
 	}
 	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "KEY\tMODE\tSTATE\tPID\tAPPLICATION\tCLIENT\tFOR\tWAITERS")
+	fmt.Fprintln(tw, "LOCK\tMODE\tSTATE\tPID\tAPPLICATION\tCLIENT\tFOR\tFENCE\tWAITERS")
 	for _, l := range locks {
-		name := l.Name
-		if name == "" {
-			name = l.Key.String()
-		}
-		state, since, nWait := "waiting", "", ""
-		if !l.Since.IsZero() {
-			since = duration(now.Sub(l.Since))
+		state, since, nWait, fence := "waiting", "", "", ""
+		if l.Since != nil {
+			since = duration(now.Sub(*l.Since))
 		}
 		if l.Granted {
 			state, nWait = "held", strconv.Itoa(waiters[l.Key])
@@ -163,7 +197,11 @@ func printLocks(e *env, locks []pgcoord.LockInfo, now time.Time) error {
 				since = "<=" + since
 			}
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\n", name, l.Mode, state, l.PID, orDash(l.ApplicationName), orDash(l.ClientAddr), orDash(since), nWait)
+		if l.Fence != 0 {
+			fence = strconv.FormatInt(l.Fence, 10)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", l.label(), l.Mode, state, l.PID, orDash(l.ApplicationName),
+			orDash(l.ClientAddr), orDash(since), orDash(fence), orDash(nWait))
 	}
 	return tw.Flush()
 }
@@ -190,9 +228,9 @@ func duration(d time.Duration) string {
 
 // releaseJSON is the line of "pgcoord release --json".
 type releaseJSON struct {
-	PID      int32          `json:"pid"`      // the terminated backend
-	Released []releasedJSON `json:"released"` // the locks it held
-	Awaited  []releasedJSON `json:"awaited"`  // the locks it waited for
+	PID      int32          `json:"pid"`               // the terminated backend
+	Released []releasedJSON `json:"released"`          // the locks it held
+	Awaited  []releasedJSON `json:"awaited,omitempty"` // the locks it waited for, if any
 }
 
 // releasedJSON is a lock of a terminated backend.
@@ -224,7 +262,7 @@ func releaseCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			return err
 		}
 		var held, awaited []string
-		res := releaseJSON{PID: int32(*pid), Released: []releasedJSON{}, Awaited: []releasedJSON{}}
+		res := releaseJSON{PID: int32(*pid), Released: []releasedJSON{}}
 		for _, l := range all {
 			if l.PID != int32(*pid) {
 				continue
@@ -271,40 +309,79 @@ func releaseCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 	}
 }
 
+// migrateJSON is the line of "pgcoord migrate --json".
+type migrateJSON struct {
+	Schema          string `json:"schema"`
+	Action          string `json:"action"`           // "created", "migrated" or "none"
+	PreviousVersion int64  `json:"previous_version"` // 0 when the schema had no pgcoord tables
+	Version         int64  `json:"version"`
+}
+
 func migrateCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-	schema := fs.String("schema", pgcoord.DefaultSchema, "the `NAME` of the schema of pgcoord's tables (WithSchema)")
-	asJSON := fs.Bool("json", false, "print the schema and its version as one JSON object")
+	schema := fs.String("schema", pgcoord.DefaultSchema, "the `NAME` of the schema of pgcoord's tables")
+	asJSON := fs.Bool("json", false, "print what was done as one JSON object: schema, action (created, migrated, none),\nprevious_version, version")
 	return func(ctx context.Context, e *env, args []string) error {
 		if len(args) > 0 {
 			return usagef("migrate takes no arguments")
+		}
+		if err := checkSchema(*schema); err != nil {
+			return err
 		}
 		pool, err := openPool(ctx, e)
 		if err != nil {
 			return err
 		}
 		defer pool.Close()
+		versionTable := pgx.Identifier{*schema, "schema_version"}.Sanitize()
+		readVersion := func() (int64, error) {
+			var v int64
+			var exists bool
+			err := pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", versionTable).Scan(&exists)
+			if err == nil && exists {
+				err = pool.QueryRow(ctx, "SELECT coalesce(max(version), 0) FROM "+versionTable).Scan(&v)
+			}
+			if err != nil {
+				return 0, fmt.Errorf("read the schema version: %w", err)
+			}
+			return v, nil
+		}
+		before, err := readVersion()
+		if err != nil {
+			return err
+		}
 		if err := pgcoord.Migrate(ctx, pool, pgcoord.WithSchema(*schema)); err != nil {
 			return err
 		}
-		var version int64
-		q := "SELECT max(version) FROM " + pgx.Identifier{*schema, "schema_version"}.Sanitize()
-		if err := pool.QueryRow(ctx, q).Scan(&version); err != nil {
-			return fmt.Errorf("read the schema version: %w", err)
+		after, err := readVersion()
+		if err != nil {
+			return err
+		}
+		res := migrateJSON{Schema: *schema, Action: "none", PreviousVersion: before, Version: after}
+		switch {
+		case before == 0 && after > 0:
+			res.Action = "created"
+		case after != before:
+			res.Action = "migrated"
 		}
 		if *asJSON {
-			return json.NewEncoder(e.stdout).Encode(struct {
-				Schema  string `json:"schema"`
-				Version int64  `json:"version"`
-			}{*schema, version})
+			return json.NewEncoder(e.stdout).Encode(res)
 		}
-		fmt.Fprintf(e.stdout, "schema %s is at version %d\n", pgx.Identifier{*schema}.Sanitize(), version)
+		q := pgx.Identifier{*schema}.Sanitize()
+		switch res.Action {
+		case "created":
+			fmt.Fprintf(e.stdout, "created pgcoord's tables in schema %s at version %d\n", q, after)
+		case "migrated":
+			fmt.Fprintf(e.stdout, "migrated schema %s from version %d to %d\n", q, before, after)
+		default:
+			fmt.Fprintf(e.stdout, "schema %s is already at version %d; nothing to do\n", q, after)
+		}
 		return nil
 	}
 }
 
 // leaderJSON is the line of "pgcoord leader --json".
 type leaderJSON struct {
-	Election        string    `json:"election"`
+	Name            string    `json:"name"` // the election's
 	Identity        string    `json:"identity"`
 	Term            int64     `json:"term"`
 	Since           time.Time `json:"since"`
@@ -319,6 +396,12 @@ func leaderCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 	return func(ctx context.Context, e *env, args []string) error {
 		if len(args) != 1 {
 			return usagef("leader takes one election name, got %d arguments", len(args))
+		}
+		if err := checkSchema(*schema); err != nil {
+			return err
+		}
+		if err := checkName("the election name", args[0]); err != nil {
+			return err
 		}
 		pool, err := openPool(ctx, e)
 		if err != nil {
@@ -383,6 +466,9 @@ func semaphoresCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error
 		if len(args) > 0 {
 			return usagef("semaphores takes no arguments")
 		}
+		if err := checkSchema(*schema); err != nil {
+			return err
+		}
 		pool, err := openPool(ctx, e)
 		if err != nil {
 			return err
@@ -399,7 +485,11 @@ func semaphoresCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error
 				(SELECT count(*) FROM k WHERE k.key >> 16 = s.lock_key >> 16 AND k.key & 65535 = 65535)
 			FROM `+pgx.Identifier{*schema, "semaphores"}.Sanitize()+` AS s ORDER BY s.name`)
 		if err != nil {
-			return fmt.Errorf("read semaphores (run \"pgcoord migrate\" first?): %w", err)
+			if isUndefinedTable(err) {
+				return fmt.Errorf("schema %s has no semaphores table (run \"pgcoord migrate --schema %s\" first?): %w",
+					pgx.Identifier{*schema}.Sanitize(), *schema, err)
+			}
+			return fmt.Errorf("read semaphores: %w", err)
 		}
 		sems, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (semaphoreRow, error) {
 			var s semaphoreRow
@@ -440,11 +530,23 @@ func semaphoresCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error
 			return nil
 		}
 		tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "SEMAPHORE\tLIMIT\tHELD\tQUEUED")
+		if !*holders {
+			fmt.Fprintln(tw, "SEMAPHORE\tLIMIT\tHELD\tQUEUED")
+			for _, s := range sems {
+				fmt.Fprintf(tw, "%s\t%d\t%d\t%d\n", s.Name, s.Limit, s.Held, s.Queued)
+			}
+			return tw.Flush()
+		}
+		// One row per holder, under the columns of the holders; a
+		// semaphore without holders has one row with dashes.
+		now := time.Now()
+		fmt.Fprintln(tw, "SEMAPHORE\tLIMIT\tHELD\tQUEUED\tSLOT\tHOLDER\tPID\tFOR")
 		for _, s := range sems {
-			fmt.Fprintf(tw, "%s\t%d\t%d\t%d\n", s.Name, s.Limit, s.Held, s.Queued)
+			if len(s.Holders) == 0 {
+				fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t-\t-\t-\t-\n", s.Name, s.Limit, s.Held, s.Queued)
+			}
 			for _, h := range s.Holders {
-				fmt.Fprintf(tw, "  slot %d\t%s\tpid %d\tsince %s\n", h.Slot, h.Identity, h.PID, h.Since.Format(time.RFC3339))
+				fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%s\t%d\t%s\n", s.Name, s.Limit, s.Held, s.Queued, h.Slot, h.Identity, h.PID, duration(now.Sub(h.Since)))
 			}
 		}
 		return tw.Flush()
@@ -454,7 +556,7 @@ func semaphoresCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error
 // electionJSON is one election as "pgcoord elections" shows it, and a line
 // of its --json output.
 type electionJSON struct {
-	Election string    `json:"election"`
+	Name     string    `json:"name"`     // the election's
 	Identity string    `json:"identity"` // of the latest leader
 	Term     int64     `json:"term"`
 	Since    time.Time `json:"since"`
@@ -479,6 +581,9 @@ func electionsCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error 
 		if len(args) > 0 {
 			return usagef("elections takes no arguments (for one election: pgcoord leader ELECTION)")
 		}
+		if err := checkSchema(*schema); err != nil {
+			return err
+		}
 		pool, err := openPool(ctx, e)
 		if err != nil {
 			return err
@@ -486,11 +591,15 @@ func electionsCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error 
 		defer pool.Close()
 		rows, err := pool.Query(ctx, fmt.Sprintf(electionsSQL, pgx.Identifier{*schema, "leaders"}.Sanitize()))
 		if err != nil {
-			return fmt.Errorf("read elections (run \"pgcoord migrate\" first?): %w", err)
+			if isUndefinedTable(err) {
+				return fmt.Errorf("schema %s has no leaders table (run \"pgcoord migrate --schema %s\" first?): %w",
+					pgx.Identifier{*schema}.Sanitize(), *schema, err)
+			}
+			return fmt.Errorf("read elections: %w", err)
 		}
 		els, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (electionJSON, error) {
 			var el electionJSON
-			err := r.Scan(&el.Election, &el.Identity, &el.Term, &el.Since, &el.PID, &el.Leading)
+			err := r.Scan(&el.Name, &el.Identity, &el.Term, &el.Since, &el.PID, &el.Leading)
 			return el, err
 		})
 		if err != nil {
@@ -517,7 +626,7 @@ func electionsCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error 
 			if !el.Leading {
 				leading, since = "no (ended)", "-"
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%d\n", el.Election, leading, el.Identity, el.Term,
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%d\n", el.Name, leading, el.Identity, el.Term,
 				el.Since.Format(time.RFC3339), since, el.PID)
 		}
 		return tw.Flush()

@@ -13,6 +13,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -57,7 +58,8 @@ type env struct {
 	db             string // connection string, from --db or DATABASE_URL; "" for the libpq environment
 	dbSource       string // where db came from, for error messages
 	connectTimeout time.Duration
-	timeoutSet     bool // --connect-timeout was given
+	timeoutSet     bool   // --connect-timeout was given
+	appName        string // the application_name of the connections, unless the settings give one; "" for pgcoord-cli
 	stdout         io.Writer
 	stderr         io.Writer
 }
@@ -75,8 +77,21 @@ type command struct {
 // commands lists the subcommands in the order the help text shows them.
 // A new subcommand is one more entry here.
 var commands = []command{
-	{name: "locks", args: "[--json] [--name NAME]... [--sep SEP]", flags: locksCmd,
-		summary: "list the advisory locks of the database: holders and waiters, by key or name"},
+	{name: "locks", args: "[--json] [--waits] [--name NAME]... [--names-file FILE] [--sep SEP] [--schema NAME]", flags: locksCmd,
+		summary: "list the advisory locks of the database: holders and waiters, by name; --waits shows who waits for whom",
+		details: `Each key shows by its name where pgcoord knows one: the names given with
+--name or --names-file (and the demo's), and pgcoord's own keys, found in
+the tables of --schema: "election NAME" (whoever holds it leads), "election
+NAME guard", "semaphore NAME slot N" (a permit), "semaphore NAME queue" (its
+holder is next in line, its waiters queue behind). FENCE is the last fence
+issued for the key (an election's term). Rows are sorted by name, then
+mode, holders before waiters.
+
+With --waits, pgcoord prints the wait-for forest: each backend that others
+wait for, and under it the backends that wait for a lock it holds or wait
+behind it in a lock's queue (pg_blocking_pids). A backend that closes a
+cycle is marked CYCLE; PostgreSQL breaks a cycle of lock waits with a
+deadlock error after deadlock_timeout.`},
 	{name: "key", args: "[--json] [--sep SEP] NAME...", flags: keyCmd,
 		summary: "print HashKey(NAME) and the classid/objid/objsubid it has in pg_locks (no database needed)"},
 	{name: "release", args: "--pid N [--force] [--app NAME] [--json]", flags: releaseCmd,
@@ -92,6 +107,15 @@ until the next leader replaces it.`},
 		summary: "list the semaphores: limit, permits held, processes queued; --holders lists each holder"},
 	{name: "migrate", args: "[--schema NAME] [--json]", flags: migrateCmd,
 		summary: "create or update pgcoord's tables (fences, leaders, semaphores) in a schema"},
+	{name: "ui", args: "[--addr HOST:PORT] [--interval D] [--schema NAME] [--name NAME]... [--names-file FILE] [--sep SEP]", flags: uiCmd,
+		summary: "serve a read-only live page: locks by name, the wait-for graph, elections, semaphores",
+		details: `The page is served on 127.0.0.1:8080 unless --addr says otherwise, and
+loads nothing from anywhere else. It updates itself as the database
+changes: pgcoord reads the database once per --interval while a page is
+open, however many pages are open, and sends each page the result
+(server-sent events). When the database cannot be reached the page says
+so, keeps the last state it read, and pgcoord retries every interval.
+The page has no buttons: to end a backend, use "pgcoord release".`},
 	{name: "demo", args: "", flags: demoCmd,
 		summary: "take a few locks and hold them until interrupted, for 'pgcoord locks' to show"},
 }
@@ -314,21 +338,25 @@ the OS user). "key" and "help" need no database.
 
 Key names: pgcoord.HashKey(NAME) is the key of NAME; with --sep, NAME is
 split there into the parts of HashKey (--sep / makes "invoice/42" the key
-HashKey("invoice", "42")). "pgcoord locks" shows the names given with
---name, and those of "pgcoord demo", instead of numbers.
+HashKey("invoice", "42")). "pgcoord locks" and "pgcoord ui" show the names
+given with --name or --names-file, those of "pgcoord demo", and those of
+pgcoord's elections and semaphores, instead of numbers.
 
-JSON: with --json (every command but demo) pgcoord prints JSON Lines: one
-JSON object per line (one per lock, key, election or semaphore; a single
-one for leader, release and migrate), keys in snake_case, times in
-RFC 3339, and nothing else on stdout. No line at all means nothing to list.
+JSON: with --json (every command but demo and ui) pgcoord prints JSON Lines: one
+JSON object per line (one per lock, key, election or semaphore, or per
+backend with locks --waits; a single one for leader, release and
+migrate), keys in snake_case, times in RFC 3339, and nothing else on
+stdout. No line at all means nothing to list. An election or a semaphore
+is named by "name" in every command's output.
 
 Exit codes:
   0  success
   1  failure: the database refused or failed (including a failed connect),
      or a refusal by pgcoord (release of a backend that is not pgcoord's
      without --force)
-  2  usage: unknown command or flag, bad flag value, missing or extra
-     argument, unparsable connection string
+  2  usage: unknown command or flag, bad flag value (an empty --schema,
+     say), missing, extra or empty argument (an empty election name or
+     NAME), unparsable connection string
   3  nothing to show: the election has no leader ("pgcoord leader")
 Messages go to stderr, prefixed "pgcoord:"; results go to stdout.
 `
@@ -455,7 +483,7 @@ func openPool(ctx context.Context, e *env) (*pgxpool.Pool, error) {
 		return nil, usagef("bad database URL (%s): %v", e.where(nil), err)
 	}
 	if cfg.ConnConfig.RuntimeParams["application_name"] == "" {
-		cfg.ConnConfig.RuntimeParams["application_name"] = "pgcoord-cli"
+		cfg.ConnConfig.RuntimeParams["application_name"] = cmp.Or(e.appName, "pgcoord-cli")
 	}
 	timeout := e.connectTimeout
 	if !e.timeoutSet && cfg.ConnConfig.ConnectTimeout > 0 {
