@@ -421,8 +421,9 @@ func XactTryRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // work) and nothing of fn's, and it can go on and commit; only if the
 // rollback itself fails (a broken connection), which the error then says,
 // must the outer transaction be rolled back. When it returns nil, the outer
-// transaction holds fn's work and the keys. TestInTxNestedFailureRollsBackSavepoint
-// checks this in pg_locks and in the table the outer transaction commits.
+// transaction holds fn's work and the keys.
+// TestInTxNestedFailureRollsBackSavepoint checks this in pg_locks and in
+// the table the outer transaction commits.
 //
 // fn's error is returned unchanged (a rollback error after it is dropped: a
 // failed rollback closes the connection, which ends the transaction on the
