@@ -235,7 +235,12 @@ func (t pgxTx) Commit(ctx context.Context) error {
 	rctx, cancel := withoutCancel(ctx, xactRollbackTimeout)
 	defer cancel()
 	if why == nil {
-		return t.tx.Commit(rctx)
+		if err := t.tx.Commit(rctx); err != nil {
+			// pgx has marked the savepoint closed, and the connection is
+			// closed or the outer transaction failed: either way it is over.
+			return errorf("releasing the savepoint failed (roll the outer transaction back): %w", err)
+		}
+		return nil
 	}
 	if err := t.tx.Rollback(rctx); err != nil {
 		return errorf("%w; rolling back to the savepoint failed too (roll the outer transaction back): %w", why, err)

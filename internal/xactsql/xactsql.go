@@ -18,7 +18,12 @@ import (
 	"errors"
 )
 
-// Tx runs statements in one open transaction.
+// Tx runs statements in one open transaction. Exec and QueryRow return nil
+// only if the statement succeeded on a connection the driver keeps: a
+// driver that closes the connection when ctx ends during a statement, even
+// one that succeeded, must be answered with an error (package pgcoordsql
+// returns one wrapping ctx's whenever ctx is done when the statement
+// returns).
 type Tx interface {
 	// Exec runs sql with args and discards what it returns.
 	Exec(ctx context.Context, sql string, args ...any) error
