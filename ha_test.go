@@ -22,15 +22,23 @@ const haTimeout = 4 * time.Minute
 // A planned switchover, and one back, on a Patroni cluster (three nodes,
 // two synchronous standbys, one multi-host connection string with
 // target_session_attrs=read-write) while one Client holds a fenced lock,
-// leads an election and holds a semaphore's only permit, and another Client
-// waits for each of the three. Each time: every hold on the old primary
-// reports ErrLockLost within 2H of the server ending it; every wait rides
-// through and is granted on the new primary (in pg_locks, to the waiter's
-// backend); the new leader starts after the old leader's context was
-// cancelled; fences and terms only grow, and CheckFence on the new primary
-// refuses every earlier one and accepts the newest. A watcher reads
-// pg_locks on all three nodes every few milliseconds throughout: no key or
-// slot is granted on two nodes at once.
+// leads an election through Run and holds a semaphore's only permit, and
+// another Client waits for the lock and the permit and campaigns through
+// Run. Each time:
+//   - every hold on the old primary reports ErrLockLost within 2H of the
+//     server ending it;
+//   - every wait rides through and is granted on the new primary (in
+//     pg_locks, to the waiter's backend), and the new leader begins after
+//     the old leader's context was cancelled;
+//   - the old leader's Run campaigns on, and leads again after the
+//     switchover back, instead of returning;
+//   - a Client that first campaigns (and locks) while no node is the
+//     primary waits, and leads once the new primary answers;
+//   - fences and terms only grow, and CheckFence on the new primary refuses
+//     every earlier one and accepts the newest.
+//
+// A watcher reads pg_locks on all three nodes every few milliseconds
+// throughout: no key or slot is granted on two nodes at once.
 func TestHASwitchoverAndBack(t *testing.T) {
 	t.Parallel()
 	began := time.Now()
@@ -55,34 +63,48 @@ func TestHASwitchoverAndBack(t *testing.T) {
 		fail("Migrate: %v", err)
 	}
 
-	a := newTestClient(t, dsn, WithApplicationName("pgcoord-ha-a"))
-	b := newTestClient(t, dsn, WithApplicationName("pgcoord-ha-b"))
 	k := HashKey("ha", "fenced")
-	electionA, electionB := a.Election("ha", WithIdentity("a")), b.Election("ha", WithIdentity("b"))
-	semA, semB := a.Semaphore("ha", 1), b.Semaphore("ha", 1)
+	parties := [2]*haParty{}
+	for i, name := range []string{"a", "b"} {
+		c := newTestClient(t, dsn, WithApplicationName("pgcoord-ha-"+name))
+		parties[i] = &haParty{name: name, c: c, e: c.Election("ha", WithIdentity(name)), s: c.Semaphore("ha", 1)}
+	}
+	a, b := parties[0], parties[1]
 	watched := map[Key]string{
-		k:               "fenced lock",
-		electionA.Key(): "election lock",
-		electionA.guard: "election guard",
-		semA.slotKey(0): "permit slot 0",
-		semA.queueKey(): "permit queue",
+		k:              "fenced lock",
+		a.e.Key():      "election lock",
+		a.e.guard:      "election guard",
+		a.s.slotKey(0): "permit slot 0",
+		a.s.queueKey(): "permit queue",
 	}
 	w := watchLocks(t, cluster, db, watched)
 	defer w.stop()
 
-	// The first holder takes all three on the first primary.
-	var fences, terms []Term
-	holds := haTake(t, ctx, a, electionA, semA, k)
-	fences, terms = append(fences, holds.lock.Fence()), append(terms, holds.leader.Term())
+	// The first holder takes all three on the first primary; then the
+	// other campaigns too, and waits for the lock and the permit.
+	runCtx, stopRuns := context.WithCancel(ctx)
+	defer stopRuns()
+	holder := a.take(t, ctx, runCtx, k)
+	b.run(runCtx)
+	waiter := b
+	fences, terms := []Term{holder.lock.Fence()}, []Term{holder.leader.Term()}
 	primary := first
-	holder, waiter := holds, haParty{c: b, e: electionB, s: semB}
 	for round := 1; round <= 2; round++ {
-		// The other Client waits for each of them on the server.
-		waits := haWait(ctx, waiter, k)
-		pgtest.Eventually(t, testTimeout, "the waits of round "+fmt.Sprint(round)+" are queued on the primary", func() bool {
-			return w.waiting(primary, k) && w.waiting(primary, electionA.Key()) &&
-				(w.waiting(primary, semA.slotKey(0)) || w.granted(primary, semA.queueKey()))
+		waits := waiter.wait(ctx, k)
+		queued := func() (lock, leader, permit bool) {
+			return w.waiting(primary, k), w.waiting(primary, a.e.Key()),
+				w.waiting(primary, a.s.slotKey(0)) || w.granted(primary, a.s.queueKey())
+		}
+		ok := pgtest.Poll(testTimeout, func() bool {
+			lock, leader, permit := queued()
+			return lock && leader && permit || a.returned() || b.returned()
 		})
+		a.checkRunning(fail, round)
+		b.checkRunning(fail, round)
+		if !ok {
+			lock, leader, permit := queued()
+			fail("round %d: the waits of %s not all queued on %s within %v: lock %v, campaign %v, permit %v", round, waiter.name, primary, testTimeout, lock, leader, permit)
+		}
 
 		to := first
 		if round == 1 {
@@ -92,6 +114,11 @@ func TestHASwitchoverAndBack(t *testing.T) {
 			}
 			to = slices.Min(h.Sync)
 		}
+		// A Client that has not connected yet campaigns, and locks,
+		// while no node is the primary: once the watcher's read of the
+		// old primary fails after the request.
+		requested := time.Now()
+		window := inWindow(ctx, w, primary, requested, newTestClient(t, dsn, WithApplicationName("pgcoord-ha-window")), round)
 		sent, answering, err := cluster.Switchover(ctx, to)
 		if err != nil {
 			fail("round %d: %v", round, err)
@@ -101,7 +128,7 @@ func TestHASwitchoverAndBack(t *testing.T) {
 		// Every hold on the old primary reports its loss within 2H of the
 		// server ending it.
 		bound := lossNoticeBound(&config{heartbeat: DefaultHeartbeat})
-		for _, h := range holder.list(k, semA) {
+		for _, h := range holder.list(k) {
 			select {
 			case <-h.Done():
 			case <-time.After(testTimeout):
@@ -124,7 +151,7 @@ func TestHASwitchoverAndBack(t *testing.T) {
 
 		// Every wait rode through and was granted on the new primary.
 		next := waits.receive(t, fail, round)
-		for _, h := range next.list(k, semA) {
+		for _, h := range next.list(k) {
 			t.Logf("round %d: %s granted %v after the request, %v after the new primary answered",
 				round, h.what, h.at.Sub(sent).Round(time.Millisecond), h.at.Sub(answering).Round(time.Millisecond))
 			if pids := w.grantedTo(to, h.key); !slices.Equal(pids, []int32{h.pid}) {
@@ -134,12 +161,14 @@ func TestHASwitchoverAndBack(t *testing.T) {
 		if ca := holder.leader.cancelledAt(); !ca.Before(next.leader.Since()) {
 			fail("round %d: the new leader began at %v, not after the old leader's context was cancelled at %v", round, next.leader.Since(), ca)
 		}
+		window.check(t, fail, answering)
+
 		fences, terms = append(fences, next.lock.Fence()), append(terms, next.leader.Term())
 		for _, tokens := range []struct {
 			what string
 			key  Key
 			seq  []Term
-		}{{"fence", k, fences}, {"term", electionA.Key(), terms}} {
+		}{{"fence", k, fences}, {"term", a.e.Key(), terms}} {
 			for i := 1; i < len(tokens.seq); i++ {
 				if tokens.seq[i] <= tokens.seq[i-1] {
 					fail("round %d: %ss handed out %v, want strictly increasing", round, tokens.what, tokens.seq)
@@ -158,15 +187,25 @@ func TestHASwitchoverAndBack(t *testing.T) {
 		}
 		holder, waiter, primary = next, holder.party, to
 	}
-	// The last holder holds all three, on the first primary again.
+	a.checkRunning(fail, 3)
+	b.checkRunning(fail, 3)
+
+	// The last holder holds all three, on the first primary again; the
+	// other Run still campaigns.
 	if err := holder.lock.Unlock(ctx); err != nil {
 		fail("Unlock after the switchover back: %v", err)
 	}
-	if err := holder.leader.Resign(ctx); err != nil || !errors.Is(holder.leader.Err(), ErrNotHeld) {
-		fail("Resign after the switchover back: %v (leadership ended with %v)", err, holder.leader.Err())
-	}
 	if err := holder.permit.Release(ctx); err != nil {
 		fail("Release after the switchover back: %v", err)
+	}
+	stopRuns()
+	for _, p := range parties {
+		if err := p.runEnd(); !errors.Is(err, context.Canceled) {
+			fail("Run of %s returned %v when its ctx was cancelled, want context.Canceled", p.name, err)
+		}
+	}
+	if !errors.Is(holder.leader.Err(), ErrNotHeld) {
+		fail("the last leadership ended with %v once Run returned, want ErrNotHeld", holder.leader.Err())
 	}
 
 	w.stop()
@@ -200,17 +239,65 @@ func checkFenceOn(ctx context.Context, pool *pgxpool.Pool, key Key, fence Term) 
 	return CheckFence(ctx, tx, key, fence)
 }
 
-// haParty is one Client of the switchover test with its election and
-// semaphore.
+// haParty is one Client of the switchover test with its election, which it
+// runs (Election.Run) from its first campaign to the end of the test, and
+// its semaphore.
 type haParty struct {
-	c *Client
-	e *Election
-	s *Semaphore
+	name string
+	c    *Client
+	e    *Election
+	s    *Semaphore
+	led  chan haGot[*Leadership] // every leadership its Run begins, when fn started
+
+	ran    chan struct{} // closed when its Run has returned
+	runErr error         // what its Run returned, once ran is closed
+}
+
+// run starts the party's Run, until ctx ends. Its fn reports each
+// leadership and holds it until it ends.
+func (p *haParty) run(ctx context.Context) {
+	p.led, p.ran = make(chan haGot[*Leadership], 8), make(chan struct{})
+	go func() {
+		defer close(p.ran)
+		p.runErr = p.e.Run(ctx, func(ctx context.Context, term Term) error {
+			ld, _ := LeadershipFromContext(ctx)
+			p.led <- haGot[*Leadership]{v: ld, at: time.Now()}
+			<-ctx.Done()
+			return nil
+		})
+	}()
+}
+
+// returned reports whether the party's Run has returned.
+func (p *haParty) returned() bool {
+	select {
+	case <-p.ran:
+		return true
+	default:
+		return false
+	}
+}
+
+// checkRunning fails the test if the party's Run has returned.
+func (p *haParty) checkRunning(fail func(string, ...any), round int) {
+	if p.returned() {
+		fail("round %d: Run of %s returned %v; it must campaign on until its ctx ends", round, p.name, p.runErr)
+	}
+}
+
+// runEnd waits, bounded, for the party's Run to return.
+func (p *haParty) runEnd() error {
+	select {
+	case <-p.ran:
+		return p.runErr
+	case <-time.After(testTimeout):
+		return fmt.Errorf("Run did not return within %v of its ctx's end", testTimeout)
+	}
 }
 
 // haHolds are what one party holds: a fenced lock, a leadership, a permit.
 type haHolds struct {
-	party                      haParty
+	party                      *haParty
 	lock                       *Lock
 	leader                     *Leadership
 	permit                     *Permit
@@ -263,11 +350,11 @@ func (h haHold) doneAt() time.Time {
 	}
 }
 
-func (hs *haHolds) list(k Key, sem *Semaphore) []haHold {
+func (hs *haHolds) list(k Key) []haHold {
 	return []haHold{
 		{what: "fenced lock", key: k, pid: hs.lock.s.PID(), at: hs.lockAt, done: hs.watch["lock"], err: hs.lock.Err},
 		{what: "leadership", key: hs.party.e.Key(), pid: hs.leader.lock.s.PID(), at: hs.leaderAt, done: hs.watch["leader"], err: hs.leader.Err},
-		{what: "permit", key: sem.slotKey(hs.permit.Slot()), pid: hs.permit.l.s.PID(), at: hs.permitAt, done: hs.watch["permit"], err: hs.permit.Err},
+		{what: "permit", key: hs.party.s.slotKey(hs.permit.Slot()), pid: hs.permit.l.s.PID(), at: hs.permitAt, done: hs.watch["permit"], err: hs.permit.Err},
 	}
 }
 
@@ -279,20 +366,26 @@ func (hs *haHolds) watchAll() {
 	}
 }
 
-// haTake takes the three at once, with nobody else waiting.
-func haTake(t *testing.T, ctx context.Context, c *Client, e *Election, s *Semaphore, k Key) *haHolds {
+// take takes the lock, starts the party's Run until runCtx ends and waits
+// for its leadership, and takes the permit, with nobody else waiting.
+func (p *haParty) take(t *testing.T, ctx, runCtx context.Context, k Key) *haHolds {
 	t.Helper()
-	hs := &haHolds{party: haParty{c: c, e: e, s: s}}
+	hs := &haHolds{party: p}
 	var err error
-	if hs.lock, err = c.Lock(ctx, k, WithFence()); err != nil {
+	if hs.lock, err = p.c.Lock(ctx, k, WithFence()); err != nil {
 		t.Fatalf("Lock: %v", err)
 	}
 	hs.lockAt = time.Now()
-	if hs.leader, err = e.Campaign(ctx); err != nil {
-		t.Fatalf("Campaign: %v", err)
+	p.run(runCtx)
+	select {
+	case g := <-p.led:
+		hs.leader, hs.leaderAt = g.v, g.at
+	case <-p.ran:
+		t.Fatalf("Run: %v", p.runErr)
+	case <-time.After(testTimeout):
+		t.Fatal("Run did not lead within", testTimeout)
 	}
-	hs.leaderAt = time.Now()
-	if hs.permit, err = s.Acquire(ctx); err != nil {
+	if hs.permit, err = p.s.Acquire(ctx); err != nil {
 		t.Fatalf("Acquire: %v", err)
 	}
 	hs.permitAt = time.Now()
@@ -300,11 +393,11 @@ func haTake(t *testing.T, ctx context.Context, c *Client, e *Election, s *Semaph
 	return hs
 }
 
-// haWaits are the three blocking acquires of one party, under way.
+// haWaits are the blocking acquires of one party, under way, and its
+// campaigning Run.
 type haWaits struct {
-	party  haParty
+	party  *haParty
 	lock   chan haGot[*Lock]
-	leader chan haGot[*Leadership]
 	permit chan haGot[*Permit]
 }
 
@@ -323,19 +416,18 @@ func goGet[T any](f func() (T, error)) chan haGot[T] {
 	return ch
 }
 
-// haWait starts a blocking Lock with a fence, a Campaign and an Acquire of
-// p, each bounded by ctx.
-func haWait(ctx context.Context, p haParty, k Key) *haWaits {
+// wait starts a blocking Lock with a fence and an Acquire of the party,
+// each bounded by ctx; its Run campaigns already.
+func (p *haParty) wait(ctx context.Context, k Key) *haWaits {
 	return &haWaits{
 		party:  p,
 		lock:   goGet(func() (*Lock, error) { return p.c.Lock(ctx, k, WithFence()) }),
-		leader: goGet(func() (*Leadership, error) { return p.e.Campaign(ctx) }),
 		permit: goGet(func() (*Permit, error) { return p.s.Acquire(ctx) }),
 	}
 }
 
-// receive waits, bounded, for the three acquires, and fails the test
-// unless each got its hold.
+// receive waits, bounded, for the two acquires and the next leadership of
+// the party's Run, and fails the test unless each got its hold.
 func (ws *haWaits) receive(t *testing.T, fail func(string, ...any), round int) *haHolds {
 	t.Helper()
 	hs := &haHolds{party: ws.party}
@@ -349,25 +441,109 @@ func (ws *haWaits) receive(t *testing.T, fail func(string, ...any), round int) *
 			if g.err != nil {
 				errs = append(errs, fmt.Sprintf("Lock: %v", g.err))
 			}
-		case g := <-ws.leader:
+		case g := <-ws.party.led:
 			hs.leader, hs.leaderAt = g.v, g.at
-			if g.err != nil {
-				errs = append(errs, fmt.Sprintf("Campaign: %v", g.err))
-			}
+		case <-ws.party.ran:
+			fail("round %d: Run of %s returned %v instead of campaigning on", round, ws.party.name, ws.party.runErr)
 		case g := <-ws.permit:
 			hs.permit, hs.permitAt = g.v, g.at
 			if g.err != nil {
 				errs = append(errs, fmt.Sprintf("Acquire: %v", g.err))
 			}
 		case <-timer.C:
-			fail("round %d: the waits did not return within 2 minutes of the switchover (lock %v, leader %v, permit %v)", round, hs.lock != nil, hs.leader != nil, hs.permit != nil)
+			fail("round %d: the waits of %s did not return within 2 minutes of the switchover (lock %v, leader %v, permit %v)", round, ws.party.name, hs.lock != nil, hs.leader != nil, hs.permit != nil)
 		}
 	}
 	if len(errs) > 0 {
-		fail("round %d: waits that should have ridden through the switchover failed:\n%s", round, strings.Join(errs, "\n"))
+		fail("round %d: waits of %s that should have ridden through the switchover failed:\n%s", round, ws.party.name, strings.Join(errs, "\n"))
 	}
 	hs.watchAll()
 	return hs
+}
+
+// haWindow is a Campaign and a Lock of a fresh Client, started while no
+// node is the primary.
+type haWindow struct {
+	round   int
+	started chan time.Time // when both were started; closed if never
+	leader  chan haGot[*Leadership]
+	lock    chan haGot[*Lock]
+}
+
+// inWindow starts, once the watcher's first read of old that started after
+// since has failed, a Campaign (of an election of its own) and a Lock
+// through c, which has not connected yet, each bounded by ctx.
+func inWindow(ctx context.Context, w *lockWatch, old string, since time.Time, c *Client, round int) *haWindow {
+	hw := &haWindow{round: round, started: make(chan time.Time, 1), leader: make(chan haGot[*Leadership], 1), lock: make(chan haGot[*Lock], 1)}
+	go func() {
+		if !pgtest.Poll(time.Minute, func() bool { return w.failedSince(old, since) }) {
+			close(hw.started)
+			return
+		}
+		hw.started <- time.Now()
+		name := fmt.Sprintf("ha-window-%d", round)
+		go func() {
+			ld, err := c.Election(name, WithIdentity("window")).Campaign(ctx)
+			hw.leader <- haGot[*Leadership]{ld, err, time.Now()}
+		}()
+		l, err := c.Lock(ctx, HashKey(name))
+		hw.lock <- haGot[*Lock]{l, err, time.Now()}
+	}()
+	return hw
+}
+
+// check fails the test unless the Campaign and the Lock started in the
+// window both succeeded, once the new primary answered, and ends them.
+func (hw *haWindow) check(t *testing.T, fail func(string, ...any), answering time.Time) {
+	t.Helper()
+	var started time.Time
+	select {
+	case at, ok := <-hw.started:
+		if !ok {
+			fail("round %d: the watcher never saw the old primary fail", hw.round)
+		}
+		started = at
+	case <-time.After(testTimeout):
+		fail("round %d: the window's Campaign and Lock did not start within %v", hw.round, testTimeout)
+	}
+	if !started.Before(answering) {
+		// The machine was too slow to start them in the window: they
+		// prove nothing then, but must work all the same.
+		t.Logf("round %d: the window's Campaign and Lock started %v after the new primary answered, not before", hw.round, started.Sub(answering))
+	}
+	for _, got := range []struct {
+		what string
+		ch   <-chan error
+	}{
+		{"Campaign", pipe(hw.leader, func(ld *Leadership) error { return ld.Resign(context.Background()) })},
+		{"Lock", pipe(hw.lock, func(l *Lock) error { return l.Unlock(context.Background()) })},
+	} {
+		select {
+		case err := <-got.ch:
+			if err != nil {
+				fail("round %d: %s of a fresh Client started %v before the new primary answered: %v; it must wait for a primary until its ctx ends",
+					hw.round, got.what, answering.Sub(started).Round(time.Millisecond), err)
+			}
+		case <-time.After(testTimeout):
+			fail("round %d: %s of a fresh Client started in the window did not return within %v", hw.round, got.what, testTimeout)
+		}
+	}
+	t.Logf("round %d: a fresh Client's Campaign and Lock started %v before the new primary answered, and succeeded", hw.round, answering.Sub(started).Round(time.Millisecond))
+}
+
+// pipe delivers the error of an acquire, or else the error of end applied
+// to what it got.
+func pipe[T any](ch <-chan haGot[T], end func(T) error) <-chan error {
+	out := make(chan error, 1)
+	go func() {
+		g := <-ch
+		if g.err != nil {
+			out <- g.err
+			return
+		}
+		out <- end(g.v)
+	}()
+	return out
 }
 
 // lockWatch reads the advisory locks of a database on every node of a
@@ -545,6 +721,20 @@ func (w *lockWatch) goneAt(node string, k Key, pid int32) (time.Time, bool) {
 		return time.Time{}, false
 	}
 	return ss[lastHeld+1].end, true
+}
+
+// failedSince reports whether a read of node that started after since has
+// failed.
+func (w *lockWatch) failedSince(node string, since time.Time) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	ss := w.samples[node]
+	for i := len(ss) - 1; i >= 0 && ss[i].start.After(since); i-- {
+		if ss[i].err != nil {
+			return true
+		}
+	}
+	return false
 }
 
 // check looks through every read for a key granted on two nodes at once
