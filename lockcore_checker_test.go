@@ -456,16 +456,10 @@ func (x *lcIndex) checkOp(op *lcOp) {
 			r.counts["after failure: rows of a lost backend gone"]++
 		case op.After != nil:
 			r.counts["after failure checked"]++
-			var left []lcHold
-			for _, h := range op.After.Rows {
-				if t, ok := x.terminated[h.PID]; ok && t <= op.After.End {
-					continue // a dying backend
-				}
-				if at, ok := x.lostAt[[2]int64{int64(op.Proc), int64(h.PID)}]; ok && at <= op.After.End {
-					continue // a backend its Client gave up, whose locks the server frees when it notices
-				}
-				left = append(left, h)
+			if op.AfterLate {
+				r.counts["after failure checked late"]++
 			}
+			left := x.notLost(op.Proc, op.After.Rows, op.After.End)
 			if len(left) > 0 {
 				r.violateGroup("left after failed acquire", fmt.Sprintf("left %d %d", left[0].PID, left[0].Key), op.After.At, "%s failed (%s), and at %s, with no other goroutine of its Client busy with the keys, pg_locks showed them held by the Client's backends: %v",
 					x.who(op), op.Err, x.in.ts(op.After.At), left)
@@ -485,6 +479,7 @@ func (x *lcIndex) checkOp(op *lcOp) {
 				x.who(op), x.in.ts(lossAt), op.PID, op.Proc, x.in.loss/2, x.in.loss, x.faultsNear(lossAt), x.inFlight(op.Proc, op.Client, op.Session, lossAt), lossErr)
 		}
 	}
+	x.checkOverlaps(op, lost && explained)
 	for _, c := range []struct {
 		name string
 		seen *lcSeen
@@ -539,17 +534,83 @@ func (x *lcIndex) checkOp(op *lcOp) {
 	if op.UnlockErr != "" && !lost {
 		r.violate("Unlock error", op.UnlockAt, "%s: Unlock returned an error though the lock was not lost: %s", x.who(op), op.UnlockErr)
 	}
+	if op.UnlockErr == "" && op.Shared && op.UnlockCall != 0 {
+		r.counts["shared Unlock checked against terminations"]++
+		for _, f := range x.terms {
+			if f.PID == op.PID && f.End+int64(lcExitBound) < op.UnlockCall {
+				r.violate("release from a dead backend", op.UnlockAt, "%s: Unlock, called at %s, returned nil at %s, though its backend %d was terminated at %s (pg_terminate_backend returned %s): it never proved the backend alive",
+					x.who(op), x.in.ts(op.UnlockCall), x.in.ts(op.UnlockAt), op.PID, x.in.ts(f.At), x.in.ts(f.End))
+				break
+			}
+		}
+	}
 	if op.UnlockErr == "" {
 		switch {
 		case op.AfterSkipped:
 			r.counts["after Unlock skipped"]++
 		case op.After != nil:
 			r.counts["after Unlock checked"]++
-			if len(op.After.Rows) > 0 {
-				r.violateGroup("left after Unlock", fmt.Sprintf("left %d %d", op.After.Rows[0].PID, op.After.Rows[0].Key), op.After.At, "%s: Unlock returned nil at %s, but at %s, with no other goroutine of its Client busy with the keys, pg_locks showed %v",
-					x.who(op), x.in.ts(op.UnlockAt), x.in.ts(op.After.At), op.After.Rows)
+			rows := op.After.Rows
+			if op.AfterLate {
+				// Read once the Client's other goroutines were done with
+				// the keys: one of them may have lost this backend
+				// meanwhile, whose locks the server frees when it notices.
+				r.counts["after Unlock checked late"]++
+				rows = x.notLost(op.Proc, rows, op.After.End)
+			}
+			if len(rows) > 0 {
+				r.violateGroup("left after Unlock", fmt.Sprintf("left %d %d", rows[0].PID, rows[0].Key), op.After.At, "%s: Unlock returned nil at %s, but at %s, with no other goroutine of its Client busy with the keys, pg_locks showed %v",
+					x.who(op), x.in.ts(op.UnlockAt), x.in.ts(op.After.At), rows)
 			}
 		}
+	}
+}
+
+// notLost returns the rows that are on neither a backend the nemesis
+// terminated nor one that process proc reported lost, by end.
+func (x *lcIndex) notLost(proc int, rows []lcHold, end int64) []lcHold {
+	var left []lcHold
+	for _, h := range rows {
+		if t, ok := x.terminated[h.PID]; ok && t <= end {
+			continue // a dying backend
+		}
+		if at, ok := x.lostAt[[2]int64{int64(proc), int64(h.PID)}]; ok && at <= end {
+			continue // a backend its Client gave up, whose locks the server frees when it notices
+		}
+		left = append(left, h)
+	}
+	return left
+}
+
+// checkOverlaps checks that no other goroutine of op's Client was in a
+// critical section on one of op's keys, in a mode that excludes op's,
+// when op entered its own, which pg_locks cannot show when both handles
+// are on one backend. Allowed only when one of the two locks was reported
+// lost for a reason that explains the loss (lostOK: op's), as for the
+// overlaps that pg_locks shows.
+func (x *lcIndex) checkOverlaps(op *lcOp, lostOK bool) {
+	r := x.r
+	r.counts["in-Client overlap checked"]++
+	for _, h := range op.Overlaps {
+		other := x.opByID[h.ID]
+		otherOK := false
+		if other != nil {
+			if lost, at, _ := other.loss(); lost {
+				_, otherOK = x.explainLoss(other.Proc, other.PID, at)
+			}
+		}
+		if lostOK || otherOK {
+			r.counts["in-Client overlaps of lost locks"]++
+			continue
+		}
+		same := "another backend"
+		if h.PID == op.PID {
+			same = "the same backend"
+		}
+		mode := map[bool]string{true: "shared", false: "exclusively"}
+		r.violateGroup("overlap in one Client", fmt.Sprintf("in-Client %s %d", h.ID, h.Key), op.Ret,
+			"%s entered its critical section holding key %d %s on backend %d while %s of the same Client held it %s on %s (backend %d), and neither lock was reported lost",
+			x.who(op), h.Key, mode[op.Shared], op.PID, h.ID, mode[h.Shared], same, h.PID)
 	}
 }
 
@@ -781,6 +842,22 @@ func TestLockCoreChecker(t *testing.T) {
 		UnlockAt: ms(2000), DoneAt: ms(1500), DoneLost: true, DoneErr: "pgcoord: lock lost: no answer from the server"}
 	onLost := held("o", 0, 2)
 	onLost.Kind, onLost.Session, onLost.Start, onLost.Ret, onLost.Outcome = "Session.Lock", 107, ms(1600), ms(1601), "lost"
+	// Two exclusive handles of one Client on backend 100, which pg_locks
+	// shows as one holder; allowed only if one of them was lost.
+	first, second := held("h1", 100, 5), held("h2", 100, 5)
+	second.Start, second.Ret = ms(12), ms(15)
+	second.Overlaps = []lcInHold{{ID: "h1", Key: 5, PID: 100}}
+	readerFirst, readerSecond := held("r1", 100, 5), held("r2", 100, 5)
+	readerFirst.Kind, readerFirst.Shared, readerSecond.Kind, readerSecond.Shared = "RLock", true, "RLock", true
+	// Joined shared handles: neither is in the other's Overlaps.
+	// A shared hold whose Unlock returned nil 300 ms after its backend
+	// was terminated (and the loss noticed later), and one whose Unlock
+	// ran while the backend was still exiting.
+	deadRelease := held("dr", 100, 5)
+	deadRelease.Kind, deadRelease.Shared, deadRelease.Exit = "RLock", true, nil
+	deadRelease.UnlockCall, deadRelease.UnlockAt, deadRelease.DoneAt, deadRelease.After = ms(320), ms(321), ms(321), nil
+	exitingRelease := deadRelease
+	exitingRelease.UnlockCall = ms(100)
 	unlockErr := held("u", 106, 4)
 	unlockErr.UnlockErr = "pgcoord: the server did not hold int64:4 for backend 106: lock not held"
 
@@ -816,6 +893,11 @@ func TestLockCoreChecker(t *testing.T) {
 		{name: "left after Unlock, seen again", ops: []lcOp{left, leftAgain}, want: []string{"left after Unlock"}, folded: 1},
 		{name: "left by a terminated backend", ops: []lcOp{failed}, faults: []lcFault{terminate(104, 25)}},
 		{name: "Unlock error", ops: []lcOp{unlockErr}, want: []string{"Unlock error"}},
+		{name: "overlap in one Client", ops: []lcOp{first, second}, want: []string{"overlap in one Client"}},
+		{name: "overlap in one Client of a lost lock", ops: []lcOp{lost(first, 14), second}, faults: []lcFault{terminate(100, 5)}},
+		{name: "joined readers of one Client", ops: []lcOp{readerFirst, readerSecond}},
+		{name: "release from a dead backend", ops: []lcOp{deadRelease}, faults: []lcFault{terminate(100, 15)}, want: []string{"release from a dead backend"}},
+		{name: "release while the backend exits", ops: []lcOp{exitingRelease}, faults: []lcFault{terminate(100, 15)}},
 		{name: "fenced writes interleave", ops: []lcOp{interleaved, b}, rows: []lcRow{row(1, b), row(2, interleaved)}, want: []string{"fenced writes interleave", "history"}},
 		{name: "stale after a loss", ops: []lcOp{staleLost, b}, faults: []lcFault{terminate(101, 50)}, rows: []lcRow{row(1, a), row(2, b)}},
 		{name: "stale while held", ops: []lcOp{staleHeld}, want: []string{"history", "stale while held"}},
