@@ -832,3 +832,55 @@ func (w *lockWatch) summary() string {
 	slices.Sort(parts)
 	return strings.Join(parts, "; ")
 }
+
+// The switchover test's pg_locks check catches a key granted on two nodes
+// at once, by runs of reads or by a single read within another node's run,
+// and accepts holds that follow one another.
+func TestHALockWatchCatchesTwoNodes(t *testing.T) {
+	k := HashKey("ha", "checker")
+	t0 := time.Now()
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	held := func(from, to int, pid int32) lockSample {
+		return lockSample{start: at(from), end: at(to), granted: map[Key][]int32{k: {pid}}}
+	}
+	free := func(from, to int) lockSample { return lockSample{start: at(from), end: at(to)} }
+	failed := func(from, to int) lockSample {
+		return lockSample{start: at(from), end: at(to), err: errors.New("connection refused")}
+	}
+	for _, tc := range []struct {
+		name    string
+		samples map[string][]lockSample
+		want    string // in the error; "" for none
+	}{
+		{"one after the other", map[string][]lockSample{
+			"n0": {held(0, 5, 1), held(10, 15, 1), failed(20, 25), failed(30, 35)},
+			"n1": {failed(0, 5), free(10, 15), free(20, 25), held(30, 35, 2), held(40, 45, 2)},
+		}, ""},
+		{"runs overlap", map[string][]lockSample{
+			"n0": {held(0, 5, 1), held(10, 15, 1), held(20, 25, 1), held(30, 35, 1)},
+			"n1": {free(0, 5), held(12, 17, 2), held(22, 27, 2), free(32, 37)},
+		}, "granted on two nodes at once"},
+		{"a single read within another node's run", map[string][]lockSample{
+			"n0": {held(0, 5, 1), held(10, 15, 1), held(20, 25, 1), held(30, 35, 1)},
+			"n1": {free(0, 5), held(12, 17, 2), free(22, 27)},
+		}, "granted on two nodes at once"},
+		{"reads that cannot be ordered", map[string][]lockSample{
+			"n0": {held(0, 10, 1), free(20, 30)},
+			"n1": {free(0, 4), held(5, 15, 2), held(20, 30, 2)},
+		}, ""},
+		{"two backends on one node", map[string][]lockSample{
+			"n0": {{start: at(0), end: at(5), granted: map[Key][]int32{k: {1, 2}}}},
+		}, "granted to backends [1 2] at once"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := &lockWatch{keys: map[Key]string{k: "key"}, samples: tc.samples}
+			err := w.check()
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("check: %v, want nil", err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+				t.Fatalf("check: %v, want an error with %q", err, tc.want)
+			}
+		})
+	}
+}
