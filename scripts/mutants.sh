@@ -51,7 +51,7 @@ for m in "${mutants[@]}"; do
 	run=$("$tmp/mutate" field "$m" run)
 	read -r -a flags <<<"$("$tmp/mutate" field "$m" flags)"
 	timeout=$("$tmp/mutate" field "$m" timeout)
-	timeout=${timeout:-15m}
+	timeout=${timeout:-10m}
 	tree="$tmp/tree"
 	rm -rf "$tree"
 	cp -a "$tmp/clean" "$tree"
