@@ -118,7 +118,7 @@ func newHub(pool *pgxpool.Pool, schema string, m names, interval time.Duration) 
 // message is what a page receives: the state, or the error of the last
 // read with the last state read without one.
 type message struct {
-	*state
+	state
 	Error      string     `json:"error,omitempty"`
 	ErrorSince *time.Time `json:"error_since,omitempty"`
 	IntervalMS int64      `json:"interval_ms"`
@@ -162,18 +162,22 @@ func (h *hub) poll(ctx context.Context) {
 	n := h.polls.Add(1)
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	msg := message{state: st, IntervalMS: h.interval.Milliseconds(), Polls: n}
+	msg := message{IntervalMS: h.interval.Milliseconds(), Polls: n}
 	if err != nil {
 		if h.started.IsZero() {
 			h.started = time.Now()
 		}
 		since := h.started
-		msg.state, msg.Error, msg.ErrorSince = h.good, strings.TrimPrefix(err.Error(), "pgcoord: "), &since
-		if msg.state == nil {
-			msg.state = &state{Time: time.Now(), Schema: h.schema, Locks: []lockRow{}, Waits: []waitEdge{},
+		msg.Error, msg.ErrorSince = strings.TrimPrefix(err.Error(), "pgcoord: "), &since
+		if h.good != nil {
+			msg.state = *h.good
+		} else {
+			msg.state = state{Schema: h.schema, Locks: []lockRow{}, Waits: []waitEdge{},
 				Elections: []electionRow{}, Semaphores: []semaphoreInfo{}}
 		}
+		msg.Time = time.Now()
 	} else {
+		msg.state = *st
 		h.good, h.started = st, time.Time{}
 	}
 	b, jerr := json.Marshal(msg)

@@ -8,7 +8,7 @@ let lastGood = null; // time of the last state read without error
 function el(tag, attrs, ...children) {
   const e = tag.startsWith("svg:") ? document.createElementNS(SVG, tag.slice(4)) : document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === undefined || v === null || v === false) continue;
+    if (v === undefined || v === null) continue;
     if (k === "class") e.setAttribute("class", v);
     else if (k.startsWith("data-")) e.setAttribute(k, String(v));
     else e.setAttribute(k, String(v));
@@ -121,15 +121,25 @@ function renderGraph(st) {
     }
     return false;
   };
-  const W = 170, H = 44, GX = 110, GY = 26, M = 12;
-  const cols = {}, pos = {};
-  for (const p of pids) {
+  const W = 170, H = 44, GX = 160, GY = 26, M = 12;
+  // Rows: depth first from each backend that waits for nobody, so that a
+  // waiter sits level with, or below, the backend it waits for.
+  const waiters = {};
+  for (const e of edges) (waiters[e.blocker] ||= []).push(e.waiter);
+  const row = {}, next = {};
+  const place = (p, min) => {
+    if (p in row) return;
     const c = depth[p];
-    cols[c] = (cols[c] || 0) + 1;
-    pos[p] = { x: M + c * (W + GX), y: M + (cols[c] - 1) * (H + GY) };
-  }
-  const ncol = Math.max(...Object.keys(cols).map(Number)) + 1;
-  const nrow = Math.max(...Object.values(cols));
+    row[p] = Math.max(min, next[c] || 0);
+    next[c] = row[p] + 1;
+    for (const w of (waiters[p] || []).sort((a, b) => a - b)) place(w, row[p]);
+  };
+  for (const p of pids) if (!blockers[p]) place(p, 0);
+  for (const p of pids) place(p, 0); // cycles that no such backend reaches
+  const pos = {};
+  for (const p of pids) pos[p] = { x: M + depth[p] * (W + GX), y: M + row[p] * (H + GY) };
+  const ncol = Math.max(...pids.map(p => depth[p])) + 1;
+  const nrow = Math.max(...pids.map(p => row[p])) + 1;
   svg.setAttribute("width", 2 * M + ncol * W + (ncol - 1) * GX);
   svg.setAttribute("height", 2 * M + nrow * H + (nrow - 1) * GY);
   const kids = [...svgKids];
@@ -138,8 +148,9 @@ function renderGraph(st) {
     const cycle = reaches(e.blocker, e.waiter);
     const x1 = a.x, y1 = a.y + H / 2, x2 = b.x + W, y2 = b.y + H / 2;
     kids.push(el("svg:g", { class: "edge" + (cycle ? " cycle" : ""), "data-waiter": e.waiter, "data-blocker": e.blocker },
+      el("svg:title", {}, "pid " + e.waiter + " waits for " + (awaits[e.waiter] || "a lock") + ", held by or queued behind pid " + e.blocker),
       el("svg:line", { x1, y1, x2, y2, "marker-end": "url(#arrow)" }),
-      el("svg:text", { x: (x1 + x2) / 2, y: (y1 + y2) / 2 - 4, "text-anchor": "middle" }, awaits[e.waiter] || "")));
+      el("svg:text", { x: (x1 + x2) / 2, y: (y1 + y2) / 2 - 5, "text-anchor": "middle" }, awaits[e.waiter] || "")));
   }
   for (const p of pids) {
     const { x, y } = pos[p];
