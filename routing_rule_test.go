@@ -263,3 +263,133 @@ func TestSemaphoreGrantRowWaitNoSpuriousDeadlock(t *testing.T) {
 		})
 	}
 }
+
+// A WithFence acquire issues the key's fence on the backend that holds the
+// key, waiting there at most a glance (20 ms) for a transaction that
+// checked the key's previous fence, then elsewhere on a backend that holds
+// nothing, and while none is free (WithMaxWaits waits run already), on the
+// key's backend again at intervals. Keeping the glance below
+// deadlock_timeout keeps the glancing backend's own deadlock check from
+// running, but not the check of the transaction it waits for: if that
+// transaction waits for another key of the glancing backend, its check
+// finds the cycle whenever it runs during a glance. The application has
+// no cycle (the key's holder waits for nothing): the transaction must not
+// be told of a deadlock. Each of 30 attempts starts the transaction's wait
+// as soon as pg_locks shows a backend waiting for the checked row (a
+// glance, or a wait elsewhere), with the transaction's deadlock_timeout at
+// its least, 1 ms, so that its check runs while that wait lasts. With the
+// key held by another Client instead, the same attempts end in lock
+// timeouts only.
+func TestFenceGlanceNoSpuriousDeadlock(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, _ := semaphoreDB(t)
+	c := newTestClient(t, dsn, WithSharedBackends(1), WithMaxWaits(1))
+	k, x, y := Int64Key(7303), Int64Key(7304), Int64Key(7305)
+
+	// The key's first fence, which the transaction checks.
+	l0, err := c.Lock(ctx, k, WithFence())
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := l0.Fence()
+	mustUnlock(t, l0)
+
+	held, err := c.TryLock(ctx, x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	shared := held.s.PID()
+
+	// The Client's one wait is taken: a Lock of y, which another
+	// connection holds.
+	other := pgtest.Conn(t, dsn)
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", y.v); err != nil {
+		t.Fatal(err)
+	}
+	waiter := goLock(func() (*Lock, error) { return c.Lock(ctx, y) })
+	pgtest.Eventually(t, testTimeout, "the Lock of y to wait on the server", func() bool {
+		return waitingOn(t, dsn, y) == 1 && c.Stat().Waits == 1
+	})
+
+	txConn := pgtest.Conn(t, dsn)
+	if _, err := txConn.Exec(ctx, "SET deadlock_timeout = '1ms'"); err != nil {
+		pgtest.SkipOrFail(t, "the transaction needs a deadlock_timeout of its own: %v", err)
+	}
+	tx, err := txConn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	if err := c.CheckFence(ctx, tx, k, first); err != nil {
+		t.Fatalf("CheckFence of the first fence: %v", err)
+	}
+
+	fenced := goLock(func() (*Lock, error) { return c.Lock(ctx, k, WithFence()) })
+	watch := pgtest.Conn(t, dsn)
+	txPID := txConn.PgConn().PID()
+	// rowWait reports whether a backend other than the transaction's waits
+	// for a row: the fence's wait for the checked fence, wherever it runs.
+	rowWait := func() bool {
+		var n int
+		err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_locks
+			WHERE NOT granted AND locktype IN ('transactionid', 'tuple') AND pid <> $1`, txPID).Scan(&n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n > 0
+	}
+	const attempts = 30
+	seen := 0
+	for attempt := 1; attempt <= attempts; attempt++ {
+		// Start the wait as a backend waits for the row, if one does
+		// within a while.
+		for until := time.Now().Add(150 * time.Millisecond); time.Now().Before(until); {
+			if rowWait() {
+				seen++
+				break
+			}
+		}
+		if _, err := tx.Exec(ctx, "SAVEPOINT attempt"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, "SET LOCAL lock_timeout = '30ms'"); err != nil {
+			t.Fatal(err)
+		}
+		_, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", x.v)
+		switch pgCode(err) {
+		case "55P03":
+		case "40P01":
+			t.Fatalf("attempt %d: the transaction's wait for %v, which backend %d holds, ended in a deadlock: %v; the application has no cycle (backend %d waits for a row: %v)",
+				attempt, x, shared, err, shared, backendWaitsOnRow(t, watch, shared))
+		default:
+			t.Fatalf("attempt %d: the transaction's wait for %v: %v, want a lock timeout", attempt, x, err)
+		}
+		if _, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT attempt"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Logf("%d waits for %v, %d of them started while the fence waited for the checked row, without a deadlock", attempts, x, seen)
+	stillWaiting(t, fenced)
+
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", y.v); err != nil {
+		t.Fatal(err)
+	}
+	w := receive(t, waiter)
+	if w.err != nil {
+		t.Fatalf("Lock of y: %v", w.err)
+	}
+	mustUnlock(t, w.l)
+	r := receive(t, fenced)
+	if r.err != nil {
+		t.Fatalf("Lock WithFence: %v", r.err)
+	}
+	if r.l.Fence() <= first {
+		t.Fatalf("fence %d, want more than %d", r.l.Fence(), first)
+	}
+	mustUnlock(t, r.l)
+	mustUnlock(t, held)
+}
