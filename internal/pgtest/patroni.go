@@ -121,7 +121,7 @@ type haTools struct {
 	patroni, etcd, bindir string
 }
 
-// findHATools finds patroni and etcd on PATH (or in /usr/bin), and the
+// findHATools finds patroni and etcd on PATH, and the
 // directory of the PostgreSQL binaries, which must hold what Patroni runs.
 func findHATools() (haTools, error) {
 	var tools haTools
@@ -132,11 +132,8 @@ func findHATools() (haTools, error) {
 	}{{"patroni", &tools.patroni}, {"etcd", &tools.etcd}} {
 		path, err := exec.LookPath(p.name)
 		if err != nil {
-			if isExecutable("/usr/bin/"+p.name) != nil {
-				missing = append(missing, p.name+" not found")
-				continue
-			}
-			path = "/usr/bin/" + p.name
+			missing = append(missing, p.name+" not found on PATH")
+			continue
 		}
 		*p.dst = path
 	}
