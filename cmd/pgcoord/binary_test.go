@@ -535,3 +535,172 @@ func (f *fake) refuse(conn net.Conn) {
 	be.Send(&pgproto3.ErrorResponse{Severity: "FATAL", Code: "28P01", Message: "test server refuses every login"})
 	_ = be.Flush()
 }
+
+// Bad values exit 2 with a message that names the flag or argument, as the
+// help's table of exit codes says; a schema without pgcoord's tables is a
+// failure (1) that suggests the migration that would make them.
+func TestBinaryExitCodesAndMessages(t *testing.T) {
+	bin := buildCLI(t)
+	db := pgtest.DB(t)
+	env := []string{"DATABASE_URL=" + db}
+	for _, tc := range []struct {
+		args []string
+		code int
+		want string // in stderr
+	}{
+		{[]string{"semaphores", "--schema", ""}, exitUsage, "--schema must not be empty"},
+		{[]string{"elections", "--schema", ""}, exitUsage, "--schema must not be empty"},
+		{[]string{"migrate", "--schema", ""}, exitUsage, "--schema must not be empty"},
+		{[]string{"leader", "--schema", "", "x"}, exitUsage, "--schema must not be empty"},
+		{[]string{"locks", "--schema", ""}, exitUsage, "--schema must not be empty"},
+		{[]string{"ui", "--schema", ""}, exitUsage, "--schema must not be empty"},
+		{[]string{"migrate", "--schema", strings.Repeat("s", 64)}, exitUsage, "at most 63 bytes"},
+		{[]string{"leader", ""}, exitUsage, "election name must not be empty"},
+		{[]string{"leader", "a\x01b\xff"}, exitUsage, "UTF-8"},
+		{[]string{"key", ""}, exitUsage, "NAME must not be empty"},
+		{[]string{"key", "a", ""}, exitUsage, "NAME must not be empty"},
+		{[]string{"locks", "--name", ""}, exitUsage, "a name must not be empty"},
+		{[]string{"locks", "--names-file", filepath.Join(t.TempDir(), "none")}, exitUsage, "--names-file"},
+		{[]string{"ui", "--interval", "1ms"}, exitUsage, "--interval must be 100ms to 1h"},
+		{[]string{"ui", "--addr", "127.0.0.1:nope"}, exitUsage, "--addr"},
+		{[]string{"semaphores", "--schema", "nosuch"}, exitFailure, `schema "nosuch" has no semaphores table (run "pgcoord migrate --schema nosuch" first?)`},
+		{[]string{"elections", "--schema", "nosuch"}, exitFailure, `schema "nosuch" has no leaders table (run "pgcoord migrate --schema nosuch" first?)`},
+	} {
+		r := exe(t, bin, env, tc.args...)
+		if r.code != tc.code || !strings.HasPrefix(r.stderr, "pgcoord: ") || !strings.Contains(r.stderr, tc.want) || r.stdout != "" {
+			t.Errorf("pgcoord %q: exit %d, stdout %q, stderr %q; want exit %d and %q", tc.args, r.code, r.stdout, r.stderr, tc.code, tc.want)
+		}
+		// The CLI's messages name its own flags, never the library's
+		// options, and a usage error is not an SQL error.
+		if strings.Contains(r.stderr, "WithSchema") || strings.Contains(r.stderr, "option ") || tc.code == exitUsage && strings.Contains(r.stderr, "SQLSTATE") {
+			t.Errorf("pgcoord %q: stderr %q names a library option or an SQL error", tc.args, r.stderr)
+		}
+	}
+}
+
+// migrate says what it did: created the tables, migrated them from one
+// version to another, or found nothing to do.
+func TestBinaryMigrateReportsWhatItDid(t *testing.T) {
+	bin := buildCLI(t)
+	db := pgtest.DB(t)
+	env := []string{"DATABASE_URL=" + db}
+	latest := latestMigration(t)
+	r := exe(t, bin, env, "migrate", "--schema", "app")
+	if want := fmt.Sprintf("created pgcoord's tables in schema \"app\" at version %d\n", latest); r.code != exitOK || r.stdout != want {
+		t.Fatalf("first migrate: exit %d, %q, %q; want %q", r.code, r.stdout, r.stderr, want)
+	}
+	r = exe(t, bin, env, "migrate", "--schema", "app", "--json")
+	if l := jsonLines(t, r.stdout); r.code != exitOK || len(l) != 1 || l[0]["action"] != "none" || l[0]["previous_version"] != float64(latest) || l[0]["version"] != float64(latest) {
+		t.Fatalf("migrate again --json: exit %d, %q, %q", r.code, r.stdout, r.stderr)
+	}
+	r = exe(t, bin, env, "migrate", "--schema", "app")
+	if want := fmt.Sprintf("schema \"app\" is already at version %d; nothing to do\n", latest); r.code != exitOK || r.stdout != want {
+		t.Fatalf("migrate again: exit %d, %q; want %q", r.code, r.stdout, want)
+	}
+	// Back to version 3, by the down files, as an older pgcoord left it.
+	ctx := context.Background()
+	conn := pgtest.Conn(t, db)
+	if _, err := conn.Exec(ctx, "SET search_path = app"); err != nil {
+		t.Fatal(err)
+	}
+	for v := latest; v > 3; v-- {
+		downs, err := fs.Glob(pgcoord.Migrations(), fmt.Sprintf("%06d_*.down.sql", v))
+		if err != nil || len(downs) != 1 {
+			t.Fatalf("down file of %d: %v, %v", v, downs, err)
+		}
+		sql, err := fs.ReadFile(pgcoord.Migrations(), downs[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := conn.Exec(ctx, string(sql)); err != nil {
+			t.Fatalf("%s: %v", downs[0], err)
+		}
+		if _, err := conn.Exec(ctx, "DELETE FROM app.schema_version WHERE version = $1", v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r = exe(t, bin, env, "migrate", "--schema", "app", "--json")
+	if l := jsonLines(t, r.stdout); r.code != exitOK || len(l) != 1 || l[0]["action"] != "migrated" || l[0]["previous_version"] != float64(3) || l[0]["version"] != float64(latest) {
+		t.Fatalf("migrate from 3 --json: exit %d, %q, %q", r.code, r.stdout, r.stderr)
+	}
+	schemaVersion(t, db, "app", latest)
+}
+
+// The JSON of every command names an election and a semaphore the same
+// way ("name"); release --json lists the locks the backend waited for only
+// when there were some; and semaphores --holders prints every row under
+// the header's columns.
+func TestBinaryOutputIsConsistent(t *testing.T) {
+	bin := buildCLI(t)
+	db := pgtest.DB(t)
+	env := []string{"DATABASE_URL=" + db}
+	if r := exe(t, bin, env, "migrate"); r.code != exitOK {
+		t.Fatal(r.stderr)
+	}
+	ctx := context.Background()
+	c := newClient(t, db)
+	campaign(t, c, "scheduler", "pod-1")
+	for _, identity := range []string{"w-1", "a much longer holder identity"} {
+		p, err := c.Semaphore("exports", 3, pgcoord.WithHolderIdentity(identity)).Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Release(ctx)
+	}
+	if _, err := c.Semaphore("idle-semaphore-with-a-long-name", 1).TryAcquire(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{{"leader", "scheduler", "--json"}, {"elections", "--json"}, {"semaphores", "--json"}} {
+		r := exe(t, bin, env, args...)
+		lines := jsonLines(t, r.stdout)
+		if r.code != exitOK || len(lines) == 0 {
+			t.Fatalf("pgcoord %q: exit %d, %q", args, r.code, r.stderr)
+		}
+		for _, l := range lines {
+			if _, ok := l["name"].(string); !ok || l["election"] != nil || l["semaphore"] != nil {
+				t.Errorf("pgcoord %q: %v; want the election's or semaphore's name as \"name\"", args, l)
+			}
+		}
+	}
+
+	// release --json: no "awaited" for a backend that waited for nothing.
+	holder := pgtest.Conn(t, db)
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock(42)"); err != nil {
+		t.Fatal(err)
+	}
+	r := exe(t, bin, env, "release", "--json", "--force", "--pid", strconv.Itoa(int(holder.PgConn().PID())))
+	if l := jsonLines(t, r.stdout); r.code != exitOK || len(l) != 1 || strings.Contains(r.stdout, "awaited") || l[0]["released"] == nil {
+		t.Errorf("release --json of a holder: exit %d, %q, %q", r.code, r.stdout, r.stderr)
+	}
+	// ... and the locks it waited for when it waited.
+	a, b := pgtest.Conn(t, db), pgtest.Conn(t, db)
+	execSQL(t, a, "SELECT pg_advisory_lock(43)")
+	waitIn(t, b, 43)
+	pb := int32(b.PgConn().PID())
+	pgtest.Eventually(t, testTimeout, "the waiter", func() bool { return waiting(t, db, pb) })
+	r = exe(t, bin, env, "release", "--json", "--force", "--pid", strconv.Itoa(int(pb)))
+	if l := jsonLines(t, r.stdout); r.code != exitOK || len(l) != 1 || len(l[0]["awaited"].([]any)) != 1 {
+		t.Errorf("release --json of a waiter: exit %d, %q, %q", r.code, r.stdout, r.stderr)
+	}
+
+	// semaphores --holders: each cell starts where its column's header does.
+	r = exe(t, bin, env, "semaphores", "--holders")
+	t.Logf("pgcoord semaphores --holders:\n%s", r.stdout)
+	lines := strings.Split(strings.TrimSuffix(r.stdout, "\n"), "\n")
+	if r.code != exitOK || len(lines) != 4 {
+		t.Fatalf("semaphores --holders: exit %d, %d lines, want a header and 3 rows:\n%s%s", r.code, len(lines), r.stdout, r.stderr)
+	}
+	starts := func(line string) []int {
+		var s []int
+		for _, m := range regexp.MustCompile(`(?:^|\s{2,})(\S)`).FindAllStringSubmatchIndex(line, -1) {
+			s = append(s, m[2])
+		}
+		return s
+	}
+	header := starts(lines[0])
+	for _, l := range lines[1:] {
+		if got := starts(l); !slices.Equal(got, header) {
+			t.Errorf("row %q: cells start at %v, the header's columns at %v", l, got, header)
+		}
+	}
+}
