@@ -47,8 +47,10 @@ const (
 // (synchronous_mode, synchronous_node_count = 2): a commit on the primary
 // returns once both other nodes have it, so either may take over without
 // losing a committed transaction, and a planned switchover (Switchover)
-// may go to either. Patroni's loop runs every second (loop_wait = 1) and
-// its leader key lives 10 s (ttl). Every node trusts every local
+// may go to either. Patroni's loop runs every second (loop_wait = 1); its
+// leader key lives Patroni's default of 30 s (ttl), which only an
+// unplanned failover waits out, so that a loaded machine does not make
+// Patroni demote a primary on its own. Every node trusts every local
 // connection, replication included, and has the superuser postgres.
 //
 // Patroni, etcd and PostgreSQL run as the OS user postgres (or
@@ -284,9 +286,9 @@ func (c *PatroniCluster) patroniConfig(n *patroniNode) ([]byte, error) {
 		},
 		"bootstrap": map[string]any{
 			"dcs": map[string]any{
-				"ttl":                     10,
+				"ttl":                     30,
 				"loop_wait":               1,
-				"retry_timeout":           4,
+				"retry_timeout":           10,
 				"maximum_lag_on_failover": 1 << 20,
 				"synchronous_mode":        true,
 				"synchronous_node_count":  haNodes - 1,
