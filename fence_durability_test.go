@@ -228,3 +228,228 @@ func TestNextFenceInTransactionCommitsSynchronously(t *testing.T) {
 		}
 	}
 }
+
+// With a synchronous standby, no token is handed out before the standby
+// has it. The primary's WAL senders are stopped (SIGSTOP), so the standby
+// receives nothing while a term (Campaign) and fences (Lock with
+// WithFence: one issued on the lock's backend, one that first waits for a
+// CheckFence transaction's row) are issued. Each commit then waits for the
+// standby until the wait slice cancels it, which PostgreSQL answers with
+// success and a warning; none of the calls may return meanwhile (the
+// primary's fences rows show each token issued again, and commits waiting
+// in SyncRep), and a call whose ctx ends returns an error and leaves its
+// key free. Once the WAL senders resume, the calls return; after the
+// primary is killed and the standby promoted, every token handed out is
+// there, and the next ones issued are greater.
+func TestTokensWaitForSynchronousStandby(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	primary := pgtest.NewServer(t)
+	pdsn := primary.DB(t)
+	migrated(t, pdsn)
+	cfg, err := pgx.ParseConfig(pdsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	standby := primary.StartStandby(t)
+	sdsn := standby.ConnString(cfg.Database)
+	primary.RequireSynchronousStandby(t)
+
+	opts := []Option{WithHeartbeat(100 * time.Millisecond), WithLossDeadline(time.Second)}
+	c := newTestClient(t, pdsn, opts...)
+	e := c.Election("durable-sync")
+	kA, kB, kD := HashKey("durable", "sync", "a"), HashKey("durable", "sync", "b"), HashKey("durable", "sync", "d")
+
+	// Tokens issued while the standby receives WAL.
+	fence := func(k Key) Term {
+		t.Helper()
+		l, err := c.Lock(ctx, k, WithFence())
+		if err != nil {
+			t.Fatal(err)
+		}
+		mustUnlock(t, l)
+		return l.Fence()
+	}
+	a0, b0 := fence(kA), fence(kB)
+	ld0, err := e.Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 := ld0.Term()
+	if err := ld0.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pconn, sconn := pgtest.Conn(t, pdsn), pgtest.Conn(t, sdsn)
+	// A transaction that checked kB's fence keeps its row share-locked, so
+	// kB's next fence waits for it, then goes on while the standby stalls.
+	checker := pgtest.Conn(t, pdsn)
+	tx, err := checker.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := CheckFence(ctx, tx, kB, b0); err != nil {
+		t.Fatal(err)
+	}
+
+	// Each token comes through a Client of its own: on one backend, token
+	// statements run one at a time, and each would wait for the first.
+	cA, cB, cE, cD := newTestClient(t, pdsn, opts...), newTestClient(t, pdsn, opts...), newTestClient(t, pdsn, opts...), newTestClient(t, pdsn, opts...)
+	resume := primary.PauseWALSenders(t)
+	lockA := goLock(func() (*Lock, error) { return cA.Lock(ctx, kA, WithFence()) })
+	lockB := goLock(func() (*Lock, error) { return cB.Lock(ctx, kB, WithFence()) })
+	type won struct {
+		ld  *Leadership
+		err error
+	}
+	campaign := make(chan won, 1)
+	go func() {
+		ld, err := cE.Election(e.Name()).Campaign(ctx)
+		campaign <- won{ld, err}
+	}()
+	short, cancelShort := context.WithTimeout(ctx, 3*time.Second)
+	defer cancelShort()
+	lockD := goLock(func() (*Lock, error) { return cD.Lock(short, kD, WithFence()) })
+
+	// handed fails the test: a token came back that the standby lacks.
+	handed := func(what string, k Key, token Term, err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatalf("%s returned %v while the synchronous standby received no WAL, want it to wait", what, err)
+		}
+		t.Fatalf("%s returned token %d while the synchronous standby received no WAL: the standby holds %d for its key, "+
+			"so a failover would issue %d again", what, token, storedFence(t, ctx, sconn, k), token)
+	}
+	// The fence waits longer than a glance on the lock's backend, so it
+	// waits on another backend of the Client, in slices.
+	space, key := fenceRow(kB)
+	pgtest.Eventually(t, testTimeout, "kB's fence waits for the CheckFence transaction away from the lock's backend", func() bool {
+		var n int
+		err := pconn.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%fences%'
+			AND pid NOT IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted
+				AND objsubid = $1 AND ((classid::int8 << 32) | objid::int8) = $2)`, space, key).Scan(&n)
+		return err == nil && n > 0
+	})
+	if err := tx.Rollback(ctx); err != nil { // a rollback waits for no standby
+		t.Fatal(err)
+	}
+	var ld *Leadership
+	var lA, lB *Lock
+	dDone := false
+	if !pgtest.Poll(testTimeout, func() bool {
+		select {
+		case r := <-lockA:
+			handed("Lock(kA, WithFence)", kA, fenceOf(r.l), r.err)
+		case r := <-lockB:
+			handed("Lock(kB, WithFence)", kB, fenceOf(r.l), r.err)
+		case w := <-campaign:
+			var term Term
+			if w.ld != nil {
+				term = w.ld.Term()
+			}
+			handed("Campaign", e.Key(), term, w.err)
+		case r := <-lockD:
+			dDone = true
+			if r.err == nil {
+				handed("Lock(kD, WithFence) with a 3 s ctx", kD, r.l.Fence(), nil)
+			}
+			if !errors.Is(r.err, context.DeadlineExceeded) {
+				t.Fatalf("Lock(kD, WithFence) whose ctx ended while the standby stalled: %v, want context.DeadlineExceeded", r.err)
+			}
+			t.Logf("Lock(kD) with a 3 s ctx: %v", r.err)
+		default:
+		}
+		// Each token was issued, withheld and issued again.
+		return dDone && storedFence(t, ctx, pconn, kA) >= int64(a0)+2 && storedFence(t, ctx, pconn, kB) >= int64(b0)+2 &&
+			storedFence(t, ctx, pconn, e.Key()) >= int64(t0)+2
+	}) {
+		t.Fatalf("while the standby stalled, the primary's fences did not show each token issued again: kA %d (before %d), kB %d (before %d), term %d (before %d); Lock(kD) returned: %v",
+			storedFence(t, ctx, pconn, kA), a0, storedFence(t, ctx, pconn, kB), b0, storedFence(t, ctx, pconn, e.Key()), t0, dDone)
+	}
+	waiting := primary.WaitEvents(t, "SyncRep")
+	if waiting == 0 {
+		t.Fatal("no commit waits for the synchronous standby (pg_stat_activity, SyncRep) while its WAL senders are stopped")
+	}
+	notHeld(t, pdsn, kD)
+	t.Logf("while the standby stalled: %d commits waiting in SyncRep; on the primary kA %d (before %d), kB %d (before %d), term %d (before %d); the standby holds kA %d, kB %d, term %d",
+		waiting, storedFence(t, ctx, pconn, kA), a0, storedFence(t, ctx, pconn, kB), b0, storedFence(t, ctx, pconn, e.Key()), t0,
+		storedFence(t, ctx, sconn, kA), storedFence(t, ctx, sconn, kB), storedFence(t, ctx, sconn, e.Key()))
+
+	resumed := time.Now()
+	resume()
+	for _, r := range []struct {
+		what string
+		res  result
+		l    **Lock
+	}{{"kA", receive(t, lockA), &lA}, {"kB", receive(t, lockB), &lB}} {
+		if r.res.err != nil {
+			t.Fatalf("Lock(%s, WithFence) after the standby resumed: %v", r.what, r.res.err)
+		}
+		*r.l = r.res.l
+	}
+	select {
+	case w := <-campaign:
+		if w.err != nil {
+			t.Fatalf("Campaign after the standby resumed: %v", w.err)
+		}
+		ld = w.ld
+	case <-ctx.Done():
+		t.Fatal("Campaign did not return after the standby resumed")
+	}
+	t.Logf("after the WAL senders resumed, the calls returned within %v: fence kA %d, kB %d, term %d",
+		time.Since(resumed).Round(time.Millisecond), lA.Fence(), lB.Fence(), ld.Term())
+	if lA.Fence() <= a0 || lB.Fence() <= b0 || ld.Term() <= t0 {
+		t.Fatalf("tokens after the stall: kA %d, kB %d, term %d; want above %d, %d, %d", lA.Fence(), lB.Fence(), ld.Term(), a0, b0, t0)
+	}
+
+	// Failover to the standby, with nothing more sent to it.
+	primary.Kill(t)
+	standby.Promote(t)
+	for _, h := range []struct {
+		what  string
+		k     Key
+		token Term
+	}{{"kA's fence", kA, lA.Fence()}, {"kB's fence", kB, lB.Fence()}, {"the term", e.Key(), ld.Term()}} {
+		if got := storedFence(t, ctx, sconn, h.k); Term(got) < h.token {
+			t.Fatalf("%s %d was handed out, but the promoted standby holds only %d", h.what, h.token, got)
+		}
+	}
+	var recorded int64
+	if err := sconn.QueryRow(ctx, "SELECT term FROM pgcoord.leaders WHERE name = $1", e.Name()).Scan(&recorded); err != nil {
+		t.Fatal(err)
+	}
+	if Term(recorded) < ld.Term() {
+		t.Fatalf("the promoted standby's leaders row holds term %d, below the handed-out %d", recorded, ld.Term())
+	}
+	c2 := newTestClient(t, sdsn, opts...)
+	nl, err := c2.Lock(ctx, kA, WithFence())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if nl.Fence() <= lA.Fence() {
+		t.Fatalf("fence %d on the promoted standby, not above %d from before", nl.Fence(), lA.Fence())
+	}
+	err = pgx.BeginFunc(ctx, pgtest.Pool(t, sdsn), func(tx pgx.Tx) error { return CheckFence(ctx, tx, kA, lA.Fence()) })
+	if !errors.Is(err, ErrStaleFence) {
+		t.Fatalf("CheckFence with fence %d from the old primary: %v, want ErrStaleFence", lA.Fence(), err)
+	}
+	mustUnlock(t, nl)
+	nld, err := c2.Election("durable-sync").Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if nld.Term() <= ld.Term() {
+		t.Fatalf("term %d on the promoted standby, not above %d from before", nld.Term(), ld.Term())
+	}
+	if err := nld.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// fenceOf returns l's fence, 0 for no lock.
+func fenceOf(l *Lock) Term {
+	if l == nil {
+		return 0
+	}
+	return l.Fence()
+}

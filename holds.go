@@ -255,6 +255,18 @@ type blockingStatement struct {
 	// wait, which usually waits, lets the statements that want the
 	// connection go first, and they interrupt it at once.
 	quick bool
+	// durable marks a token statement (it issues a fence or a term and
+	// commits it): its result counts only if its commit is known durable.
+	// A slice in which the connection received a warning that the commit
+	// may not have reached a synchronous standby (see watchNotices) is
+	// withheld: block treats it as a slice that ended without success, and
+	// the next slice issues a new token (see block).
+	durable bool
+	// glance, if not 0, is the lock_timeout of every slice, and a slice
+	// that ends for a lock (55P03, or 40P01 as a deadlock victim) ends
+	// block with that error, for the caller to wait elsewhere (see
+	// blockAway).
+	glance time.Duration
 }
 
 // yieldAfter is how long a quick blocking statement runs before another
@@ -306,6 +318,23 @@ func (s *Session) lockStatement(keys []Key, shared bool) blockingStatement {
 // which is sent only for other ends of ctx, or if the server has not
 // answered deadlineGrace after the deadline.
 //
+// A slice's cancel request may also land while the statement's commit
+// waits for a synchronous standby, which PostgreSQL then ends with success
+// and a warning, the commit made on the primary only. For most statements
+// that does no harm; a token statement (st.durable) withholds such a slice's
+// token, since a failover to the standby would issue it again, and runs
+// again in the next slice: its new commit waits for the standby once more,
+// and once the standby confirms it, it has every earlier commit of the
+// primary too, the withheld token's included. The token handed out is then
+// the greater, durable one; the withheld one is never handed out. When ctx
+// ends first, block returns an error (ctx's, and errNotDurable). The slices
+// go on cancelling a commit wait rather than letting it run: a backend
+// whose answers stop for the loss deadline is lost with every lock on it,
+// and PostgreSQL does not end a wait for a standby when the client goes
+// away, so that backend would keep its locks until the standby came back.
+// A withheld slice is an answer, which proves the backend alive; so a
+// stalled synchronous standby delays tokens, never the lease.
+//
 // On error, what the last slice may have taken is the caller's to undo.
 func (s *Session) block(ctx context.Context, st blockingStatement) error {
 	select {
@@ -317,7 +346,7 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 	}
 	defer func() { <-s.waitTurn }()
 	last := len(st.args) - 1
-	for {
+	for withheld := 0; ; {
 		slice, byDeadline := s.c.cfg.waitSlice(), false
 		if dl, ok := ctx.Deadline(); ok {
 			left := time.Until(dl)
@@ -330,7 +359,9 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 		}
 		each := slice / time.Duration(max(st.locks, 1))
 		sql, args := st.sql, st.args
-		if ms := max((each + time.Millisecond - 1).Milliseconds(), 1); st.bare != "" && ms == s.c.cfg.waitSlice().Milliseconds() {
+		if st.glance > 0 {
+			st.args[last] = strconv.FormatInt(max(st.glance.Milliseconds(), 1), 10)
+		} else if ms := max((each + time.Millisecond - 1).Milliseconds(), 1); st.bare != "" && ms == s.c.cfg.waitSlice().Milliseconds() {
 			// The session's own lock_timeout (see sessionSettings).
 			sql, args = st.bare, st.args[:last]
 		} else {
@@ -360,8 +391,17 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 		// The server ends the statement within the slice; should it not
 		// answer (a loaded server, a lock it waits for that lock_timeout
 		// does not cover), a cancel request does, early enough to leave
-		// time for the answer within the lease.
-		cut := time.AfterFunc(slice+s.c.cfg.heartbeat/2, func() { cancel(errSliceOver) })
+		// time for the answer within the lease. A token statement's
+		// commit may wait for a synchronous standby, which no
+		// lock_timeout covers, slice after slice: it is cut at the end of
+		// the slice, so that two slices in a row, each proving the
+		// backend alive as of its start, are answered within L - H plus
+		// two answers' time.
+		cutAfter := slice + s.c.cfg.heartbeat/2
+		if st.durable {
+			cutAfter = slice
+		}
+		cut := time.AfterFunc(cutAfter, func() { cancel(errSliceOver) })
 		if err := s.grabForWait(ctx, cancel, st.quick); err != nil {
 			stop()
 			cut.Stop()
@@ -378,6 +418,7 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 				s.state.Unlock()
 			}).Stop
 		}
+		warned := notDurableWarnings(s.conn)
 		err := s.exec(sctx, func(ctx context.Context, conn *pgx.Conn) error {
 			return st.run(ctx, conn, sql, args)
 		})
@@ -389,15 +430,32 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 		cut.Stop()
 		cause := context.Cause(sctx)
 		cancel(nil)
+		if err == nil && st.durable && notDurableWarnings(s.conn) != warned {
+			// Committed on this server only: withhold the token.
+			err = errNotDurable
+			if withheld++; withheld == 1 {
+				s.c.cfg.warnLogger().Warn("pgcoord: a token's commit was not confirmed by the synchronous standby; it is withheld and a new one issued until the standby confirms one",
+					"pid", s.pid)
+			}
+		}
 		// A yield or the cut cancels the slice's statement: on the server
 		// (57014), or before pgx sent it (a context error, the connection
 		// intact).
 		yielded := errors.Is(cause, errYield)
 		interrupted := (yielded || errors.Is(cause, errSliceOver)) &&
 			(pgCode(err) == "57014" || errors.Is(err, context.Canceled) && !s.conn.IsClosed())
-		sliceEnded := interrupted || pgCode(err) == "55P03"
+		sliceEnded := interrupted || pgCode(err) == "55P03" && st.glance == 0 || err == errNotDurable
 		if err == nil || ctx.Err() != nil || s.Err() != nil || !sliceEnded {
 			s.release()
+			if err == errNotDurable {
+				// ctx ended, or the session did, before the standby
+				// confirmed a token.
+				why := context.Cause(ctx)
+				if e := s.Err(); e != nil {
+					why = e
+				}
+				err = errorf("%w (%w)", why, errNotDurable)
+			}
 			return err
 		}
 		// The slice ended without success: go on waiting, from nothing.
@@ -421,6 +479,11 @@ const deadlineGrace = 50 * time.Millisecond
 
 // errSliceOver cancels a slice that has run its time (see block).
 var errSliceOver = errors.New("pgcoord: wait slice over")
+
+// errNotDurable says that a token statement's commit was not confirmed
+// durable (see block); it reaches a caller only joined to the reason it
+// stopped waiting.
+var errNotDurable = errors.New("pgcoord: a token was withheld: its commit was not confirmed by the synchronous standby (synchronous_standby_names) in time")
 
 // grabForWait takes the connection for one slice of a blocking statement,
 // after any statement that is waiting for it unless the statement is
@@ -643,28 +706,34 @@ func (s *Session) issueFence(ctx context.Context, l *Lock) error {
 		}
 	}()
 	space, key := fenceRow(l.keys[0])
+	var fence int64
 	run := func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
-		err := conn.QueryRow(ctx, sql, args...).Scan(&l.fence)
+		err := conn.QueryRow(ctx, sql, args...).Scan(&fence)
 		if errors.Is(err, pgx.ErrNoRows) {
 			err = errorf("%w: backend %d no longer holds %s", ErrLockLost, s.pid, l.keys[0])
 		}
 		return err
 	}
+	// Both statements are token statements: a fence whose commit a
+	// synchronous standby has not confirmed is withheld (see block).
 	err := s.c.blockAway(ctx, s, blockingStatement{
-		sql:   issueFenceSQL(s.c.cfg, 3, 0, ""),
-		args:  []any{space, key, ""},
-		run:   run,
-		quick: true,
+		sql:     issueFenceSQL(s.c.cfg, 3, 0, ""),
+		args:    []any{space, key, ""},
+		run:     run,
+		quick:   true,
+		durable: true,
 	}, blockingStatement{
 		// Away from l's backend, the fence checks that l's backend
 		// still holds the key.
-		sql:  issueFenceSQL(s.c.cfg, 4, 3, ""),
-		args: []any{space, key, s.pid, ""},
-		run:  run,
+		sql:     issueFenceSQL(s.c.cfg, 4, 3, ""),
+		args:    []any{space, key, s.pid, ""},
+		run:     run,
+		durable: true,
 	})
 	if err != nil {
 		return notMigrated(s.c.cfg, "issue fence for key "+l.keys[0].String(), err)
 	}
+	l.fence = fence
 	return nil
 }
 
@@ -678,21 +747,20 @@ const glance = 20 * time.Millisecond
 // that a transaction holds), for a lock on home. On a Session of the
 // application's own, it runs there in slices. On a backend of the Client's,
 // which may hold other goroutines' locks, it first runs there waiting at
-// most a glance; if it must wait longer (or the server picked it as a
-// deadlock victim meanwhile), away runs instead on a backend that holds
-// nothing, in slices, as a lock wait does (see backends.go); while no such
-// backend is free, st runs on home again at growing intervals.
+// most a glance for each lock; if it must wait longer (or the server picked
+// it as a deadlock victim meanwhile), away runs instead on a backend that
+// holds nothing, in slices, as a lock wait does (see backends.go); while no
+// such backend is free, st runs on home again at growing intervals. On
+// home too, st runs in slices, which bounds a wait that no lock_timeout
+// covers: its commit's wait for a synchronous standby (see block).
 func (c *Client) blockAway(ctx context.Context, home *Session, st, away blockingStatement) error {
 	if !home.managed {
 		return home.block(ctx, st)
 	}
-	last := len(st.args) - 1
+	st.glance = glance
 	poll := minPollInterval
 	for {
-		st.args[last] = strconv.FormatInt(glance.Milliseconds(), 10)
-		err := home.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-			return st.run(ctx, conn, st.sql, st.args)
-		})
+		err := home.block(ctx, st)
 		if code := pgCode(err); code != "55P03" && code != "40P01" || home.Err() != nil {
 			return err
 		}

@@ -667,7 +667,11 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, time.D
 	var since *time.Time
 	// The statement waits for the fences row while a transaction that
 	// checked the previous term is open: in slices, like a lock wait, so
-	// that the backend's other locks keep proving themselves alive.
+	// that the backend's other locks keep proving themselves alive. It is
+	// a token statement: a term whose commit a synchronous standby has not
+	// confirmed is withheld, and the next slice records a greater one (see
+	// Session.block); the row and the notice of a withheld term are
+	// overwritten by it.
 	err := l.s.block(ctx, blockingStatement{
 		sql:   recordSQL(c.cfg),
 		args:  e.recordArgs(l.s.pid),
@@ -675,7 +679,8 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, time.D
 		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 			return conn.QueryRow(ctx, sql, args...).Scan(&term, &since, new(bool), &waitMS, &loss)
 		},
-		quick: true,
+		quick:   true,
+		durable: true,
 	})
 	if err != nil {
 		return Term(term), time.Time{}, 0, 0, err
