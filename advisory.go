@@ -23,7 +23,11 @@ func (f lockOptionFunc) applyLock(c *lockConfig) error { return f(c) }
 
 // WithFence makes an exclusive single-key acquire also issue a fencing
 // token: [Lock.Fence] is then strictly greater than every fence issued
-// before for that key, and is committed before the acquire returns. It
+// before for that key, and is committed durably before the acquire
+// returns: flushed to the WAL, and, with synchronous replication
+// (synchronous_standby_names), confirmed by a synchronous standby. While
+// the standby does not confirm, the acquire waits, until its ctx ends; a
+// fence whose wait for the standby was cancelled is never handed out. It
 // needs the tables that [Migrate] creates (otherwise the acquire fails with
 // an error wrapping [ErrNotMigrated] and takes nothing). Shared locks and
 // LockAll reject it, since a fence orders single exclusive holders.

@@ -367,9 +367,15 @@ func (e *Election) campaignRound() time.Duration { return e.c.cfg.lossDeadline }
 
 // Campaign waits until this candidate leads the election, then returns the
 // Leadership. ctx bounds only the wait: the leadership lasts until it
-// ends (see Leadership). Campaign returns ctx's error when ctx ends first,
-// ErrClosed after Close, an error wrapping ErrNotMigrated without the
-// tables of Migrate, and connection errors.
+// ends (see Leadership). While the server cannot be reached, refuses
+// connections (starting up, shutting down, no free slot) or is a standby
+// (a restart, a switchover, a failover, a window with no primary),
+// Campaign waits as a blocking Lock does, and goes on once a primary
+// answers. With a synchronous standby, the term is handed out only once
+// the standby has confirmed its commit (see WithFence). Campaign returns
+// ctx's error when ctx ends first (joined with the last connection error,
+// if any), ErrClosed after Close, an error wrapping ErrNotMigrated without
+// the tables of Migrate, and the server's other errors.
 func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 	if e.err != nil {
 		return nil, e.err
@@ -1069,8 +1075,10 @@ func (e *Election) resignRecorded(l *Lock, term Term) bool {
 // error. An error fn returns after its leadership ended is the expected
 // reaction to the cancellation, and Run campaigns again. After a
 // RequestResign, Run lets another candidate lead before it campaigns
-// again (it waits until one does, at most the loss deadline). Run returns
-// ctx's error when ctx ends, and the errors of Campaign.
+// again (it waits until one does, at most the loss deadline). A leadership
+// that a restart or failover ended is not an error: Run campaigns on, and
+// waits, like Campaign, through the time no primary can be reached. Run
+// returns ctx's error when ctx ends, and the errors of Campaign.
 func (e *Election) Run(ctx context.Context, fn func(ctx context.Context, term Term) error) error {
 	for {
 		ld, err := e.Campaign(ctx)
