@@ -37,6 +37,13 @@ func fenceRow(k Key) (space int16, key int64) {
 // is kept. In an explicit transaction, the setting lasts until that
 // transaction ends.
 //
+// With a synchronous standby, the commit also waits for the standby. A
+// cancel that lands during that wait (a slice's end, a caller's ctx, a
+// pg_cancel_backend) leaves the fence committed on the primary only, with
+// a warning and no error; so the Client runs this statement only as a
+// token statement (blockingStatement.durable), which withholds such a
+// fence and issues another.
+//
 // If holder is not 0, it is the number of a parameter with a backend's
 // pid: the statement then issues the fence only if that backend holds the
 // key exclusively (in pg_locks) when the statement starts, and returns no
@@ -75,7 +82,11 @@ func issueFenceSQL(c *config, lockTimeout, holder int, floor string) string {
 
 // nextFence issues the next fence for k with one statement on q (see
 // issueFenceSQL). It returns an error wrapping ErrNotMigrated when the
-// fences table does not exist in the configured schema.
+// fences table does not exist in the configured schema. It runs the
+// statement once, as it is: it cannot see a warning that a wait for a
+// synchronous standby was cancelled, so it serves transactions (whose
+// commit is their owner's) and tests; the Client's fences and terms go
+// through Session.block, which withholds such a fence.
 func nextFence(ctx context.Context, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }, c *config, k Key) (int64, error) {
