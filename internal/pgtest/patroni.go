@@ -44,10 +44,12 @@ const (
 // temporary directory removed when the test ends.
 //
 // The cluster runs in synchronous mode with two synchronous standbys
-// (synchronous_mode, synchronous_node_count = 2): a commit on the primary
-// returns once both other nodes have it, so either may take over without
-// losing a committed transaction, and a planned switchover (Switchover)
-// may go to either. Patroni's loop runs every second (loop_wait = 1); its
+// (synchronous_mode, synchronous_node_count = 2): while both other nodes
+// stream, a commit on the primary returns once both have it, so either may
+// take over without losing a committed transaction, and a planned
+// switchover (Switchover) may go to either. Patroni takes a standby that
+// stops streaming (a former primary restarting as a standby) out of
+// synchronous_standby_names until it streams again. Patroni's loop runs every second (loop_wait = 1); its
 // leader key lives Patroni's default of 30 s (ttl), which only an
 // unplanned failover waits out, so that a loaded machine does not make
 // Patroni demote a primary on its own. Every node trusts every local
