@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -46,6 +47,30 @@ func deadlockFree(t *testing.T, dl time.Duration, pending map[string]<-chan erro
 		case <-time.After(dl / 2):
 		}
 	}
+}
+
+// xactLockAsync runs XactLock of k on tx in a goroutine and returns where
+// its result arrives. When the test ends, the wait is cancelled and waited
+// for before anything else uses tx's connection (register tx's rollback
+// with t.Cleanup before calling it).
+func xactLockAsync(t *testing.T, ctx context.Context, tx pgx.Tx, k Key) <-chan error {
+	t.Helper()
+	ctx, cancel := context.WithCancel(ctx)
+	res := make(chan error, 1)
+	finished := make(chan struct{})
+	go func() {
+		defer close(finished)
+		res <- XactLock(ctx, tx, k)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-finished:
+		case <-time.After(testTimeout):
+			t.Error("XactLock did not return after its ctx ended")
+		}
+	})
+	return res
 }
 
 // A new leader's statement that issues its term waits for the fences row
@@ -93,12 +118,11 @@ func TestElectionTermWaitNoSpuriousDeadlock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = tx.Rollback(context.Background()) }()
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
 	if err := c.CheckFence(ctx, tx, e.Key(), first); err != nil {
 		t.Fatalf("CheckFence of the first term: %v", err)
 	}
-	txLocked := make(chan error, 1)
-	go func() { txLocked <- XactLock(ctx, tx, x) }()
+	txLocked := xactLockAsync(t, ctx, tx, x)
 	pgtest.Eventually(t, testTimeout, "the transaction to wait for X", func() bool {
 		return waitingOn(t, dsn, x) == 1
 	})
@@ -204,12 +228,11 @@ func TestSemaphoreGrantRowWaitNoSpuriousDeadlock(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer func() { _ = tx.Rollback(context.Background()) }()
+			t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
 			if _, err := tx.Exec(ctx, `UPDATE pgcoord.semaphores SET "limit" = 2 WHERE name = $1`, sem.Name()); err != nil {
 				t.Fatal(err)
 			}
-			txLocked := make(chan error, 1)
-			go func() { txLocked <- XactLock(ctx, tx, x) }()
+			txLocked := xactLockAsync(t, ctx, tx, x)
 			pgtest.Eventually(t, testTimeout, "the transaction to wait for X", func() bool {
 				return waitingOn(t, dsn, x) == 1
 			})
@@ -320,7 +343,7 @@ func TestFenceGlanceNoSpuriousDeadlock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = tx.Rollback(context.Background()) }()
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
 	if err := c.CheckFence(ctx, tx, k, first); err != nil {
 		t.Fatalf("CheckFence of the first fence: %v", err)
 	}
@@ -392,4 +415,97 @@ func TestFenceGlanceNoSpuriousDeadlock(t *testing.T) {
 	}
 	mustUnlock(t, r.l)
 	mustUnlock(t, held)
+}
+
+// The head of a semaphore's queue asks for a permit on the backend that
+// holds its queue key, since the grant releases that key. That backend may
+// hold other goroutines' keys: with one shared backend, the queue key was
+// taken there by a try, next to X. The head's grant then waits for the
+// semaphore's row on it, which a transaction that changes the limit keeps
+// locked; if that transaction waits for X, the server sees a cycle that
+// the application does not have. Neither may be told of a deadlock, and
+// once X is released the head gets the new permit.
+func TestSemaphoreHeadGrantRowWaitNoSpuriousDeadlock(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, _ := semaphoreDB(t)
+	dl := setDeadlockTimeout(t, dsn, 100*time.Millisecond)
+	c := newTestClient(t, dsn, WithSharedBackends(1), WithLossDeadline(20*time.Second))
+	other := newTestClient(t, dsn)
+	sem := c.Semaphore("routing-head-grant-row", 1)
+	x := Int64Key(7306)
+
+	full := mustAcquire(t, other.Semaphore(sem.Name(), 1), true)
+	held, err := c.TryLock(ctx, x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	shared := held.s.PID()
+
+	granted := make(chan permitResult, 1)
+	acquired := make(chan error, 1)
+	go func() {
+		p, err := sem.Acquire(ctx)
+		granted <- permitResult{p, err}
+		acquired <- err
+	}()
+	pgtest.Eventually(t, testTimeout, "the Acquire to head the queue on the shared backend", func() bool {
+		g := grantedTo(t, dsn, sem.queueKey())
+		return len(g) == 1 && g[0] == shared
+	})
+
+	txConn := pgtest.Conn(t, dsn)
+	tx, err := txConn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	if _, err := tx.Exec(ctx, `UPDATE pgcoord.semaphores SET "limit" = 2 WHERE name = $1`, sem.Name()); err != nil {
+		t.Fatal(err)
+	}
+	txLocked := xactLockAsync(t, ctx, tx, x)
+	pgtest.Eventually(t, testTimeout, "the transaction to wait for X", func() bool {
+		return waitingOn(t, dsn, x) == 1
+	})
+	// The head looks again at least every semaphoreRecheck: its grant
+	// then waits for the row, if it runs where it may wait. Wait for
+	// that a while, bounded (a head that waits elsewhere, or not on the
+	// server, is fine too).
+	watch := pgtest.Conn(t, dsn)
+	rowWait := false
+	for until := time.Now().Add(10 * c.semaphoreRecheck); !rowWait && time.Now().Before(until); {
+		var n int
+		err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE NOT l.granted AND l.locktype IN ('transactionid', 'tuple') AND a.query LIKE '%semaphore_acquire%'`).Scan(&n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rowWait = n > 0
+	}
+	if rowWait && backendWaitsOnRow(t, watch, shared) {
+		t.Logf("pg_locks: backend %d, which holds %v and the queue key, waits for the semaphore's row", shared, x)
+	}
+
+	deadlockFree(t, dl, map[string]<-chan error{
+		"the transaction's XactLock of X": txLocked,
+		"Acquire":                         acquired,
+	})
+
+	mustUnlock(t, held)
+	if err := <-txLocked; err != nil {
+		t.Fatalf("the transaction's XactLock of X: %v, want X once its holder let it go", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	g := receivePermit(t, granted)
+	if g.err != nil {
+		t.Fatalf("Acquire: %v, want the permit the new limit frees", g.err)
+	}
+	slots, _ := slotLocks(t, dsn, sem)
+	if len(slots) != 2 {
+		t.Fatalf("pg_locks: slots %v, want two permits", slots)
+	}
+	mustRelease(t, g.p)
+	mustRelease(t, full)
 }
