@@ -569,9 +569,10 @@ type lockSample struct {
 }
 
 // watchLocks starts reading pg_locks on every node of cluster, for the
-// database db, every few milliseconds, keeping what it sees of keys.
+// database db, every few milliseconds, keeping what it sees of keys, until
+// stopped or for haTimeout at most.
 func watchLocks(t *testing.T, cluster *pgtest.PatroniCluster, db string, keys map[Key]string) *lockWatch {
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithTimeout(context.Background(), haTimeout)
 	w := &lockWatch{keys: keys, cancel: cancel, samples: map[string][]lockSample{}}
 	for _, node := range cluster.Nodes() {
 		dsn := cluster.NodeConnString(node, db)
