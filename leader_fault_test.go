@@ -1305,6 +1305,7 @@ func TestCampaignWaitsThroughServerRestart(t *testing.T) {
 		t.Fatal("the campaign never retried its connection while the server was down")
 	}
 	srv.Start(t)
+	started := time.Now()
 	var ld *Leadership
 	select {
 	case w := <-campaign:
@@ -1315,6 +1316,7 @@ func TestCampaignWaitsThroughServerRestart(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatalf("Campaign did not lead within %v of its start", testTimeout)
 	}
+	t.Logf("Campaign led %v after the server accepted connections again", time.Since(started).Round(time.Millisecond))
 	if ld.Term() < 1 {
 		t.Fatalf("term %d after the restart, want >= 1", ld.Term())
 	}
@@ -1422,7 +1424,9 @@ func TestRunCampaignsOnAfterPrimaryGoes(t *testing.T) {
 			} else {
 				primary.Start(t)
 			}
+			back := time.Now()
 			second := next("a term on the server that came back")
+			t.Logf("term %d began %v after the new primary answered (term %d before)", second.term, time.Since(back).Round(time.Millisecond), first.term)
 			if second.term <= first.term {
 				t.Fatalf("term %d after the primary went, not above %d", second.term, first.term)
 			}
