@@ -203,7 +203,13 @@
 //     on. Whatever a slice took before it ended is released before the
 //     next, so a backend's count of each key stays 0 or 1. Issuing a fence,
 //     which waits while a transaction that checked the previous fence is
-//     open, runs in slices the same way. So a lock held on a backend keeps
+//     open, runs in slices the same way, and so does a leader's term. Their
+//     commit may also wait for a synchronous standby: a slice that cuts
+//     that wait short leaves the token committed on the primary only
+//     (PostgreSQL answers with a warning, not an error), so the token is
+//     withheld and the next slice issues a greater one; a fence or term is
+//     handed out only once the standby has confirmed its commit, and a
+//     stalled standby delays tokens, never the lease. So a lock held on a backend keeps
 //     its loss deadline while another statement waits on the same backend,
 //     even behind a proxy that keeps the client's socket alive. The price: a wait that lasts several slices
 //     rejoins PostgreSQL's queue for the key at each slice, so among
