@@ -198,7 +198,9 @@ func TestUIManyPagesCostOneQuerySet(t *testing.T) {
 	}
 	withFifty := measure(one)
 	t.Logf("statements in %d intervals of %v: %d with one page open, %d with fifty", n, interval, withOne, withFifty)
-	if withOne == 0 || withFifty > withOne+withOne/n {
+	// Reading the count a little late at either end of a window moves
+	// at most one query set across it: allow that at each end.
+	if withOne == 0 || withFifty > withOne+2*withOne/n {
 		t.Errorf("fifty pages: %d statements in %d intervals; one page: %d; want no more", withFifty, n, withOne)
 	}
 	for i, p := range pages {
