@@ -509,3 +509,76 @@ func TestSemaphoreHeadGrantRowWaitNoSpuriousDeadlock(t *testing.T) {
 	mustRelease(t, g.p)
 	mustRelease(t, full)
 }
+
+// A statement that waits on a backend lets the others that need the
+// backend run first (backends.go: every blocking statement runs in slices
+// that another statement interrupts; Unlock interrupts a blocking acquire
+// on its connection rather than wait for it). A semaphore's grant waits
+// for the semaphore's row while a transaction that changes the limit holds
+// it; an Unlock of another goroutine's key on the same backend must not
+// wait behind it: it returns while the grant still waits (pg_locks), and
+// the key is free on the server.
+func TestUnlockDoesNotWaitBehindGrantRowWait(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, _ := semaphoreDB(t)
+	// A wait slice (the grant's lock_timeout) far longer than the test's
+	// steps take on a loaded machine.
+	c := newTestClient(t, dsn, WithSharedBackends(1), WithLossDeadline(20*time.Second))
+	sem := c.Semaphore("routing-unlock-behind-grant", 1)
+	x := Int64Key(7307)
+
+	mustRelease(t, mustAcquire(t, sem, true)) // the row exists
+	held, err := c.TryLock(ctx, x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	shared := held.s.PID()
+
+	txConn := pgtest.Conn(t, dsn)
+	tx, err := txConn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	if _, err := tx.Exec(ctx, `UPDATE pgcoord.semaphores SET "limit" = 2 WHERE name = $1`, sem.Name()); err != nil {
+		t.Fatal(err)
+	}
+
+	granted := make(chan permitResult, 1)
+	go func() {
+		p, err := sem.TryAcquire(ctx)
+		granted <- permitResult{p, err}
+	}()
+	watch := pgtest.Conn(t, dsn)
+	grantWaits := func() bool {
+		var n int
+		err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE NOT l.granted AND l.locktype IN ('transactionid', 'tuple') AND a.query LIKE '%semaphore_acquire%'`).Scan(&n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n > 0
+	}
+	pgtest.Eventually(t, testTimeout, "the grant to wait for the semaphore's row", grantWaits)
+	if !backendWaitsOnRow(t, watch, shared) {
+		t.Fatalf("the grant waits for the row, but not on backend %d, which holds %v", shared, x)
+	}
+
+	start := time.Now()
+	mustUnlock(t, held)
+	took := time.Since(start)
+	if !grantWaits() {
+		t.Fatalf("Unlock of %v returned after %v, once the grant on its backend had stopped waiting for the semaphore's row: it waited behind that grant instead of running first", x, took.Round(time.Millisecond))
+	}
+	notHeld(t, dsn, x)
+
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	g := receivePermit(t, granted)
+	if g.err != nil {
+		t.Fatalf("TryAcquire: %v, want a permit once the transaction ended", g.err)
+	}
+	mustRelease(t, g.p)
+}
