@@ -537,9 +537,9 @@ func (x *lcIndex) checkOp(op *lcOp) {
 	if op.UnlockErr == "" && op.Shared && op.UnlockCall != 0 {
 		r.counts["shared Unlock checked against terminations"]++
 		for _, f := range x.terms {
-			if f.PID == op.PID && f.End+int64(lcExitBound) < op.UnlockCall {
-				r.violate("release from a dead backend", op.UnlockAt, "%s: Unlock, called at %s, returned nil at %s, though its backend %d was terminated at %s (pg_terminate_backend returned %s): it never proved the backend alive",
-					x.who(op), x.in.ts(op.UnlockCall), x.in.ts(op.UnlockAt), op.PID, x.in.ts(f.At), x.in.ts(f.End))
+			if f.PID == op.PID && f.Gone != 0 && f.Gone < op.UnlockCall {
+				r.violate("release from a dead backend", op.UnlockAt, "%s: Unlock, called at %s, returned nil at %s, though its backend %d, terminated at %s, had left pg_stat_activity at %s: it never proved the backend alive",
+					x.who(op), x.in.ts(op.UnlockCall), x.in.ts(op.UnlockAt), op.PID, x.in.ts(f.At), x.in.ts(f.Gone))
 				break
 			}
 		}
@@ -805,6 +805,7 @@ func TestLockCoreChecker(t *testing.T) {
 	terminate := func(pid int32, at int) lcFault {
 		return lcFault{Kind: "terminate holder", At: ms(at), End: ms(at + 1), Proc: 1, PID: pid}
 	}
+	exited := func(f lcFault, at int) lcFault { f.Gone = ms(at); return f }
 	pause := func(from, to int) lcFault { return lcFault{Kind: "pause > L", At: ms(from), End: ms(to), Proc: 1} }
 
 	a, b := fenced("a", 101, 1, 0), fenced("b", 102, 2, 100)
@@ -850,14 +851,14 @@ func TestLockCoreChecker(t *testing.T) {
 	readerFirst, readerSecond := held("r1", 100, 5), held("r2", 100, 5)
 	readerFirst.Kind, readerFirst.Shared, readerSecond.Kind, readerSecond.Shared = "RLock", true, "RLock", true
 	// Joined shared handles: neither is in the other's Overlaps.
-	// A shared hold whose Unlock returned nil 300 ms after its backend
-	// was terminated (and the loss noticed later), and one whose Unlock
-	// ran while the backend was still exiting.
+	// A shared hold whose Unlock returned nil after its terminated
+	// backend had exited (and the loss noticed later), and one whose
+	// Unlock ran while the backend was still exiting.
 	deadRelease := held("dr", 100, 5)
 	deadRelease.Kind, deadRelease.Shared, deadRelease.Exit = "RLock", true, nil
 	deadRelease.UnlockCall, deadRelease.UnlockAt, deadRelease.DoneAt, deadRelease.After = ms(320), ms(321), ms(321), nil
 	exitingRelease := deadRelease
-	exitingRelease.UnlockCall = ms(100)
+	exitingRelease.UnlockCall = ms(17)
 	unlockErr := held("u", 106, 4)
 	unlockErr.UnlockErr = "pgcoord: the server did not hold int64:4 for backend 106: lock not held"
 
@@ -896,8 +897,8 @@ func TestLockCoreChecker(t *testing.T) {
 		{name: "overlap in one Client", ops: []lcOp{first, second}, want: []string{"overlap in one Client"}},
 		{name: "overlap in one Client of a lost lock", ops: []lcOp{lost(first, 14), second}, faults: []lcFault{terminate(100, 5)}},
 		{name: "joined readers of one Client", ops: []lcOp{readerFirst, readerSecond}},
-		{name: "release from a dead backend", ops: []lcOp{deadRelease}, faults: []lcFault{terminate(100, 15)}, want: []string{"release from a dead backend"}},
-		{name: "release while the backend exits", ops: []lcOp{exitingRelease}, faults: []lcFault{terminate(100, 15)}},
+		{name: "release from a dead backend", ops: []lcOp{deadRelease}, faults: []lcFault{exited(terminate(100, 15), 20)}, want: []string{"release from a dead backend"}},
+		{name: "release while the backend exits", ops: []lcOp{exitingRelease}, faults: []lcFault{exited(terminate(100, 15), 20)}},
 		{name: "fenced writes interleave", ops: []lcOp{interleaved, b}, rows: []lcRow{row(1, b), row(2, interleaved)}, want: []string{"fenced writes interleave", "history"}},
 		{name: "stale after a loss", ops: []lcOp{staleLost, b}, faults: []lcFault{terminate(101, 50)}, rows: []lcRow{row(1, a), row(2, b)}},
 		{name: "stale while held", ops: []lcOp{staleHeld}, want: []string{"history", "stale while held"}},

@@ -70,8 +70,8 @@ package pgcoord
 //   - No release from a dead backend. Unlock of a shared lock (which no
 //     handoff passes on) returns nil only if its backend answered: after
 //     a release, or, for a hold other handles share, after a round trip
-//     that proves the backend alive. One called more than lcExitBound
-//     after the nemesis terminated its backend must fail.
+//     that proves the backend alive. One called after the nemesis saw
+//     the backend it terminated gone from pg_stat_activity must fail.
 //   - No deadlock. No goroutine holds one key while it waits for another,
 //     and LockAll takes its keys in one canonical order, so the application
 //     has no lock cycle: any ErrDeadlock is a failure. (The test database's
@@ -150,10 +150,6 @@ const (
 	// lcQuietWait bounds how long a check after a release waits for the
 	// Client's other goroutines to be done with the keys (see after).
 	lcQuietWait = 500 * time.Millisecond
-	// lcExitBound is how long a backend may still answer after
-	// pg_terminate_backend returned (it exits as it reads its next
-	// statement; a loaded machine may be slow to schedule it).
-	lcExitBound = 200 * time.Millisecond
 	// lcMaxSkipped bounds the share of the checks after a release that
 	// may be skipped (see after): measured 5 to 15% at 15 s, about a
 	// third without the wait for the Client's other goroutines; above a
@@ -330,10 +326,11 @@ type lcEvent struct {
 
 // lcFault is one action of the nemesis.
 type lcFault struct {
-	Kind   string `json:"kind"` // see lcNemesis.run
-	At     int64  `json:"at"`   // SIGSTOP sent, or pg_terminate_backend called
-	End    int64  `json:"end"`  // SIGCONT sent, or pg_terminate_backend returned
-	Proc   int    `json:"proc"` // the paused process, or the terminated backend's
+	Kind   string `json:"kind"`           // see lcNemesis.run
+	At     int64  `json:"at"`             // SIGSTOP sent, or pg_terminate_backend called
+	End    int64  `json:"end"`            // SIGCONT sent, or pg_terminate_backend returned
+	Gone   int64  `json:"gone,omitempty"` // the terminated backend was seen gone from pg_stat_activity (0: not within 2 s)
+	Proc   int    `json:"proc"`           // the paused process, or the terminated backend's
 	Client int    `json:"client"`
 	PID    int32  `json:"pid,omitempty"` // the terminated backend
 	App    string `json:"app,omitempty"`
@@ -1153,17 +1150,37 @@ func runLockCoreChild(out *childOut) error {
 
 // lcNemesis terminates the Clients' backends and pauses child processes.
 type lcNemesis struct {
-	rng    *rand.Rand
-	admin  *pgxpool.Pool
-	procs  []*faultProc // child process i+1
+	rng   *rand.Rand
+	admin *pgxpool.Pool
+	procs []*faultProc // child process i+1
+
+	mu     sync.Mutex // faults and notes
 	faults []lcFault
 	notes  []string // what went wrong with the nemesis itself
+}
+
+// note records what went wrong with the nemesis itself.
+func (n *lcNemesis) note(format string, args ...any) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.notes = append(n.notes, fmt.Sprintf(format, args...))
+}
+
+// record records a fault.
+func (n *lcNemesis) record(f lcFault) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.faults = append(n.faults, f)
 }
 
 // The kinds of faults, each injected in turn (in a shuffled order per
 // cycle), every 100 to 500 ms:
 //   - "terminate holder": pg_terminate_backend of a backend that holds an
 //     advisory lock;
+//   - "terminate reader": of one that holds a key shared, which several
+//     goroutines of its Client may hold at once (a joined hold, whose
+//     releases but the last send nothing to the server); "terminate
+//     holder" when none does;
 //   - "terminate any": of any backend of the Clients, holding, waiting or
 //     idle;
 //   - "pause < L": SIGSTOP of a child for 50 ms to L/2, then SIGCONT;
@@ -1172,7 +1189,7 @@ type lcNemesis struct {
 //   - "pause + terminate": SIGSTOP of a child, termination of one of its
 //     backends (one that holds a lock, if any), SIGCONT after 100 ms to
 //     1.5L: others take over before the child can know.
-var lcFaultKinds = []string{"terminate holder", "terminate any", "pause < L", "pause > L", "pause + terminate"}
+var lcFaultKinds = []string{"terminate holder", "terminate reader", "terminate any", "pause < L", "pause > L", "pause + terminate"}
 
 func (n *lcNemesis) run(deadline time.Time) {
 	kinds := slices.Clone(lcFaultKinds)
@@ -1185,7 +1202,7 @@ func (n *lcNemesis) run(deadline time.Time) {
 			return
 		}
 		switch kind := kinds[i%len(kinds)]; kind {
-		case "terminate holder":
+		case "terminate holder", "terminate reader":
 			n.terminate(kind, "", true)
 		case "terminate any":
 			n.terminate(kind, "", false)
@@ -1219,20 +1236,29 @@ func (n *lcNemesis) terminate(kind, app string, holders bool) bool {
 		PID    int32
 		App    string
 		Holder bool
+		Reader bool // holds a key shared, which several handles of its Client may share
 	}
 	rows, err := n.admin.Query(ctx, `SELECT a.pid, a.application_name,
-			EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted)
+			EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted),
+			EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted AND l.mode = 'ShareLock')
 		FROM pg_stat_activity a WHERE a.datname = current_database() AND a.application_name LIKE $1 ORDER BY a.pid`, app)
 	if err != nil {
-		n.notes = append(n.notes, fmt.Sprintf("%s: list backends: %v", kind, err))
+		n.note("%s: list backends: %v", kind, err)
 		return false
 	}
 	all, err := pgx.CollectRows(rows, pgx.RowToStructByPos[backend])
 	if err != nil || len(all) == 0 {
-		n.notes = append(n.notes, fmt.Sprintf("%s: no backend to terminate (%v)", kind, err))
+		n.note("%s: no backend to terminate (%v)", kind, err)
 		return false
 	}
 	pick := all
+	if kind == "terminate reader" {
+		if r := slices.DeleteFunc(slices.Clone(all), func(b backend) bool { return !b.Reader }); len(r) > 0 {
+			pick, holders = r, false
+		} else {
+			kind = "terminate holder" // nobody holds a key shared just now
+		}
+	}
 	if holders {
 		if h := slices.DeleteFunc(slices.Clone(all), func(b backend) bool { return !b.Holder }); len(h) > 0 {
 			pick = h
@@ -1243,17 +1269,31 @@ func (n *lcNemesis) terminate(kind, app string, holders bool) bool {
 	b := pick[n.rng.IntN(len(pick))]
 	f := lcFault{Kind: kind, PID: b.PID, App: b.App, Holder: b.Holder, Client: -1}
 	if _, err := fmt.Sscanf(strings.TrimPrefix(b.App, lcApp), "%d-%d", &f.Proc, &f.Client); err != nil {
-		n.notes = append(n.notes, fmt.Sprintf("%s: application_name %q: %v", kind, b.App, err))
+		n.note("%s: application_name %q: %v", kind, b.App, err)
 	}
 	var ok bool
 	f.At = lcNow()
 	err = n.admin.QueryRow(ctx, "SELECT pg_terminate_backend($1)", b.PID).Scan(&ok)
 	f.End = lcNow()
 	if err != nil || !ok {
-		n.notes = append(n.notes, fmt.Sprintf("%s: terminate backend %d: %v, %v", kind, b.PID, ok, err))
+		n.note("%s: terminate backend %d: %v, %v", kind, b.PID, ok, err)
 		return false
 	}
-	n.faults = append(n.faults, f)
+	// When the backend has left pg_stat_activity it has exited: a
+	// statement sent to it from then on fails.
+	deadline := time.Now().Add(2 * time.Second)
+	for time.Now().Before(deadline) {
+		var gone bool
+		if err := n.admin.QueryRow(ctx, "SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", b.PID).Scan(&gone); err != nil {
+			break
+		}
+		if gone {
+			f.Gone = lcNow()
+			break
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	n.record(f)
 	return true
 }
 
@@ -1270,7 +1310,7 @@ func (n *lcNemesis) pause(kind string, d time.Duration, terminate bool) {
 	n.wait(d)
 	p.Signal(syscall.SIGCONT)
 	f.End = lcNow()
-	n.faults = append(n.faults, f)
+	n.record(f)
 }
 
 // ---------------------------------------------------------------------
