@@ -582,3 +582,84 @@ func TestUnlockDoesNotWaitBehindGrantRowWait(t *testing.T) {
 	}
 	mustRelease(t, g.p)
 }
+
+// The head of a semaphore's queue of limit 1 waits for slot 0 on the
+// backend that holds its queue key, and that wait counts as one of the
+// Client's waits. With WithMaxWaits(1) it is the only one: a blocking Lock
+// of a key held elsewhere then finds no backend to wait on and tries again
+// instead (it never waits on a backend that holds a key), a TryLock runs
+// on another backend than the head's, and both the Lock and the head get
+// what they wait for once it is freed. Read back from pg_locks.
+func TestQueueHeadAwaitTakesTheOnlyWait(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, _ := semaphoreDB(t)
+	c := newTestClient(t, dsn, WithMaxWaits(1))
+	other := newTestClient(t, dsn)
+	sem := c.Semaphore("routing-head-only-wait", 1)
+	k, z := Int64Key(7308), Int64Key(7309)
+
+	full := mustAcquire(t, other.Semaphore(sem.Name(), 1), true)
+	granted := make(chan permitResult, 1)
+	go func() {
+		p, err := sem.Acquire(ctx)
+		granted <- permitResult{p, err}
+	}()
+	slot0 := sem.slotKey(0)
+	pgtest.Eventually(t, testTimeout, "the head to wait for slot 0 on the server", func() bool {
+		return waitingOn(t, dsn, slot0) == 1 && c.Stat().Waits == 1
+	})
+	heads := grantedTo(t, dsn, sem.queueKey())
+	if len(heads) != 1 {
+		t.Fatalf("pg_locks: queue key held by %v, want one head", heads)
+	}
+	head := heads[0]
+
+	holder := pgtest.Conn(t, dsn)
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+		t.Fatal(err)
+	}
+	locked := goLock(func() (*Lock, error) { return c.Lock(ctx, k) })
+	pgtest.Eventually(t, testTimeout, "the Lock to find no backend to wait on, or to wait", func() bool {
+		return c.Stat().QueuedWaits >= 1 || waitingOn(t, dsn, k) > 0
+	})
+	if n := waitingOn(t, dsn, k); n != 0 {
+		t.Fatalf("pg_locks: %d backends wait for %v while the head's wait takes the Client's only one", n, k)
+	}
+	waitsWhileHolding(t, dsn, sem.queueKey())
+
+	zl, err := c.TryLock(ctx, z)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if zl.s.PID() == head {
+		t.Fatalf("TryLock of %v ran on backend %d, which waits for slot 0", z, head)
+	}
+	heldOnlyBy(t, dsn, z, zl.s.PID())
+	waitsWhileHolding(t, dsn, sem.queueKey())
+	stillWaiting(t, locked)
+
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
+		t.Fatal(err)
+	}
+	r := receive(t, locked)
+	if r.err != nil {
+		t.Fatalf("Lock: %v, want the key once it is free", r.err)
+	}
+	heldOnlyBy(t, dsn, k, r.l.s.PID())
+	if r.l.s.PID() == head {
+		t.Fatalf("Lock of %v ended on backend %d, which waits for slot 0", k, head)
+	}
+
+	mustRelease(t, full)
+	g := receivePermit(t, granted)
+	if g.err != nil {
+		t.Fatalf("Acquire: %v", g.err)
+	}
+	heldOnlyBy(t, dsn, slot0, head)
+	waitsWhileHolding(t, dsn)
+	mustRelease(t, g.p)
+	mustUnlock(t, r.l)
+	mustUnlock(t, zl)
+	notHeld(t, dsn, sem.queueKey())
+}
