@@ -150,7 +150,7 @@ func TestHASwitchoverAndBack(t *testing.T) {
 		}
 
 		// Every wait rode through and was granted on the new primary.
-		next := waits.receive(t, fail, round)
+		next := waits.receive(t, fail, round, w.describe)
 		for _, h := range next.list(k) {
 			t.Logf("round %d: %s granted %v after the request, %v after the new primary answered",
 				round, h.what, h.at.Sub(sent).Round(time.Millisecond), h.at.Sub(answering).Round(time.Millisecond))
@@ -428,7 +428,7 @@ func (p *haParty) wait(ctx context.Context, k Key) *haWaits {
 
 // receive waits, bounded, for the two acquires and the next leadership of
 // the party's Run, and fails the test unless each got its hold.
-func (ws *haWaits) receive(t *testing.T, fail func(string, ...any), round int) *haHolds {
+func (ws *haWaits) receive(t *testing.T, fail func(string, ...any), round int, state func() string) *haHolds {
 	t.Helper()
 	hs := &haHolds{party: ws.party}
 	timer := time.NewTimer(2 * time.Minute)
@@ -451,7 +451,8 @@ func (ws *haWaits) receive(t *testing.T, fail func(string, ...any), round int) *
 				errs = append(errs, fmt.Sprintf("Acquire: %v", g.err))
 			}
 		case <-timer.C:
-			fail("round %d: the waits of %s did not return within 2 minutes of the switchover (lock %v, leader %v, permit %v)", round, ws.party.name, hs.lock != nil, hs.leader != nil, hs.permit != nil)
+			fail("round %d: the waits of %s did not return within 2 minutes of the switchover (returned: lock %v, leader %v, permit %v; errors: %q); Stat %+v; pg_locks:\n%s",
+				round, ws.party.name, hs.lock != nil, hs.leader != nil, hs.permit != nil, errs, ws.party.c.Stat(), state())
 		}
 	}
 	if len(errs) > 0 {
@@ -814,6 +815,32 @@ func minTime(a, b time.Time) time.Time {
 		return a
 	}
 	return b
+}
+
+// describe returns the newest successful read of every node: the watched
+// keys granted (to which backends) and waited for.
+func (w *lockWatch) describe() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var lines []string
+	for node, ss := range w.samples {
+		for i := len(ss) - 1; i >= 0; i-- {
+			if s := ss[i]; s.err == nil {
+				var parts []string
+				for k, pids := range s.granted {
+					parts = append(parts, fmt.Sprintf("%s granted to %v", w.keys[k], pids))
+				}
+				for k, n := range s.waiting {
+					parts = append(parts, fmt.Sprintf("%s waited for by %d", w.keys[k], n))
+				}
+				slices.Sort(parts)
+				lines = append(lines, fmt.Sprintf("%s at %v: %s", node, s.start.Format("15:04:05.000"), strings.Join(parts, ", ")))
+				break
+			}
+		}
+	}
+	slices.Sort(lines)
+	return strings.Join(lines, "\n")
 }
 
 // summary says how many reads each node answered and how many failed.
