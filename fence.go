@@ -51,16 +51,32 @@ func fenceRow(k Key) (space int16, key int64) {
 // check this, or a backend lost meanwhile would get a fence newer than
 // its successor's.
 //
+// If nowait is true, the statement first locks the key's row with FOR
+// UPDATE NOWAIT: when a transaction holds the row (it checked the key's
+// fence and is still open), the statement fails at once with SQLSTATE
+// 55P03 and never joins the row's queue of waiters. A backend that holds
+// other goroutines' locks issues fences so (see Client.blockAway): a wait
+// there, however short, would let the open transaction's deadlock check
+// find a cycle through that backend if the transaction waited for one of
+// its keys, a cycle the application does not have.
+//
 // If floor is not empty, it names a one-row relation of the statement
 // (a CTE) whose column floor holds a fence the new one must exceed,
 // besides the key's last (NULL for none): an election passes the term in
 // its leaders row, so that its terms keep growing even where the fences
 // row of its key is older than the leaders row (a key that changed, a
 // fences table restored from an older backup).
-func issueFenceSQL(c *config, lockTimeout, holder int, floor string) string {
-	timeout, held := "", ""
+func issueFenceSQL(c *config, lockTimeout, holder int, floor string, nowait bool) string {
+	timeout, held, probe := "", "", ""
 	if lockTimeout != 0 {
 		timeout = fmt.Sprintf(", set_config('lock_timeout', $%d, true)", lockTimeout)
+	}
+	if nowait {
+		// Evaluated with the INSERT's source, before the row is written
+		// or waited for; the lock is the transaction's, so the upsert
+		// below does not wait for it.
+		probe = `, (SELECT count(*) FROM (SELECT FROM ` + c.table("fences") + ` AS r
+			WHERE r.key_space = $1 AND r.key = $2 FOR UPDATE NOWAIT) AS r) AS probe`
 	}
 	if holder != 0 {
 		held = fmt.Sprintf(`
@@ -75,7 +91,7 @@ func issueFenceSQL(c *config, lockTimeout, holder int, floor string) string {
 	return "INSERT INTO " + c.table("fences") + ` AS f (key_space, key, fence)
 		SELECT $1, $2, ` + first + ` FROM (SELECT set_config('synchronous_commit',
 			CASE current_setting('synchronous_commit') WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END,
-			true)` + timeout + `) AS durable` + from + held + `
+			true)` + timeout + `) AS durable` + probe + from + held + `
 		ON CONFLICT (key_space, key) DO UPDATE SET fence = ` + next + `
 		RETURNING f.fence`
 }
@@ -95,7 +111,7 @@ func nextFence(ctx context.Context, q interface {
 	}
 	space, key := fenceRow(k)
 	var fence int64
-	err := q.QueryRow(ctx, issueFenceSQL(c, 0, 0, ""), space, key).Scan(&fence)
+	err := q.QueryRow(ctx, issueFenceSQL(c, 0, 0, "", false), space, key).Scan(&fence)
 	if err != nil {
 		return 0, notMigrated(c, "issue fence for key "+k.String(), err)
 	}

@@ -717,7 +717,7 @@ func (s *Session) issueFence(ctx context.Context, l *Lock) error {
 	// Both statements are token statements: a fence whose commit a
 	// synchronous standby has not confirmed is withheld (see block).
 	err := s.c.blockAway(ctx, s, blockingStatement{
-		sql:     issueFenceSQL(s.c.cfg, 3, 0, ""),
+		sql:     issueFenceSQL(s.c.cfg, 3, 0, "", true),
 		args:    []any{space, key, ""},
 		run:     run,
 		quick:   true,
@@ -725,7 +725,7 @@ func (s *Session) issueFence(ctx context.Context, l *Lock) error {
 	}, blockingStatement{
 		// Away from l's backend, the fence checks that l's backend
 		// still holds the key.
-		sql:     issueFenceSQL(s.c.cfg, 4, 3, ""),
+		sql:     issueFenceSQL(s.c.cfg, 4, 3, "", false),
 		args:    []any{space, key, s.pid, ""},
 		run:     run,
 		durable: true,
@@ -746,9 +746,12 @@ const glance = 20 * time.Millisecond
 // blockAway runs st, a blocking statement that rarely waits (for a row
 // that a transaction holds), for a lock on home. On a Session of the
 // application's own, it runs there in slices. On a backend of the Client's,
-// which may hold other goroutines' locks, it first runs there waiting at
-// most a glance for each lock; if it must wait longer (or the server picked
-// it as a deadlock victim meanwhile), away runs instead on a backend that
+// which may hold other goroutines' locks, it first runs there without
+// joining the queue of the row it needs (st locks it with NOWAIT: a wait
+// there, however short, would let the row holder's deadlock check find a
+// cycle through home if the holder waited for one of home's keys) and
+// waiting at most a glance for anything else; if the row is held (or the
+// server picked it as a deadlock victim meanwhile), away runs instead on a backend that
 // holds nothing, in slices, as a lock wait does (see backends.go); while no
 // such backend is free, st runs on home again at growing intervals. On
 // home too, st runs in slices, which bounds a wait that no lock_timeout

@@ -586,17 +586,43 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 // many milliseconds the new leader must wait before it starts, and the
 // longest loss deadline among the leaders since the last clean end, its
 // own included (see handover).
-func recordSQL(c *config) string {
+//
+// On the backend that holds the election's lock, which may hold other
+// goroutines' keys, the statement locks the fences row and the leaders row
+// with NOWAIT before anything else: when a transaction holds either (it
+// checked the previous term and is still open), the statement fails at
+// once with SQLSTATE 55P03 and never joins the row's queue of waiters,
+// where the transaction's deadlock check could find a cycle through that
+// backend (see Client.blockAway). recordAwaySQL then waits for the rows
+// elsewhere.
+func recordSQL(c *config) string { return recordSQLFor(c, false) }
+
+// recordAwaySQL is recordSQL run on a backend of the Client's that holds
+// nothing, while the election's lock is held on another ($6): it waits for
+// the rows, and records the term only if that backend still holds the
+// election's lock when it starts (pg_locks); otherwise it returns no row.
+func recordAwaySQL(c *config) string { return recordSQLFor(c, true) }
+
+func recordSQLFor(c *config, away bool) string {
+	holder, lockRows, probe := 0, "", ""
+	if away {
+		holder = 6
+	} else {
+		lockRows = `lk AS (SELECT count(*) AS n FROM (SELECT FROM ` + c.table("leaders") + ` AS r
+				WHERE r.name = $3 FOR UPDATE NOWAIT) AS r),
+		`
+		probe = " CROSS JOIN lk"
+	}
 	// h is the predecessor's row, as it was before this statement: what
 	// the new term must exceed, the longest loss deadline to carry on,
 	// and until when the new leader must wait (NULL: not at all).
-	return `WITH h AS (SELECT p.term AS floor,
+	return `WITH ` + lockRows + `h AS (SELECT p.term AS floor,
 				CASE WHEN p.ended IS DISTINCT FROM false THEN $8::int8 ELSE GREATEST(p.loss_deadline_ms, $8::int8) END AS loss,
 				CASE WHEN NOT p.ended THEN GREATEST(p.not_before,
 					CASE WHEN NOT p.guarded OR p.server_start <> pg_catalog.pg_postmaster_start_time()
 						THEN now() + GREATEST(p.loss_deadline_ms, $8::int8) * interval '1 millisecond' END) END AS not_before
-			FROM (SELECT) AS one LEFT JOIN ` + c.table("leaders") + ` AS p ON p.name = $3),
-		fence AS (` + issueFenceSQL(c, 9, 0, "h") + `),
+			FROM (SELECT) AS one` + probe + ` LEFT JOIN ` + c.table("leaders") + ` AS p ON p.name = $3),
+		fence AS (` + issueFenceSQL(c, 9, holder, "h", !away) + `),
 		won AS (
 			INSERT INTO ` + c.table("leaders") + ` AS l (name, lock_key, identity, term, since, pid, guarded, server_start, ended, loss_deadline_ms, not_before)
 			SELECT $3, $4, $5, fence.fence, now(), $6, true, pg_catalog.pg_postmaster_start_time(), false, h.loss, h.not_before FROM fence, h
@@ -678,14 +704,32 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, time.D
 	// confirmed is withheld, and the next slice records a greater one (see
 	// Session.block); the row and the notice of a withheld term are
 	// overwritten by it.
-	err := l.s.block(ctx, blockingStatement{
-		sql:   recordSQL(c.cfg),
-		args:  e.recordArgs(l.s.pid),
-		locks: 2, // the fences row, then the leaders row
-		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
-			return conn.QueryRow(ctx, sql, args...).Scan(&term, &since, new(bool), &waitMS, &loss)
-		},
+	//
+	// On a backend of the Client's, which may hold other goroutines' keys,
+	// it never waits for the rows: it runs there with NOWAIT and, if a
+	// transaction holds a row, waits for it on a backend that holds
+	// nothing (Client.blockAway).
+	run := func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+		return conn.QueryRow(ctx, sql, args...).Scan(&term, &since, new(bool), &waitMS, &loss)
+	}
+	err := c.blockAway(ctx, l.s, blockingStatement{
+		sql:     recordSQL(c.cfg),
+		args:    e.recordArgs(l.s.pid),
+		locks:   2, // the fences row, then the leaders row
+		run:     run,
 		quick:   true,
+		durable: true,
+	}, blockingStatement{
+		sql:   recordAwaySQL(c.cfg),
+		args:  e.recordArgs(l.s.pid),
+		locks: 2,
+		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+			err := run(ctx, conn, sql, args)
+			if errors.Is(err, pgx.ErrNoRows) {
+				err = errorf("%w: backend %d no longer holds %s", ErrLockLost, l.s.pid, e.key)
+			}
+			return err
+		},
 		durable: true,
 	})
 	if err != nil {
