@@ -1933,3 +1933,59 @@ func (a *nemesisActor) lastLongPause(from, to time.Time, longer time.Duration) (
 	}
 	return last, found
 }
+
+// TestNemesisExcuseBounds shows that the nemesis excuses an overlap of two
+// leaders only within the bounds RELIABILITY.md states: 2H from the old
+// leader's resumption after a long pause, from the first of its two lost
+// connections, from the server's return after a crash, or from the new
+// term's start on a server that was shutting down; beyond that it is a
+// violation, and an overlap no case explains is one too.
+func TestNemesisExcuseBounds(t *testing.T) {
+	t.Parallel()
+	t0 := time.Now()
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	const beat = 100 * time.Millisecond // 2H + nemesisSlack = 300 ms
+	x := nemesisElections[0].name
+	for _, tc := range []struct {
+		name   string
+		actor  nemesisActor
+		server []nemesisServerFault
+		end    int // the old term's context cancelled, in ms; the new term starts at 1000
+		want   string
+		ok     bool
+	}{
+		{name: "nothing explains it", end: 1100},
+		{name: "paused, noticed within 2H of the resumption", end: 2250, ok: true, want: "paused",
+			actor: nemesisActor{pauses: []nemesisPause{{at(500), at(2000)}}}},
+		{name: "paused, noticed later", end: 2400, want: "paused",
+			actor: nemesisActor{pauses: []nemesisPause{{at(500), at(2000)}}}},
+		{name: "a short pause explains nothing", end: 1100,
+			actor: nemesisActor{pauses: []nemesisPause{{at(500), at(600)}}}},
+		{name: "both connections lost, noticed within 2H of the first", end: 1150, ok: true, want: "both terminated",
+			actor: nemesisActor{cuts: []nemesisCut{{at: at(900), victims: []nemesisVictim{{lockOf: []string{x}}}}, {at: at(950), victims: []nemesisVictim{{guardOf: []string{x}}}}}}},
+		{name: "both connections lost, noticed later", end: 1300, want: "both terminated",
+			actor: nemesisActor{cuts: []nemesisCut{{at: at(900), victims: []nemesisVictim{{lockOf: []string{x}}}}, {at: at(950), victims: []nemesisVictim{{guardOf: []string{x}}}}}}},
+		{name: "one connection lost explains nothing", end: 1150,
+			actor: nemesisActor{cuts: []nemesisCut{{at: at(900), victims: []nemesisVictim{{lockOf: []string{x}}}}}}},
+		{name: "a crash, noticed within 2H of the server's return", end: 1250, ok: true, want: "crashed",
+			server: []nemesisServerFault{{kind: nemCrash, from: at(400), to: at(1000)}}},
+		{name: "a crash, noticed later", end: 1400, want: "crashed",
+			server: []nemesisServerFault{{kind: nemCrash, from: at(400), to: at(1000)}}},
+		{name: "won during a shutdown, noticed within 2H", end: 1250, ok: true, want: "shutting down",
+			server: []nemesisServerFault{{kind: nemRestart, from: at(900), to: at(1500)}}},
+		{name: "won during a shutdown, noticed later", end: 1400, want: "shutting down",
+			server: []nemesisServerFault{{kind: nemRestart, from: at(900), to: at(1500)}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := tc.actor
+			a.name, a.beat = "old", beat
+			n := &nemesis{start: t0, server: tc.server}
+			old := &nemesisTerm{election: x, term: 1, actor: &a, since: at(0), start: at(10), end: at(tc.end)}
+			nw := &nemesisTerm{election: x, term: 2, actor: &nemesisActor{name: "new", beat: beat}, since: at(990), start: at(1000), end: at(3000)}
+			why, ok := n.excuse(old, nw)
+			if ok != tc.ok || !strings.Contains(why, tc.want) || tc.want == "" && why != "" {
+				t.Errorf("excuse = %q, %v; want ok %v and a reason containing %q", why, ok, tc.ok, tc.want)
+			}
+		})
+	}
+}
