@@ -24,9 +24,15 @@ import (
 //
 //   - A statement that does not block (a try, an unlock, the heartbeat)
 //     runs on any backend that is not waiting.
-//   - A statement that waits for a lock held elsewhere runs only on a
-//     backend that holds nothing and on which no statement that may take a
-//     key is in flight. The backend is marked as waiting for the length of
+//   - A statement that waits for a lock held elsewhere (a key, or a row:
+//     the fences row of a key whose fence a transaction checked, a
+//     leaders row, a semaphore's row) runs only on a backend that holds
+//     nothing and on which no statement that may take a key is in flight.
+//     On a backend that holds keys, a statement that needs a row locks it
+//     with NOWAIT and, if a transaction holds it, goes to wait elsewhere
+//     (Client.blockAway, Semaphore.admit): even a short wait there would
+//     let the row holder's deadlock check find a cycle through the
+//     backend's keys, one the application does not have. The backend is marked as waiting for the length of
 //     the acquire, and nothing else takes a key on it meanwhile. A backend
 //     whose wait was granted keeps its key and serves tries from then on,
 //     like any other; it can wait again once it holds nothing.
@@ -48,8 +54,9 @@ import (
 //     key waits on a backend that holds nothing, so that wait cannot close
 //     a cycle of waits either.
 //   - Every blocking statement, on any backend (a wait, or the issue of a
-//     fence, which waits for a transaction that checked the old fence),
-//     runs in slices of the lease (Session.block): the server answers at
+//     fence, which waits for a transaction that checked the old fence, on
+//     a backend that holds nothing or on an application's Session), runs
+//     in slices of the lease (Session.block): the server answers at
 //     least every slice, so a backend that holds locks always proves
 //     itself alive in time, and another statement that needs the backend
 //     interrupts the slice and runs first.
@@ -559,15 +566,15 @@ func (c *Client) waitBackend(ctx context.Context) (*Session, func(), error) {
 // records cannot show yet (a semaphore's grant) is about to run on b, so
 // that no blocking acquire claims b to wait meanwhile; endGrant ends the
 // record once the key taken is recorded as held, or released. It returns
-// errRoute, recording nothing, if b is claimed to wait already: the grant
-// then runs elsewhere.
-func (b *Session) beginGrant() error {
+// errRoute, recording nothing, if b is claimed to wait already, unless the
+// caller claimed it (claimed): the grant then runs elsewhere.
+func (b *Session) beginGrant(claimed bool) error {
 	b.state.Lock()
 	defer b.state.Unlock()
 	switch {
 	case b.err != nil:
 		return b.err
-	case b.waiting:
+	case b.waiting && !claimed:
 		return errRoute
 	}
 	b.granting++

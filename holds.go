@@ -738,9 +738,12 @@ func (s *Session) issueFence(ctx context.Context, l *Lock) error {
 }
 
 // glance is how long a blocking statement that rarely waits may wait on a
-// backend that holds other goroutines' locks (see blockAway): well below
-// PostgreSQL's deadlock_timeout, so the server does not look for a cycle
-// through that backend meanwhile.
+// backend that holds other goroutines' locks (see blockAway) for a lock
+// its NOWAIT does not cover (a row being inserted by another transaction
+// at the same moment): well below PostgreSQL's deadlock_timeout, so that
+// the backend's own deadlock check does not run meanwhile. The row it
+// needs it never waits for there: the deadlock check of that row's holder
+// would see the backend's keys.
 const glance = 20 * time.Millisecond
 
 // blockAway runs st, a blocking statement that rarely waits (for a row

@@ -291,15 +291,15 @@ func TestLockWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 
 // The head of a semaphore's queue waits on the server for slot 0 on the
 // backend that holds its queue key, and only while that backend holds
-// nothing else. Another semaphore's grant in flight on that backend (its
-// statement waits for that semaphore's row, and records its slot only
-// when it ends) counts as something else: the head does not wait there,
-// since the slot granted meanwhile would sit on a waiting backend. Read
-// back from pg_locks.
+// nothing else. Another semaphore's grant in flight on that backend (it
+// records its slot only when its statement ends; here it waits for the
+// connection, which another statement keeps busy) counts as something
+// else: the head does not wait there, since the slot granted meanwhile
+// would sit on a waiting backend. Read back from pg_locks.
 func TestQueueHeadWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
-	dsn, pool := semaphoreDB(t)
+	dsn, _ := semaphoreDB(t)
 	c := newTestClient(t, dsn, WithSharedBackends(1), WithLossDeadline(20*time.Second))
 	other := newTestClient(t, dsn)
 	semA := c.Semaphore("queue-head-a", 1)
@@ -314,7 +314,7 @@ func TestQueueHeadWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer mustUnlock(t, q)
-	shared := q.s.PID()
+	b := q.s
 	sub, err := c.subscribe(semaphoreChannel, semA.payload)
 	if err != nil {
 		t.Fatal(err)
@@ -327,23 +327,28 @@ func TestQueueHeadWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// Semaphore B's grant goes to the same backend and waits for B's row.
-	row, err := pool.Begin(ctx)
-	if err != nil {
+	// Semaphore B's grant goes to the same backend and waits for its
+	// connection, which a statement of the test holds.
+	if err := b.grab(ctx); err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = row.Rollback(context.Background()) }()
-	if _, err := row.Exec(ctx, "SELECT 1 FROM pgcoord.semaphores WHERE name = $1 FOR UPDATE", semB.Name()); err != nil {
-		t.Fatal(err)
+	busy := true
+	free := func() {
+		if busy {
+			busy = false
+			b.release()
+		}
 	}
+	defer free()
 	granted := make(chan permitResult, 1)
 	go func() {
 		p, err := semB.TryAcquire(ctx)
 		granted <- permitResult{p, err}
 	}()
-	watch := pgtest.Conn(t, dsn)
-	pgtest.Eventually(t, testTimeout, "B's grant to wait for its row on the head's backend", func() bool {
-		return backendWaitsOnRow(t, watch, shared)
+	pgtest.Eventually(t, testTimeout, "B's grant to wait for the head's backend", func() bool {
+		b.state.Lock()
+		defer b.state.Unlock()
+		return b.pending > 0
 	})
 
 	type awaited struct {
@@ -356,19 +361,33 @@ func TestQueueHeadWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 		p, again, err := semA.await(ctx, q, sub)
 		head <- awaited{p, again, err}
 	}()
-	if err := row.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
+	// Either the head gives up waiting there at once, or it claims the
+	// backend and waits for the connection too; then the grant goes first.
+	var a awaited
+	returned := false
+	pgtest.Eventually(t, testTimeout, "the head to give up, or to claim the backend", func() bool {
+		select {
+		case a = <-head:
+			returned = true
+			return true
+		default:
+			b.state.Lock()
+			defer b.state.Unlock()
+			return b.waiting
+		}
+	})
+	free()
 	g := receivePermit(t, granted)
 	if g.err != nil {
 		t.Fatalf("TryAcquire of B: %v", g.err)
 	}
 	defer mustRelease(t, g.p)
-	heldOnlyBy(t, dsn, semB.slotKey(g.p.Slot()), shared)
+	heldOnlyBy(t, dsn, semB.slotKey(g.p.Slot()), b.PID())
 
-	var a awaited
-	returned := false
 	pgtest.Eventually(t, testTimeout, "the head to give up waiting there, or to wait for slot 0", func() bool {
+		if returned {
+			return true
+		}
 		select {
 		case a = <-head:
 			returned = true
@@ -406,7 +425,7 @@ func TestGrantAvoidsBackendClaimedToWait(t *testing.T) {
 	if claimed != b {
 		t.Fatalf("waitBackend claimed backend %d, want the one open, %d", claimed.PID(), b.PID())
 	}
-	if _, _, err := sem.admitOn(ctx, b, nil); !errors.Is(err, errRoute) {
+	if _, _, err := sem.admitOn(ctx, b, nil, false); !errors.Is(err, errRoute) {
 		t.Fatalf("a grant on a backend claimed to wait: %v, want errRoute", err)
 	}
 	p := mustAcquire(t, sem, true)

@@ -515,9 +515,10 @@ func TestSemaphoreHeadGrantRowWaitNoSpuriousDeadlock(t *testing.T) {
 // that another statement interrupts; Unlock interrupts a blocking acquire
 // on its connection rather than wait for it). A semaphore's grant waits
 // for the semaphore's row while a transaction that changes the limit holds
-// it; an Unlock of another goroutine's key on the same backend must not
-// wait behind it: it returns while the grant still waits (pg_locks), and
-// the key is free on the server.
+// it, but never on a backend that holds other goroutines' keys: it waits
+// on a backend of its own (pg_locks), and an Unlock of another goroutine's
+// key returns while the grant still waits, with the key free on the
+// server.
 func TestUnlockDoesNotWaitBehindGrantRowWait(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
@@ -561,8 +562,8 @@ func TestUnlockDoesNotWaitBehindGrantRowWait(t *testing.T) {
 		return n > 0
 	}
 	pgtest.Eventually(t, testTimeout, "the grant to wait for the semaphore's row", grantWaits)
-	if !backendWaitsOnRow(t, watch, shared) {
-		t.Fatalf("the grant waits for the row, but not on backend %d, which holds %v", shared, x)
+	if backendWaitsOnRow(t, watch, shared) {
+		t.Fatalf("the grant waits for the row on backend %d, which holds %v", shared, x)
 	}
 
 	start := time.Now()

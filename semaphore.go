@@ -156,10 +156,14 @@ func WithHolderIdentity(identity string) SemaphoreOption {
 // with the number of locks the server holds) and commits one row, without
 // waiting for the disk (a lost row loses nothing: the lock is the truth).
 // A transaction that keeps the semaphore's row locked (an UPDATE of the
-// limit left uncommitted) holds grants up: a grant waits for it at most a
-// wait slice of the lease ((L-H)/2, 2 s by default) on a shared backend,
-// then TryAcquire returns the server's lock timeout error and a waiting
-// Acquire tries again.
+// limit left uncommitted) holds grants up. A grant never waits for the row
+// on a backend that holds other goroutines' keys (the server's deadlock
+// check would see that backend's keys and the row's holder as one cycle
+// if the holder waited for one of them): it waits, at most a wait slice
+// of the lease ((L-H)/2, 2 s by default), on a backend that holds nothing,
+// counted as one of the Client's waits ([WithMaxWaits]). Then, or at once
+// when no such backend is free, TryAcquire returns the server's lock
+// timeout error and a waiting Acquire tries again from the queue.
 //
 // # Keys
 //
@@ -175,8 +179,8 @@ type Semaphore struct {
 	identity string
 	err      error // invalid name, limit or option: every method returns it
 
-	acquireSQL, awaitSQL, cleanupSQL, releaseSQL string
-	payload                                      string // notification payloads about this semaphore start with it
+	acquireSQL, acquireNowaitSQL, awaitSQL, cleanupSQL, releaseSQL string
+	payload                                                        string // notification payloads about this semaphore start with it
 }
 
 // Semaphore returns the semaphore called name, whose permits at most limit
@@ -226,6 +230,16 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 	s.payload = strconv.FormatInt(s.key.v, 10) + ":"
 	cfg := s.c.cfg
 	s.acquireSQL = "SELECT slot, sem_limit, holders, queued FROM " + cfg.table("semaphore_acquire") + "($1, $2, $3, $4, $5, $6, $7)"
+	// The same, but it first locks the semaphore's row with NOWAIT, and
+	// fails at once with SQLSTATE 55P03 when a transaction holds it: the
+	// grant never joins the row's queue of waiters (see admitOn). The
+	// function's own FOR UPDATE then finds the row locked by its own
+	// transaction. The probe's count is an argument of the call, so that
+	// the probe runs first.
+	s.acquireNowaitSQL = `SELECT a.slot, a.sem_limit, a.holders, a.queued
+		FROM (SELECT count(*) AS n FROM (SELECT FROM ` + cfg.table("semaphores") + ` AS r
+			WHERE r.name = $1 FOR UPDATE NOWAIT) AS r) AS probe,
+		LATERAL ` + cfg.table("semaphore_acquire") + `($1, $2, $3, $4, $5, CASE WHEN probe.n >= 0 THEN $6 END, $7) AS a`
 	s.awaitSQL = "SELECT slot, sem_limit, holders FROM " + cfg.table("semaphore_await") + "($1, $2, $3, $4, $5)"
 	s.cleanupSQL = `WITH mine AS (
 			SELECT l.k FROM (SELECT (classid::bigint << 32) | objid::bigint AS k
@@ -441,7 +455,7 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 		if q.Err() != nil {
 			return nil, nil
 		}
-		p, adm, err := s.admitOn(ctx, q.s, q)
+		p, adm, err := s.admitHead(ctx, q)
 		if errorIsLoss(err) && q.Err() != nil {
 			return nil, nil
 		}
@@ -479,6 +493,22 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 			return nil, err
 		}
 	}
+}
+
+// admitHead asks for a permit for the head of the queue, on the backend
+// that holds its queue key q, which the grant releases. While that backend
+// holds nothing else, the head claims it as a wait (claimWait) and the
+// grant may wait there for the semaphore's row; otherwise it does not wait
+// for the row (see admitOn), and a transaction that holds the row makes it
+// return the lock timeout error: the head looks again at the next
+// notification or re-check.
+func (s *Semaphore) admitHead(ctx context.Context, q *Lock) (*Permit, admission, error) {
+	c, b := s.c, q.s
+	claimed := c.claimWait(b, q.Key())
+	if claimed {
+		defer c.unclaimWait(b)
+	}
+	return s.admitOn(ctx, b, q, claimed)
 }
 
 // errLookAgain ends a head's wait for slot 0 when the semaphore's limit
@@ -644,6 +674,11 @@ func (s *Semaphore) admitRiding(ctx context.Context, try bool) (*Permit, admissi
 //
 // A backend that a blocking acquire claimed to wait on between the pick and
 // the grant takes no grant (see beginGrant): the grant goes to another.
+// The shared backend may hold other goroutines' keys, so the grant does not
+// wait there for the semaphore's row: when a transaction holds it, the
+// grant waits for it on a backend that holds nothing, claimed like a lock
+// wait's (see backends.go), or, while no such backend is free, returns the
+// lock timeout error.
 func (s *Semaphore) admit(ctx context.Context) (*Permit, admission, error) {
 	c := s.c
 	var err error
@@ -654,7 +689,17 @@ func (s *Semaphore) admit(ctx context.Context) (*Permit, admission, error) {
 		}
 		var p *Permit
 		var adm admission
-		p, adm, err = s.admitOn(ctx, b, nil)
+		p, adm, err = s.admitOn(ctx, b, nil, false)
+		if lockTimedOut(err) && ctx.Err() == nil {
+			w, done, werr := c.waitBackend(ctx)
+			switch {
+			case werr == nil:
+				p, adm, err = s.admitOn(ctx, w, nil, true)
+				done()
+			case !errors.Is(werr, errNoWaitBackend):
+				err = werr
+			}
+		}
 		switch {
 		case errors.Is(err, errRoute):
 			if routed++; routed%maxRoutes == 0 {
@@ -679,9 +724,19 @@ func (s *Semaphore) admit(ctx context.Context) (*Permit, admission, error) {
 // longer holds it; if that fails too, b is lost, which frees everything.
 // It returns errRoute, sending nothing, if a blocking acquire has claimed
 // b to wait on (see beginGrant).
-func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock) (*Permit, admission, error) {
+//
+// If claimed, the caller has claimed b to wait on (waitBackend or
+// claimWait): b holds nothing but q, and the statement may wait for the
+// semaphore's row, at most a wait slice. Otherwise b may hold other
+// goroutines' keys, and the statement does not wait for the row: when a
+// transaction holds it, it fails at once with SQLSTATE 55P03
+// (acquireNowaitSQL). A wait there would put b in the row's queue, where
+// the deadlock check of that transaction, should it wait for one of b's
+// keys, would find a cycle that the application does not have; and the
+// statements of b's other locks would wait behind it.
+func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock, claimed bool) (*Permit, admission, error) {
 	head := q != nil
-	if err := b.beginGrant(); err != nil {
+	if err := b.beginGrant(claimed); err != nil {
 		return nil, admission{}, err
 	}
 	defer b.endGrant()
@@ -696,8 +751,12 @@ func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock) (*Permit, 
 		adm           admission
 	)
 	timeout := strconv.FormatInt(s.c.cfg.waitSlice().Milliseconds(), 10)
+	sql := s.acquireNowaitSQL
+	if claimed {
+		sql = s.acquireSQL
+	}
 	err := b.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		err := conn.QueryRow(ctx, s.acquireSQL, s.name, int32(s.limit), s.key.v, head, s.identity, timeout, b.pid).
+		err := conn.QueryRow(ctx, sql, s.name, int32(s.limit), s.key.v, head, s.identity, timeout, b.pid).
 			Scan(&slot, &limit, &holder, &queued)
 		return b.wrongBackend(err)
 	})
