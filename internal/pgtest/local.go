@@ -235,6 +235,11 @@ func newLocal() (*local, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", errNoBinaries, err)
 	}
+	return newLocalFrom(bin)
+}
+
+// newLocalFrom is newLocal with the programs found.
+func newLocalFrom(bin binaries) (*local, error) {
 	u, err := findOSUser()
 	if err != nil {
 		return nil, err
