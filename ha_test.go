@@ -27,11 +27,13 @@ const haTimeout = 4 * time.Minute
 // Run. Each time:
 //   - every hold on the old primary reports ErrLockLost within 2H of the
 //     server ending it;
-//   - every wait rides through and is granted on the new primary (in
-//     pg_locks, to the waiter's backend), and the new leader begins after
-//     the old leader's context was cancelled;
-//   - the old leader's Run campaigns on, and leads again after the
-//     switchover back, instead of returning;
+//   - the waiting Lock and Acquire ride through and are granted on the new
+//     primary (in pg_locks, to the waiter's backend);
+//   - the old leader's Run campaigns on instead of returning, so two
+//     candidates campaign on the new primary: the one that waited through
+//     the switchover and the old leader. One of them leads, in pg_locks,
+//     having begun after the old leader's context was cancelled; the other
+//     campaigns on;
 //   - a Client that first campaigns (and locks) while no node is the
 //     primary waits, and leads once the new primary answers;
 //   - fences and terms only grow, and CheckFence on the new primary refuses
@@ -90,7 +92,7 @@ func TestHASwitchoverAndBack(t *testing.T) {
 	fences, terms := []Term{holder.lock.Fence()}, []Term{holder.leader.Term()}
 	primary := first
 	for round := 1; round <= 2; round++ {
-		waits := waiter.wait(ctx, k)
+		waits := waiter.wait(ctx, k, a, b)
 		queued := func() (lock, leader, permit bool) {
 			return w.waiting(primary, k), w.waiting(primary, a.e.Key()),
 				w.waiting(primary, a.s.slotKey(0)) || w.granted(primary, a.s.queueKey())
@@ -160,6 +162,22 @@ func TestHASwitchoverAndBack(t *testing.T) {
 		}
 		if ca := holder.leader.cancelledAt(); !ca.Before(next.leader.Since()) {
 			fail("round %d: the new leader began at %v, not after the old leader's context was cancelled at %v", round, next.leader.Since(), ca)
+		}
+		// The candidate that did not win campaigns on, on the new
+		// primary. Both campaigned there: the one that waited through
+		// the switchover, and the old leader's Run, which campaigned
+		// again once it knew its term had ended; whichever of them the
+		// new primary saw first won.
+		loser := a
+		if next.leaderParty == a {
+			loser = b
+		}
+		if !pgtest.Poll(testTimeout, func() bool { return w.waiting(to, a.e.Key()) || loser.returned() }) || loser.returned() {
+			loser.checkRunning(fail, round)
+			fail("round %d: %s leads; the campaign of %s does not wait on the new primary %s within %v", round, next.leaderParty.name, loser.name, to, testTimeout)
+		}
+		if next.leaderParty == holder.leaderParty {
+			t.Logf("round %d: the old leader's Run (%s) campaigned again and won on the new primary before the waiting candidate (%s), which campaigns on", round, next.leaderParty.name, loser.name)
 		}
 		window.check(t, fail, answering)
 
@@ -297,9 +315,10 @@ func (p *haParty) runEnd() error {
 
 // haHolds are what one party holds: a fenced lock, a leadership, a permit.
 type haHolds struct {
-	party                      *haParty
+	party                      *haParty // of the lock and the permit
 	lock                       *Lock
 	leader                     *Leadership
+	leaderParty                *haParty // whose Run leads
 	permit                     *Permit
 	lockAt, leaderAt, permitAt time.Time // when each acquire returned
 	watch                      map[string]*haDone
@@ -353,7 +372,7 @@ func (h haHold) doneAt() time.Time {
 func (hs *haHolds) list(k Key) []haHold {
 	return []haHold{
 		{what: "fenced lock", key: k, pid: hs.lock.s.PID(), at: hs.lockAt, done: hs.watch["lock"], err: hs.lock.Err},
-		{what: "leadership", key: hs.party.e.Key(), pid: hs.leader.lock.s.PID(), at: hs.leaderAt, done: hs.watch["leader"], err: hs.leader.Err},
+		{what: "leadership of " + hs.leaderParty.name, key: hs.leaderParty.e.Key(), pid: hs.leader.lock.s.PID(), at: hs.leaderAt, done: hs.watch["leader"], err: hs.leader.Err},
 		{what: "permit", key: hs.party.s.slotKey(hs.permit.Slot()), pid: hs.permit.l.s.PID(), at: hs.permitAt, done: hs.watch["permit"], err: hs.permit.Err},
 	}
 }
@@ -379,7 +398,7 @@ func (p *haParty) take(t *testing.T, ctx, runCtx context.Context, k Key) *haHold
 	p.run(runCtx)
 	select {
 	case g := <-p.led:
-		hs.leader, hs.leaderAt = g.v, g.at
+		hs.leader, hs.leaderAt, hs.leaderParty = g.v, g.at, p
 	case <-p.ran:
 		t.Fatalf("Run: %v", p.runErr)
 	case <-time.After(testTimeout):
@@ -396,9 +415,10 @@ func (p *haParty) take(t *testing.T, ctx, runCtx context.Context, k Key) *haHold
 // haWaits are the blocking acquires of one party, under way, and its
 // campaigning Run.
 type haWaits struct {
-	party  *haParty
-	lock   chan haGot[*Lock]
-	permit chan haGot[*Permit]
+	party      *haParty   // whose Lock and Acquire these are
+	candidates []*haParty // whose Runs campaign: the next leader is one of them
+	lock       chan haGot[*Lock]
+	permit     chan haGot[*Permit]
 }
 
 type haGot[T any] struct {
@@ -417,17 +437,20 @@ func goGet[T any](f func() (T, error)) chan haGot[T] {
 }
 
 // wait starts a blocking Lock with a fence and an Acquire of the party,
-// each bounded by ctx; its Run campaigns already.
-func (p *haParty) wait(ctx context.Context, k Key) *haWaits {
+// each bounded by ctx; its Run campaigns already, as may the Runs of
+// candidates.
+func (p *haParty) wait(ctx context.Context, k Key, candidates ...*haParty) *haWaits {
 	return &haWaits{
-		party:  p,
-		lock:   goGet(func() (*Lock, error) { return p.c.Lock(ctx, k, WithFence()) }),
-		permit: goGet(func() (*Permit, error) { return p.s.Acquire(ctx) }),
+		party:      p,
+		candidates: candidates,
+		lock:       goGet(func() (*Lock, error) { return p.c.Lock(ctx, k, WithFence()) }),
+		permit:     goGet(func() (*Permit, error) { return p.s.Acquire(ctx) }),
 	}
 }
 
 // receive waits, bounded, for the two acquires and the next leadership of
-// the party's Run, and fails the test unless each got its hold.
+// one of the candidates' Runs, and fails the test unless each got its
+// hold and every Run campaigns on.
 func (ws *haWaits) receive(t *testing.T, fail func(string, ...any), round int, state func() string) *haHolds {
 	t.Helper()
 	hs := &haHolds{party: ws.party}
@@ -441,10 +464,14 @@ func (ws *haWaits) receive(t *testing.T, fail func(string, ...any), round int, s
 			if g.err != nil {
 				errs = append(errs, fmt.Sprintf("Lock: %v", g.err))
 			}
-		case g := <-ws.party.led:
-			hs.leader, hs.leaderAt = g.v, g.at
-		case <-ws.party.ran:
-			fail("round %d: Run of %s returned %v instead of campaigning on", round, ws.party.name, ws.party.runErr)
+		case g := <-ws.candidates[0].led:
+			hs.leader, hs.leaderAt, hs.leaderParty = g.v, g.at, ws.candidates[0]
+		case g := <-ws.candidates[1].led:
+			hs.leader, hs.leaderAt, hs.leaderParty = g.v, g.at, ws.candidates[1]
+		case <-ws.candidates[0].ran:
+			fail("round %d: Run of %s returned %v instead of campaigning on", round, ws.candidates[0].name, ws.candidates[0].runErr)
+		case <-ws.candidates[1].ran:
+			fail("round %d: Run of %s returned %v instead of campaigning on", round, ws.candidates[1].name, ws.candidates[1].runErr)
 		case g := <-ws.permit:
 			hs.permit, hs.permitAt = g.v, g.at
 			if g.err != nil {
