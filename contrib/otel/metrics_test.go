@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -382,5 +383,96 @@ func TestChain(t *testing.T) {
 	}
 	if h.OnRelease != nil || h.OnLoss != nil || h.OnContention != nil || h.OnLeadership != nil {
 		t.Error("Chain set a hook that no Hooks had")
+	}
+}
+
+// pgcoord.leader.term never goes backwards, even for elections that share
+// the "other" value past WithMaxNames: it keeps the highest term gained
+// under each value, whichever election gained it.
+func TestMetricsLeaderTermNeverGoesBackUnderOther(t *testing.T) {
+	m, reader := newMetrics(t, pgcoordotel.WithMaxNames(1))
+	h := m.Hooks()
+	const (
+		first = `pgcoord.leader.term{pgcoord.election.name=first}`
+		other = `pgcoord.leader.term{pgcoord.election.name=other}`
+	)
+	h.OnLeadership(pgcoord.LeadershipEvent{Election: "first", Leading: true, Term: 5})
+	var high float64
+	// Terms go up and down across the elections past the bound; the
+	// highest so far is the value under "other" after each.
+	for i, term := range []pgcoord.Term{10, 3, 12, 7, 1, 12, 30, 2} {
+		name := fmt.Sprintf("election-%d", i%4)
+		h.OnLeadership(pgcoord.LeadershipEvent{Election: name, Leading: true, Term: term})
+		high = max(high, float64(term))
+		vs := values(t, reader)
+		if vs[other] != high {
+			t.Fatalf("after term %d of %s: %s = %v, want %v (the highest gained under other)", term, name, other, vs[other], high)
+		}
+		if vs[first] != 5 {
+			t.Fatalf("%s = %v, want 5", first, vs[first])
+		}
+		h.OnLeadership(pgcoord.LeadershipEvent{Election: name, Leading: false})
+	}
+}
+
+// Many distinct election names cost bounded memory: the highest terms are
+// kept per attribute value, so at most WithMaxNames values and "other".
+func TestMetricsLeaderTermStateBounded(t *testing.T) {
+	const maxNames, elections = 8, 10000
+	m, reader := newMetrics(t, pgcoordotel.WithMaxNames(maxNames))
+	h := m.Hooks()
+	for i := range elections {
+		h.OnLeadership(pgcoord.LeadershipEvent{Election: fmt.Sprintf("election-%d", i), Leading: true, Term: pgcoord.Term(i + 1)})
+	}
+	if n := pgcoordotel.TermLabels(m); n > maxNames+1 {
+		t.Errorf("highest terms kept for %d election values after %d elections, want at most %d (the bound and other)", n, elections, maxNames+1)
+	}
+	vs := values(t, reader)
+	points := 0
+	for k := range vs {
+		if strings.HasPrefix(k, "pgcoord.leader.term{") {
+			points++
+		}
+	}
+	if points != maxNames+1 || vs[`pgcoord.leader.term{pgcoord.election.name=other}`] != elections {
+		t.Errorf("%d data points of pgcoord.leader.term, other = %v; want %d and %d", points,
+			vs[`pgcoord.leader.term{pgcoord.election.name=other}`], maxNames+1, elections)
+	}
+}
+
+// Real elections past WithMaxNames share "other": its pgcoord.leader.term
+// is the highest term any of them gained, and a later election's first
+// term does not take it back.
+func TestMetricsLeaderTermUnderOtherFromElections(t *testing.T) {
+	ctx := testCtx(t)
+	_, pool := migrated(t)
+	m, reader := newMetrics(t, pgcoordotel.WithMaxNames(1))
+	var events atomic.Int64
+	counted := pgcoord.Hooks{OnLeadership: func(pgcoord.LeadershipEvent) { events.Add(1) }}
+	c := newClient(t, pool, pgcoord.WithHooks(pgcoordotel.Chain(m.Hooks(), counted)))
+	campaign := func(name string) pgcoord.Term {
+		t.Helper()
+		ld, err := c.Election(name).Campaign(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ld.Resign(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return ld.Term()
+	}
+	campaign("first")
+	var high pgcoord.Term
+	for range 3 {
+		high = max(high, campaign("busy"))
+	}
+	const other = `pgcoord.leader.term{pgcoord.election.name=other}`
+	until(t, reader, map[string]float64{other: float64(high)})
+	if low := campaign("fresh"); low >= high {
+		t.Fatalf("the fresh election's term %d is not below the busy one's %d", low, high)
+	}
+	pgtest.Eventually(t, testTimeout, "the 10 leadership events delivered", func() bool { return events.Load() == 10 })
+	if got := values(t, reader)[other]; got != float64(high) {
+		t.Errorf("%s = %v after a lower term of another election under other, want %v", other, got, high)
 	}
 }

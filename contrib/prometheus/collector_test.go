@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -328,6 +329,109 @@ func TestCollectorBoundsAndOptions(t *testing.T) {
 		if _, err := pgcoordprom.New(tc.opt); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("New with a bad option = %v, want an error saying %q", err, tc.want)
 		}
+	}
+}
+
+// newCollector returns a Collector registered on a pedantic registry.
+func newCollector(t *testing.T, opts ...pgcoordprom.Option) (*pgcoordprom.Collector, *prometheus.Registry) {
+	t.Helper()
+	m, err := pgcoordprom.New(opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(m)
+	return m, reg
+}
+
+// pgcoord_leader_term never goes backwards, even for elections that share
+// the "other" label past WithMaxNames: it keeps the highest term gained
+// under each label, whichever election gained it.
+func TestCollectorLeaderTermNeverGoesBackUnderOther(t *testing.T) {
+	m, reg := newCollector(t, pgcoordprom.WithMaxNames(1))
+	h := m.Hooks()
+	const (
+		first = `pgcoord_leader_term{election="first"}`
+		other = `pgcoord_leader_term{election="other"}`
+	)
+	h.OnLeadership(pgcoord.LeadershipEvent{Election: "first", Leading: true, Term: 5})
+	var high float64
+	// Terms go up and down across the elections past the bound; the
+	// highest so far is the value under "other" after each.
+	for i, term := range []pgcoord.Term{10, 3, 12, 7, 1, 12, 30, 2} {
+		name := fmt.Sprintf("election-%d", i%4)
+		h.OnLeadership(pgcoord.LeadershipEvent{Election: name, Leading: true, Term: term})
+		high = max(high, float64(term))
+		vs := values(t, reg)
+		if vs[other] != high {
+			t.Fatalf("after term %d of %s: %s = %v, want %v (the highest gained under other)", term, name, other, vs[other], high)
+		}
+		if vs[first] != 5 {
+			t.Fatalf("%s = %v, want 5", first, vs[first])
+		}
+		h.OnLeadership(pgcoord.LeadershipEvent{Election: name, Leading: false})
+	}
+}
+
+// Many distinct election names cost bounded memory: the highest terms are
+// kept per label, so at most WithMaxNames labels and "other".
+func TestCollectorLeaderTermStateBounded(t *testing.T) {
+	const maxNames, elections = 8, 10000
+	m, reg := newCollector(t, pgcoordprom.WithMaxNames(maxNames))
+	h := m.Hooks()
+	for i := range elections {
+		h.OnLeadership(pgcoord.LeadershipEvent{Election: fmt.Sprintf("election-%d", i), Leading: true, Term: pgcoord.Term(i + 1)})
+	}
+	if n := pgcoordprom.TermLabels(m); n > maxNames+1 {
+		t.Errorf("highest terms kept for %d election labels after %d elections, want at most %d (the bound and other)", n, elections, maxNames+1)
+	}
+	vs := values(t, reg)
+	points := 0
+	for k := range vs {
+		if strings.HasPrefix(k, "pgcoord_leader_term{") {
+			points++
+		}
+	}
+	if points != maxNames+1 || vs[`pgcoord_leader_term{election="other"}`] != elections {
+		t.Errorf("%d series of pgcoord_leader_term, other = %v; want %d and %d", points,
+			vs[`pgcoord_leader_term{election="other"}`], maxNames+1, elections)
+	}
+}
+
+// Real elections past WithMaxNames share "other": its pgcoord_leader_term
+// is the highest term any of them gained, and a later election's first
+// term does not take it back.
+func TestCollectorLeaderTermUnderOtherFromElections(t *testing.T) {
+	ctx := testCtx(t)
+	_, pool := migrated(t)
+	m, reg := newCollector(t, pgcoordprom.WithMaxNames(1))
+	var events atomic.Int64
+	counted := pgcoord.Hooks{OnLeadership: func(pgcoord.LeadershipEvent) { events.Add(1) }}
+	c := newClient(t, pool, pgcoord.WithHooks(pgcoordprom.Chain(m.Hooks(), counted)))
+	campaign := func(name string) pgcoord.Term {
+		t.Helper()
+		ld, err := c.Election(name).Campaign(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ld.Resign(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return ld.Term()
+	}
+	campaign("first")
+	var high pgcoord.Term
+	for range 3 {
+		high = max(high, campaign("busy"))
+	}
+	const other = `pgcoord_leader_term{election="other"}`
+	until(t, reg, map[string]float64{other: float64(high)})
+	if low := campaign("fresh"); low >= high {
+		t.Fatalf("the fresh election's term %d is not below the busy one's %d", low, high)
+	}
+	pgtest.Eventually(t, testTimeout, "the 10 leadership events delivered", func() bool { return events.Load() == 10 })
+	if got := values(t, reg)[other]; got != float64(high) {
+		t.Errorf("%s = %v after a lower term of another election under other, want %v", other, got, high)
 	}
 }
 
