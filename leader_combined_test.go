@@ -407,12 +407,21 @@ func TestSemaphoreCancelWhileRowLockedLeavesNothing(t *testing.T) {
 	if _, err := tx.Exec(ctx, `UPDATE pgcoord.semaphores SET "limit" = 2 WHERE name = $1`, name); err != nil {
 		t.Fatal(err)
 	}
-	// The head's re-check (every 250 ms) now waits for the row.
+	// The head of a semaphore of limit 1 waits for slot 0 on the server
+	// and looks at the row again only when told the limit changed, which
+	// the raise will tell at its commit: tell it now, as often as it takes
+	// (the wait may start just after a notice), and its grant waits for
+	// the row.
 	pgtest.Eventually(t, testTimeout, "the head's grant waits for the semaphore's row", func() bool {
 		var n int
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
 			WHERE wait_event_type = 'Lock' AND wait_event IN ('transactionid', 'tuple') AND query LIKE '%semaphore_acquire%'`).Scan(&n); err != nil {
 			t.Fatal(err)
+		}
+		if n == 0 {
+			if _, err := pool.Exec(ctx, "SELECT pg_notify($1, $2)", semaphoreChannel, a.payload+"limit"); err != nil {
+				t.Fatal(err)
+			}
 		}
 		return n >= 1
 	})
