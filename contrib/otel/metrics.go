@@ -108,8 +108,7 @@ func (f optionFunc) apply(c *config) error { return f(c) }
 
 type config struct {
 	provider metric.MeterProvider
-	buckets  []float64
-	maxNames int
+	metricmap.Options
 }
 
 // WithMeterProvider sets the MeterProvider whose Meter creates the
@@ -129,13 +128,7 @@ func WithMeterProvider(p metric.MeterProvider) Option {
 // wait-time histograms (a View of the SDK may still override them). They
 // must be finite, positive and strictly increasing; at least one.
 func WithBuckets(bounds ...float64) Option {
-	return optionFunc(func(c *config) error {
-		if err := metricmap.CheckBuckets(bounds); err != nil {
-			return fmt.Errorf("pgcoordotel: WithBuckets: %w", err)
-		}
-		c.buckets = append([]float64(nil), bounds...)
-		return nil
-	})
+	return optionFunc(func(c *config) error { return c.SetBuckets("pgcoordotel", bounds) })
 }
 
 // WithMaxNames bounds how many distinct values of each of the lock,
@@ -143,13 +136,7 @@ func WithBuckets(bounds ...float64) Option {
 // DefaultMaxNames); events of later names get "other". n must be at least
 // 1.
 func WithMaxNames(n int) Option {
-	return optionFunc(func(c *config) error {
-		if n < 1 {
-			return fmt.Errorf("pgcoordotel: WithMaxNames(%d): the bound must be at least 1", n)
-		}
-		c.maxNames = n
-		return nil
-	})
+	return optionFunc(func(c *config) error { return c.SetMaxNames("pgcoordotel", n) })
 }
 
 // Metrics hold pgcoord's OpenTelemetry instruments (see the package
@@ -181,7 +168,7 @@ type int64Adder interface {
 // and registers the callback of the observable ones. It returns an error
 // when an option is invalid or the Meter refuses an instrument.
 func New(opts ...Option) (*Metrics, error) {
-	cfg := config{buckets: DefaultBuckets, maxNames: DefaultMaxNames}
+	cfg := config{Options: metricmap.Options{Buckets: DefaultBuckets, MaxNames: DefaultMaxNames}}
 	for _, o := range opts {
 		if o == nil {
 			return nil, errors.New("pgcoordotel: New: nil Option")
@@ -194,7 +181,7 @@ func New(opts ...Option) (*Metrics, error) {
 		cfg.provider = otel.GetMeterProvider()
 	}
 	meter := cfg.provider.Meter(ScopeName)
-	m := &Metrics{mapper: metricmap.New(cfg.maxNames)}
+	m := &Metrics{mapper: metricmap.New(cfg.MaxNames)}
 	var errs []error
 	var observables []metric.Observable
 	for in, d := range metricmap.Instruments {
@@ -209,7 +196,7 @@ func New(opts ...Option) (*Metrics, error) {
 		case metricmap.UpDownCounter:
 			m.adders[in], err = meter.Int64UpDownCounter(d.OTel, unit, desc)
 		case metricmap.Histogram:
-			m.histograms[in], err = meter.Float64Histogram(d.OTel, unit, desc, metric.WithExplicitBucketBoundaries(cfg.buckets...))
+			m.histograms[in], err = meter.Float64Histogram(d.OTel, unit, desc, metric.WithExplicitBucketBoundaries(cfg.Buckets...))
 		case metricmap.Gauge:
 			m.gauges[in], err = meter.Int64Gauge(d.OTel, unit, desc)
 		case metricmap.ObservedUpDown:

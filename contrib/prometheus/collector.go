@@ -71,7 +71,6 @@ package pgcoordprom
 
 import (
 	"errors"
-	"fmt"
 
 	"github.com/pgcoord/pgcoord"
 	"github.com/pgcoord/pgcoord/internal/metricmap"
@@ -102,21 +101,14 @@ type optionFunc func(*config) error
 func (f optionFunc) apply(c *config) error { return f(c) }
 
 type config struct {
-	buckets  []float64
-	maxNames int
+	metricmap.Options
 }
 
 // WithBuckets sets the upper bounds, in seconds, of the buckets of the
 // wait-time histograms. They must be finite, positive and strictly
 // increasing; at least one.
 func WithBuckets(bounds ...float64) Option {
-	return optionFunc(func(c *config) error {
-		if err := metricmap.CheckBuckets(bounds); err != nil {
-			return fmt.Errorf("pgcoordprom: WithBuckets: %w", err)
-		}
-		c.buckets = append([]float64(nil), bounds...)
-		return nil
-	})
+	return optionFunc(func(c *config) error { return c.SetBuckets("pgcoordprom", bounds) })
 }
 
 // WithMaxNames bounds how many distinct values of each of the name,
@@ -124,13 +116,7 @@ func WithBuckets(bounds ...float64) Option {
 // DefaultMaxNames); events of later names are labelled "other". n must be
 // at least 1.
 func WithMaxNames(n int) Option {
-	return optionFunc(func(c *config) error {
-		if n < 1 {
-			return fmt.Errorf("pgcoordprom: WithMaxNames(%d): the bound must be at least 1", n)
-		}
-		c.maxNames = n
-		return nil
-	})
+	return optionFunc(func(c *config) error { return c.SetMaxNames("pgcoordprom", n) })
 }
 
 // A Collector is a [prometheus.Collector] of pgcoord's metrics (see the
@@ -151,7 +137,7 @@ type Collector struct {
 // New returns a Collector. It returns an error, saying which, when an
 // option is invalid.
 func New(opts ...Option) (*Collector, error) {
-	cfg := config{buckets: DefaultBuckets, maxNames: DefaultMaxNames}
+	cfg := config{Options: metricmap.Options{Buckets: DefaultBuckets, MaxNames: DefaultMaxNames}}
 	for _, o := range opts {
 		if o == nil {
 			return nil, errors.New("pgcoordprom: New: nil Option")
@@ -160,7 +146,7 @@ func New(opts ...Option) (*Collector, error) {
 			return nil, err
 		}
 	}
-	c := &Collector{mapper: metricmap.New(cfg.maxNames)}
+	c := &Collector{mapper: metricmap.New(cfg.MaxNames)}
 	for in, d := range metricmap.Instruments {
 		var labels []string
 		for _, l := range d.Labels {
@@ -172,7 +158,7 @@ func New(opts ...Option) (*Collector, error) {
 		case metricmap.UpDownCounter, metricmap.Gauge:
 			c.vectors[in] = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: d.Prom, Help: d.Help}, labels)
 		case metricmap.Histogram:
-			c.vectors[in] = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: d.Prom, Help: d.Help, Buckets: cfg.buckets}, labels)
+			c.vectors[in] = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: d.Prom, Help: d.Help, Buckets: cfg.Buckets}, labels)
 		case metricmap.ObservedUpDown, metricmap.ObservedCounter:
 			c.descs[in] = prometheus.NewDesc(d.Prom, d.Help, labels, nil)
 		}

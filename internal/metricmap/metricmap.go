@@ -336,21 +336,39 @@ func ModeOf(m pgcoord.LockMode) string {
 	return "exclusive"
 }
 
-// CheckBuckets returns an error, saying what is wrong, unless bounds are
-// histogram bucket bounds in seconds: at least one, finite, positive and
-// strictly increasing.
-func CheckBuckets(bounds []float64) error {
+// Options are the settings that both contrib modules take, each through
+// an Option of its own.
+type Options struct {
+	Buckets  []float64 // the bounds of the wait-time histograms' buckets, in seconds
+	MaxNames int       // how many distinct names of each kind are kept
+}
+
+// SetBuckets sets o.Buckets to a copy of bounds. It returns an error,
+// prefixed by pkg and saying what is wrong, unless bounds are at least
+// one, finite, positive and strictly increasing.
+func (o *Options) SetBuckets(pkg string, bounds []float64) error {
 	if len(bounds) == 0 {
-		return errors.New("no bounds given; pass at least one bound in seconds")
+		return fmt.Errorf("%s: WithBuckets: no bounds given; pass at least one bound in seconds", pkg)
 	}
 	for i, b := range bounds {
 		if b <= 0 || math.IsInf(b, 0) || math.IsNaN(b) {
-			return fmt.Errorf("bound %v is not a finite positive number of seconds", b)
+			return fmt.Errorf("%s: WithBuckets: bound %v is not a finite positive number of seconds", pkg, b)
 		}
 		if i > 0 && b <= bounds[i-1] {
-			return fmt.Errorf("bounds must increase, but %v follows %v", b, bounds[i-1])
+			return fmt.Errorf("%s: WithBuckets: bounds must increase, but %v follows %v", pkg, b, bounds[i-1])
 		}
 	}
+	o.Buckets = append([]float64(nil), bounds...)
+	return nil
+}
+
+// SetMaxNames sets o.MaxNames to n. It returns an error, prefixed by pkg,
+// if n is less than 1.
+func (o *Options) SetMaxNames(pkg string, n int) error {
+	if n < 1 {
+		return fmt.Errorf("%s: WithMaxNames(%d): the bound must be at least 1", pkg, n)
+	}
+	o.MaxNames = n
 	return nil
 }
 

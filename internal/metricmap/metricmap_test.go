@@ -319,23 +319,31 @@ func TestResultOf(t *testing.T) {
 	}
 }
 
-// CheckBuckets refuses what is not a list of increasing positive finite
-// bounds, saying what is wrong.
-func TestCheckBuckets(t *testing.T) {
-	if err := CheckBuckets([]float64{0.001, 0.1, 10}); err != nil {
-		t.Errorf("valid bounds refused: %v", err)
+// SetBuckets and SetMaxNames refuse what is not a valid setting, saying
+// what is wrong and leaving the setting as it was.
+func TestOptionsRefuseInvalid(t *testing.T) {
+	var o Options
+	if err := o.SetBuckets("pkg", []float64{0.001, 0.1, 10}); err != nil || !slices.Equal(o.Buckets, []float64{0.001, 0.1, 10}) {
+		t.Errorf("valid bounds: %v, %v", o.Buckets, err)
+	}
+	if err := o.SetMaxNames("pkg", 1); err != nil || o.MaxNames != 1 {
+		t.Errorf("valid bound: %v, %v", o.MaxNames, err)
 	}
 	for _, tc := range []struct {
-		bounds []float64
-		want   string
+		set  func() error
+		want string
 	}{
-		{nil, "no bounds"},
-		{[]float64{1, 1}, "must increase"},
-		{[]float64{-1}, "positive"},
-		{[]float64{1, math.Inf(1)}, "finite"},
+		{func() error { return o.SetBuckets("pkg", nil) }, "pkg: WithBuckets: no bounds"},
+		{func() error { return o.SetBuckets("pkg", []float64{1, 1}) }, "must increase"},
+		{func() error { return o.SetBuckets("pkg", []float64{-1}) }, "positive"},
+		{func() error { return o.SetBuckets("pkg", []float64{1, math.Inf(1)}) }, "finite"},
+		{func() error { return o.SetMaxNames("pkg", 0) }, "pkg: WithMaxNames(0): the bound must be at least 1"},
 	} {
-		if err := CheckBuckets(tc.bounds); err == nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("CheckBuckets(%v) = %v, want an error saying %q", tc.bounds, err, tc.want)
+		if err := tc.set(); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("invalid setting: %v, want an error saying %q", err, tc.want)
 		}
+	}
+	if len(o.Buckets) != 3 || o.MaxNames != 1 {
+		t.Errorf("after invalid settings: %+v, want the valid ones kept", o)
 	}
 }
