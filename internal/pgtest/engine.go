@@ -272,9 +272,10 @@ func DBName(prefix, testName string) string {
 
 // Terminated ends the backends with the given pids through
 // pg_terminate_backend on a fresh connection to connString, skipping any
-// that is not connected to connString's database, and returns once each
-// ended one has left pg_stat_activity. It returns the pids it ended.
-func Terminated(connString string, pids []int32) ([]int32, error) {
+// that is not connected to connString's database and any whose
+// application_name is exceptApp, and returns once each ended one has left
+// pg_stat_activity. It returns the pids it ended.
+func Terminated(connString string, pids []int32, exceptApp string) ([]int32, error) {
 	conn, err := connect(connString)
 	if err != nil {
 		return nil, err
@@ -285,8 +286,8 @@ func Terminated(connString string, pids []int32) ([]int32, error) {
 	rows, err := conn.Query(ctx, `
 SELECT pid FROM pg_stat_activity
 WHERE pid = ANY($1) AND datname = current_database() AND pid <> pg_backend_pid()
-	AND pg_terminate_backend(pid)
-ORDER BY pid`, pids)
+	AND application_name <> $2 AND pg_terminate_backend(pid)
+ORDER BY pid`, pids, exceptApp)
 	if err != nil {
 		return nil, errorf("terminate backends %v: %w", pids, err)
 	}

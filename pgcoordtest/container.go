@@ -1,0 +1,96 @@
+package pgcoordtest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/moby/moby/client"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+	"github.com/testcontainers/testcontainers-go"
+	"github.com/testcontainers/testcontainers-go/modules/postgres"
+)
+
+// dockerPingTimeout bounds the question whether a Docker engine answers;
+// without one the container step gives up after it, never hanging.
+const dockerPingTimeout = 2 * time.Second
+
+// containerTimeout bounds pulling the image and starting the container.
+const containerTimeout = 5 * time.Minute
+
+// sources is where DB looks for a server under cfg.
+func sources(cfg serverConfig) pgtest.Sources {
+	src := pgtest.Sources{
+		EnvVars: []string{EnvDatabaseURL, EnvProjectDatabaseURL},
+		BinDir:  cfg.binDir,
+	}
+	if cfg.container {
+		src.Container = func() (string, func() error, error) { return startContainer(cfg.image) }
+	}
+	return src
+}
+
+// pingDocker reports whether a Docker engine answers testcontainers-go
+// within dockerPingTimeout. Its error wraps pgtest.ErrAbsent when none
+// does.
+func pingDocker() error {
+	ctx, cancel := context.WithTimeout(context.Background(), dockerPingTimeout)
+	defer cancel()
+	done := make(chan error, 1) // the goroutine never blocks on it
+	go func() {
+		defer func() {
+			// testcontainers-go panics in some setups without a engine.
+			if r := recover(); r != nil {
+				done <- fmt.Errorf("%v", r)
+			}
+		}()
+		cli, err := testcontainers.NewDockerClientWithOpts(ctx)
+		if err != nil {
+			done <- err
+			return
+		}
+		defer cli.Close()
+		_, err = cli.Ping(ctx, client.PingOptions{})
+		done <- err
+	}()
+	var err error
+	select {
+	case err = <-done:
+	case <-time.After(dockerPingTimeout + 100*time.Millisecond):
+		err = errors.New("no answer")
+	}
+	if err != nil {
+		return fmt.Errorf("%w: no Docker engine answered within %v: %v", pgtest.ErrAbsent, dockerPingTimeout, err)
+	}
+	return nil
+}
+
+// startContainer starts a PostgreSQL container from image through
+// testcontainers-go's postgres module, once a Docker engine answers. It
+// returns the superuser's connection string and a function that removes
+// the container; testcontainers-go's reaper removes it too when the test
+// binary exits without calling that.
+func startContainer(image string) (string, func() error, error) {
+	if err := pingDocker(); err != nil {
+		return "", nil, err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), containerTimeout)
+	defer cancel()
+	ctr, err := postgres.Run(ctx, image,
+		postgres.WithDatabase("postgres"),
+		postgres.WithUsername("postgres"),
+		postgres.WithPassword("pgcoordtest"),
+		postgres.BasicWaitStrategies(),
+	)
+	if err != nil {
+		_ = testcontainers.TerminateContainer(ctr)
+		return "", nil, fmt.Errorf("start container %s: %w", image, err)
+	}
+	connString, err := ctr.ConnectionString(ctx, "sslmode=disable")
+	if err != nil {
+		_ = testcontainers.TerminateContainer(ctr)
+		return "", nil, fmt.Errorf("container %s: %w", image, err)
+	}
+	return connString, func() error { return testcontainers.TerminateContainer(ctr) }, nil
+}

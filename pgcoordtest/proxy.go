@@ -1,0 +1,52 @@
+package pgcoordtest
+
+import (
+	"testing"
+
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// Proxy is a TCP proxy on 127.0.0.1 in front of a test database that can
+// drop the network: connect through [Proxy.ConnString], then call
+// [Proxy.Blackhole] to make every connection go silent, as a network
+// partition looks to both sides (the kernels still acknowledge, so only
+// application-level checks, such as a pgcoord Client's heartbeat and loss
+// deadline, notice). A Client on a blackholed proxy declares its locks
+// lost within its loss deadline ([pgcoord.WithLossDeadline]); the server
+// frees them later, when its own liveness settings give up on the silent
+// connection. Methods are safe for concurrent use.
+type Proxy struct {
+	p          *pgtest.Proxy
+	connString string
+}
+
+// NewProxy starts a proxy to the server of connString and stops it,
+// closing every connection, in t.Cleanup. It fails t when connString does
+// not parse or no port is free.
+func NewProxy(t testing.TB, connString string) *Proxy {
+	t.Helper()
+	p := pgtest.NewProxy(t, connString)
+	via, err := p.ConnString(connString)
+	if err != nil {
+		t.Fatalf("pgcoordtest: NewProxy: %v", err)
+	}
+	return &Proxy{p: p, connString: via}
+}
+
+// ConnString returns the connection string given to NewProxy with its host
+// and port replaced by the proxy's.
+func (p *Proxy) ConnString() string { return p.connString }
+
+// Blackhole stops forwarding on every connection, present and future,
+// keeping them open on both sides.
+func (p *Proxy) Blackhole() { p.p.Blackhole() }
+
+// Cut closes every connection on both sides, as a partition that ends
+// with both sides giving up does; new connections go through as before
+// (unless the proxy is blackholed).
+func (p *Proxy) Cut() { p.p.CloseAll() }
+
+// Heal ends a Blackhole: it closes every connection (their streams lost
+// bytes while silent) and forwards again on new ones, as when the network
+// comes back and the clients reconnect.
+func (p *Proxy) Heal() { p.p.Heal() }
