@@ -70,6 +70,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 
 	"github.com/pgcoord/pgcoord"
 	"github.com/pgcoord/pgcoord/internal/metricmap"
@@ -155,6 +156,9 @@ type Metrics struct {
 	// keys holds the attribute keys of each instrument, in the order of
 	// its metricmap.Desc.Labels.
 	keys [metricmap.NumInstruments][]attribute.Key
+	// attrs holds the attributes of each instrument and label values
+	// recorded: an attrKey's metric.MeasurementOption.
+	attrs sync.Map
 
 	registration metric.Registration
 }
@@ -229,13 +233,26 @@ func New(opts ...Option) (*Metrics, error) {
 }
 
 // attributes returns the attributes of instrument in with the values
-// labels.
+// labels. It builds each set once: every label has a bounded set of
+// values, so attrs stays bounded.
 func (m *Metrics) attributes(in metricmap.Instrument, labels []string) metric.MeasurementOption {
+	k := attrKey{in: in}
+	copy(k.labels[:], labels)
+	if o, ok := m.attrs.Load(k); ok {
+		return o.(metric.MeasurementOption)
+	}
 	kvs := make([]attribute.KeyValue, len(labels))
 	for i, v := range labels {
 		kvs[i] = m.keys[in][i].String(v)
 	}
-	return metric.WithAttributes(kvs...)
+	o, _ := m.attrs.LoadOrStore(k, metric.WithAttributeSet(attribute.NewSet(kvs...)))
+	return o.(metric.MeasurementOption)
+}
+
+// attrKey is an instrument and its label values.
+type attrKey struct {
+	in     metricmap.Instrument
+	labels [metricmap.MaxLabels]string
 }
 
 // recorder records the measurements of m's hooks, with context.Background().

@@ -122,6 +122,9 @@ const (
 	NumInstruments
 )
 
+// MaxLabels is the most labels an instrument has.
+const MaxLabels = 3
+
 // A Desc describes an instrument. Its label values are passed to a
 // Recorder, and to ObserveStat's function, in the order of Labels.
 type Desc struct {

@@ -208,6 +208,9 @@ func TestInstrumentsDescribed(t *testing.T) {
 		if d.Kind != Histogram && !strings.HasPrefix(d.Unit, "{") {
 			t.Errorf("%s: unit %q, want a {count} annotation", d.OTel, d.Unit)
 		}
+		if len(d.Labels) > MaxLabels {
+			t.Errorf("%s: %d labels, more than MaxLabels", d.OTel, len(d.Labels))
+		}
 		for _, l := range d.Labels {
 			if k := LabelKeys[l]; k.OTel == "" || k.Prom == "" {
 				t.Errorf("%s: label %d has no keys", d.OTel, l)
