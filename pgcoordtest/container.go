@@ -61,7 +61,7 @@ func pingDocker() error {
 		err = errors.New("no answer")
 	}
 	if err != nil {
-		return fmt.Errorf("%w: no Docker engine answered within %v: %v", pgtest.ErrAbsent, dockerPingTimeout, err)
+		return pgtest.Absent("no Docker engine answered within %v: %v", dockerPingTimeout, err)
 	}
 	return nil
 }

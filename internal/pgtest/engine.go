@@ -48,6 +48,18 @@ type Sources struct {
 // answers), as opposed to a step that found something broken.
 var ErrAbsent = errors.New("absent")
 
+// Absent returns an error with the message of fmt.Errorf(format, args...)
+// that also wraps ErrAbsent.
+func Absent(format string, args ...any) error {
+	return absentError{fmt.Errorf(format, args...)}
+}
+
+type absentError struct{ err error }
+
+func (e absentError) Error() string        { return e.err.Error() }
+func (e absentError) Unwrap() error        { return e.err }
+func (e absentError) Is(target error) bool { return target == ErrAbsent }
+
 // Attempt is one step of FindServer that gave no server.
 type Attempt struct {
 	Step string // what was tried: the variables, "local PostgreSQL binaries", "container"
@@ -115,7 +127,7 @@ func FindServer(src Sources) (*Found, error) {
 		return &Found{b: b, Source: name, Admin: u}, nil
 	}
 	if len(src.EnvVars) > 0 {
-		tried = append(tried, Attempt{strings.Join(src.EnvVars, ", "), fmt.Errorf("%w: not set", ErrAbsent)})
+		tried = append(tried, Attempt{strings.Join(src.EnvVars, ", "), Absent("not set")})
 	}
 
 	f, err := localFound(src.BinDir)
@@ -146,7 +158,7 @@ func FindServer(src Sources) (*Found, error) {
 func localFound(binDir string) (*Found, error) {
 	bin, err := findBinariesIn(binDir)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrAbsent, err)
+		return nil, Absent("%v", err)
 	}
 	l, err := getLocalFrom(bin)
 	if err != nil {
