@@ -157,7 +157,7 @@ func TestHASwitchoverAndBack(t *testing.T) {
 			t.Logf("round %d: %s granted %v after the request, %v after the new primary answered",
 				round, h.what, h.at.Sub(sent).Round(time.Millisecond), h.at.Sub(answering).Round(time.Millisecond))
 			if pids := w.grantedTo(to, h.key); !slices.Equal(pids, []int32{h.pid}) {
-				fail("round %d: pg_locks on the new primary %s: %s held by %v, want only the waiter's backend %d", round, to, h.what, pids, h.pid)
+				fail("round %d: pg_locks on the new primary %s: %s held by %v, want only the new holder's backend %d", round, to, h.what, pids, h.pid)
 			}
 		}
 		if ca := holder.leader.cancelledAt(); !ca.Before(next.leader.Since()) {
