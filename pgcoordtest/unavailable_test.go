@@ -209,3 +209,8 @@ func TestDockerPingIsBounded(t *testing.T) {
 	}
 	t.Logf("search with a silent Docker engine: %v", o.Elapsed)
 }
+
+func (r *recordingT) Fatal(args ...any) {
+	r.failed, r.msg = true, fmt.Sprint(args...)
+	runtime.Goexit()
+}
