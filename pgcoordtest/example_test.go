@@ -29,6 +29,7 @@ func exportJob(ctx context.Context, c *pgcoord.Client, rows chan<- int) error {
 // testExportStopsWhenItsLockIsLost is the test, as it stands in a _test.go
 // file as func TestExportStopsWhenItsLockIsLost(t *testing.T).
 func testExportStopsWhenItsLockIsLost(t testing.TB) {
+	// snippet:start
 	dsn := pgcoordtest.DB(t) // a fresh migrated database, dropped at the end
 	c := pgcoordtest.Client(t, dsn,
 		pgcoord.WithHeartbeat(100*time.Millisecond), pgcoord.WithLossDeadline(time.Second))
@@ -39,6 +40,7 @@ func testExportStopsWhenItsLockIsLost(t testing.TB) {
 	<-rows // the job holds its lock and works
 
 	pgcoordtest.TerminateBackends(t, c) // the server ends the Client's connections
+	// snippet:end
 
 	deadline := time.After(10 * time.Second)
 	for {
