@@ -1,0 +1,177 @@
+package pgcoordtest
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// urlHelperEnv runs the test binary as urlHelper (see TestMain).
+const urlHelperEnv = "PGCOORDTEST_URL_HELPER"
+
+// urlHelper is a child process that finds its server through the
+// environment, makes a database from the template and prints where the
+// server came from, its prefix and the database's schema version. In mode
+// "die" it exits without closing anything, as a killed test binary does.
+func urlHelper(mode string) int {
+	s, err := newServer(serverConfig{container: false})
+	if err != nil {
+		fmt.Println(err)
+		return 1
+	}
+	name := s.prefix + "t_child"
+	if err := s.found.CreateDB(name, s.template); err != nil {
+		fmt.Println(err)
+		return 1
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, s.found.ConnString(name))
+	if err != nil {
+		fmt.Println(err)
+		return 1
+	}
+	var version int
+	err = conn.QueryRow(ctx, "SELECT max(version) FROM pgcoord.schema_version").Scan(&version)
+	_ = conn.Close(ctx)
+	if err != nil {
+		fmt.Println(err)
+		return 1
+	}
+	fmt.Printf("CHILD source=%s prefix=%s version=%d\n", s.found.Source, s.prefix, version)
+	if mode == "die" {
+		return 0
+	}
+	if err := s.found.DropDB(name); err != nil {
+		fmt.Println(err)
+		return 1
+	}
+	if err := s.close(); err != nil {
+		fmt.Println(err)
+		return 1
+	}
+	return 0
+}
+
+// runURLHelper runs urlHelper with the database URL variables given and
+// returns its CHILD line's fields.
+func runURLHelper(t *testing.T, mode string, env ...string) map[string]string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0])
+	for _, kv := range os.Environ() {
+		switch strings.SplitN(kv, "=", 2)[0] {
+		case EnvDatabaseURL, EnvProjectDatabaseURL, "CI", helperEnv, urlHelperEnv:
+			continue
+		}
+		cmd.Env = append(cmd.Env, kv)
+	}
+	cmd.Env = append(cmd.Env, append([]string{urlHelperEnv + "=" + mode}, env...)...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+	for _, line := range strings.Split(string(out), "\n") {
+		if rest, ok := strings.CutPrefix(line, "CHILD "); ok {
+			fields := map[string]string{}
+			for _, f := range strings.Fields(rest) {
+				k, v, _ := strings.Cut(f, "=")
+				fields[k] = v
+			}
+			return fields
+		}
+	}
+	t.Fatalf("child printed no CHILD line:\n%s", out)
+	return nil
+}
+
+// pgctDatabases returns the databases on the server of connString whose
+// name starts with prefix.
+func pgctDatabases(t *testing.T, connString, prefix string) []string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, connString)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	rows, err := conn.Query(ctx, "SELECT datname FROM pg_database WHERE starts_with(datname, $1)", prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dbs, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dbs
+}
+
+// A server named by PGCOORDTEST_DATABASE_URL, else PGTEST_DATABASE_URL,
+// serves migrated databases; the first variable wins over the second. A
+// process that closes leaves no database there, and the databases of one
+// that died are dropped by the next.
+func TestDatabaseURLServesDB(t *testing.T) {
+	DB(t) // a server for the children to share
+	s, err := sharedServer(shared.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := s.found.Admin
+	unusable := "postgres://nobody@127.0.0.1:1/none?sslmode=disable&connect_timeout=1"
+
+	for _, tc := range []struct {
+		name, source string
+		env          []string
+	}{
+		{"PGCOORDTEST_DATABASE_URL", EnvDatabaseURL, []string{EnvDatabaseURL + "=" + url, EnvProjectDatabaseURL + "=" + unusable}},
+		{"PGTEST_DATABASE_URL", EnvProjectDatabaseURL, []string{EnvProjectDatabaseURL + "=" + url}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := runURLHelper(t, "close", tc.env...)
+			if got["source"] != tc.source || got["version"] == "" || got["version"] == "0" {
+				t.Fatalf("child reported %v; want source %s and a migrated database", got, tc.source)
+			}
+			if dbs := pgctDatabases(t, url, got["prefix"]); len(dbs) != 0 {
+				t.Fatalf("databases %v left behind by a child that closed", dbs)
+			}
+		})
+	}
+
+	t.Run("dead process", func(t *testing.T) {
+		env := EnvDatabaseURL + "=" + url
+		dead := runURLHelper(t, "die", env)
+		if dbs := pgctDatabases(t, url, dead["prefix"]); len(dbs) != 2 {
+			t.Fatalf("a child that died left %v; want its template and its database", dbs)
+		}
+		// Its keeper's backend leaves pg_stat_activity once the server
+		// sees the connection closed.
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(ctx)
+		pgtest.Eventually(t, 10*time.Second, "the dead child's keeper to leave pg_stat_activity", func() bool {
+			var n int
+			err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", keeperApp+dead["prefix"]).Scan(&n)
+			return err == nil && n == 0
+		})
+		next := runURLHelper(t, "close", env)
+		if next["prefix"] == dead["prefix"] {
+			t.Fatalf("two children with prefix %s", next["prefix"])
+		}
+		if dbs := pgctDatabases(t, url, dead["prefix"]); len(dbs) != 0 {
+			t.Fatalf("databases %v of a dead child survived the next child", dbs)
+		}
+	})
+}
