@@ -140,16 +140,14 @@ func newServer(cfg serverConfig) (*server, error) {
 	id := binary.BigEndian.Uint32(b[:])
 	s := &server{found: found, cfg: cfg, prefix: fmt.Sprintf("%s%08x_", dbPrefix, id)}
 	s.template = s.prefix + "template"
-	if found.Source == EnvDatabaseURL || found.Source == EnvProjectDatabaseURL {
-		// A server that other processes share: mark this process's
-		// databases as alive, and drop those of processes that died.
-		if err := s.keep(); err != nil {
-			_ = found.Close()
-			return nil, err
-		}
+	// Mark this process's databases as alive, and drop those of processes
+	// that died, for a server that other processes share (see keep).
+	if err := s.keep(); err != nil {
+		_ = s.close()
+		return nil, err
 	}
 	if err := s.makeTemplate(); err != nil {
-		s.close()
+		_ = s.close()
 		return nil, err
 	}
 	return s, nil
@@ -184,9 +182,7 @@ func (s *server) makeTemplate() error {
 // pgcoordtest started it.
 func (s *server) close() error {
 	var errs []error
-	if s.keeper != nil || s.found.Source == "container" {
-		errs = append(errs, s.found.DropDB(s.template))
-	}
+	errs = append(errs, s.found.DropDB(s.template))
 	if s.keeper != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
 		errs = append(errs, s.keeper.Close(ctx))

@@ -15,7 +15,10 @@ import (
 // keeperApp followed by its prefix for as long as it runs, opened before
 // it creates any database; at start it drops the databases whose prefix
 // no such connection names. It lists the databases before the keepers,
-// so a process that starts in between is never taken for dead.
+// so a process that starts in between is never taken for dead. A process
+// whose keeper connection was ended (a server restart, or a test that
+// terminates every backend of the server) may see its databases dropped
+// by the next process that starts.
 
 // keeperApp starts the application_name of a keeper connection.
 const keeperApp = "pgcoordtest keeper "

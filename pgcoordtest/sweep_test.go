@@ -31,17 +31,12 @@ func TestSweepDropsOnlyTheDatabasesOfDeadProcesses(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var keeper *pgx.Conn
-	// The live process, and this one (whose server, started for it alone,
-	// needs no keeper otherwise).
-	for _, prefix := range []string{live, s.prefix} {
-		cfg.RuntimeParams["application_name"] = keeperApp + prefix
-		keeper, err = pgx.ConnectConfig(ctx, cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer keeper.Close(ctx)
+	cfg.RuntimeParams["application_name"] = keeperApp + live
+	keeper, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
 	}
+	defer keeper.Close(ctx)
 
 	other := &server{found: s.found, prefix: "pgct_0123abcd_"}
 	if err := other.keep(); err != nil {
