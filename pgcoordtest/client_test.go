@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/pgcoord/pgcoord"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
 	"github.com/pgcoord/pgcoord/pgcoordtest"
 )
 
@@ -132,5 +133,31 @@ func TestProxyBlackholeLosesTheLockAndHealRestores(t *testing.T) {
 	}
 	if err := l2.Unlock(ctxT(t)); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// Heal closes the connections that were blackholed, on both sides (the
+// server's backend exits), and new connections go through.
+func TestProxyHealClosesBlackholedConnections(t *testing.T) {
+	dsn := pgcoordtest.DB(t)
+	p := pgcoordtest.NewProxy(t, dsn)
+	old := connect(t, p.ConnString())
+	var pid int32
+	if err := old.QueryRow(ctxT(t), "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	p.Blackhole()
+	p.Heal()
+	if err := old.Ping(ctxT(t)); err == nil {
+		t.Fatal("a connection blackholed before Heal still answers after it")
+	}
+	observer := connect(t, dsn)
+	pgtest.Eventually(t, 10*time.Second, "the blackholed connection's backend to exit", func() bool {
+		var n int
+		err := observer.QueryRow(ctxT(t), "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid).Scan(&n)
+		return err == nil && n == 0
+	})
+	if err := connect(t, p.ConnString()).Ping(ctxT(t)); err != nil {
+		t.Fatalf("a new connection after Heal: %v", err)
 	}
 }
