@@ -73,8 +73,15 @@ echo 'package app' >"$dir/app/app.go"
 	go mod tidy >/dev/null 2>&1 || go mod tidy
 )
 
-# A clean environment: no PGCOORDTEST_*, PGTEST_*, DATABASE_URL or CI.
-base_env=(PATH="$PATH" GOPROXY="$(go env GOPROXY)" GOFLAGS=-mod=mod GOTOOLCHAIN=local)
+# A clean environment: no PGCOORDTEST_*, PGTEST_*, DATABASE_URL or CI, and
+# a PATH of the system's folders and Go's alone, so that the server
+# binaries are found where Debian's postgresql package puts them
+# (/usr/lib/postgresql/*/bin), not through links someone made.
+path="$(dirname "$(command -v go)"):/usr/sbin:/usr/bin:/sbin:/bin"
+if PATH=$path command -v initdb >/dev/null; then
+	echo "consumer: initdb is on $path; the server binaries' search is not checked" >&2
+fi
+base_env=(PATH="$path" GOPROXY="$(go env GOPROXY)" GOFLAGS=-mod=mod GOTOOLCHAIN=local)
 run_test() { # run_test LABEL [runuser -u USER --] ; runs in $dir/app
 	local label=$1
 	shift
