@@ -12,7 +12,10 @@ import (
 )
 
 // waitingQuery returns the statement of the backend that waits for k in
-// pg_locks, once one does (bounded by testTimeout).
+// pg_locks, once one does (bounded by testTimeout). pg_stat_activity must
+// show the wait too: the two views are read at slightly different moments,
+// and a backend that started its wait in between would show its previous
+// statement.
 func waitingQuery(t *testing.T, dsn string, k Key) string {
 	t.Helper()
 	conn := pgtest.Conn(t, dsn)
@@ -21,7 +24,7 @@ func waitingQuery(t *testing.T, dsn string, k Key) string {
 	pgtest.Eventually(t, testTimeout, "a backend waiting for "+k.String(), func() bool {
 		err := conn.QueryRow(context.Background(), `
 			SELECT a.query FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-			WHERE l.locktype = 'advisory' AND NOT l.granted
+			WHERE l.locktype = 'advisory' AND NOT l.granted AND a.wait_event_type = 'Lock'
 			  AND l.classid = $1 AND l.objid = $2 AND l.objsubid = $3`,
 			int64(classid), int64(objid), objsubid).Scan(&query)
 		return err == nil
