@@ -454,6 +454,11 @@ func (x *lcIndex) checkOp(op *lcOp) {
 			r.counts["after failure skipped"]++
 		case op.After != nil && op.ErrLost && op.AfterGone != 0:
 			r.counts["after failure: rows of a lost backend gone"]++
+		case op.After != nil && op.AfterExited != 0:
+			// The Client closed the backend: destroying the connection
+			// is one of the two ways a failed wait leaves nothing (see
+			// DESIGN, Sessions).
+			r.counts["after failure: backend of the rows exited"]++
 		case op.After != nil:
 			r.counts["after failure checked"]++
 			if op.AfterLate {
@@ -835,6 +840,8 @@ func TestLockCoreChecker(t *testing.T) {
 	leftAgain.ID, leftAgain.Start, leftAgain.Ret, leftAgain.After = "l2", ms(40), ms(50), &lcSeen{At: ms(60), Rows: left.After.Rows}
 	failedLost := failed
 	failedLost.ErrLost, failedLost.AfterGone = true, ms(300)
+	failedExited := failed
+	failedExited.AfterExited = ms(300)
 	deadlock := held("d", 0, 4)
 	deadlock.Kind, deadlock.Outcome, deadlock.Keys, deadlock.Err = "LockAll", "deadlock", []int64{2, 4}, "deadlock detected"
 	empty := held("x", 100, 2)
@@ -891,6 +898,7 @@ func TestLockCoreChecker(t *testing.T) {
 		{name: "left after Unlock", ops: []lcOp{left}, want: []string{"left after Unlock"}},
 		{name: "left after failed acquire", ops: []lcOp{failed}, want: []string{"left after failed acquire"}},
 		{name: "left by the failed acquire's lost backend", ops: []lcOp{failedLost}},
+		{name: "left on a backend that then exited", ops: []lcOp{failedExited}},
 		{name: "left after Unlock, seen again", ops: []lcOp{left, leftAgain}, want: []string{"left after Unlock"}, folded: 1},
 		{name: "left by a terminated backend", ops: []lcOp{failed}, faults: []lcFault{terminate(104, 25)}},
 		{name: "Unlock error", ops: []lcOp{unlockErr}, want: []string{"Unlock error"}},

@@ -254,6 +254,7 @@ type lcOp struct {
 	AfterSkipped bool     `json:"afterSkipped,omitempty"` // another goroutine of the Client touched the keys meanwhile
 	AfterLate    bool     `json:"afterLate,omitempty"`    // After was read once the Client's other goroutines were done with the keys
 	AfterGone    int64    `json:"afterGone,omitempty"`    // when After's rows were gone, for an acquire whose backend was lost
+	AfterExited  int64    `json:"afterExited,omitempty"`  // when the backends of After's rows had all exited, for another failed acquire
 	ErrLost      bool     `json:"errLost,omitempty"`      // the acquire's error wraps ErrLockLost
 	Snapshot     []lcHold `json:"snapshot,omitempty"`     // the keys' holders when a patient acquire ran out
 	CheckErr     string   `json:"checkErr,omitempty"`     // a read of pg_locks failed
@@ -885,8 +886,18 @@ func (w *lcWorker) round(ctx context.Context, on lcLocker, s *Session, kind lcKi
 			// the Client; if its backend was lost meanwhile, the server
 			// frees what it held when it notices the closed socket.
 			w.after(op, keys, gens, quiet, w.cl.app, 0)
-			if op.ErrLost && op.After != nil && len(op.After.Rows) > 0 {
-				op.AfterGone = w.p.gone(op.After.Rows)
+			if op.After != nil && len(op.After.Rows) > 0 {
+				if op.ErrLost {
+					op.AfterGone = w.p.gone(op.After.Rows)
+				} else {
+					// The Client may have given the backend up (a
+					// lease that ran out while the process was
+					// paused) with no lock on it to report the loss:
+					// the server frees the keys when the backend
+					// exits. A key left on a backend that lives on is
+					// a leak.
+					op.AfterExited = w.p.exited(op.After.Rows)
+				}
 			}
 		}
 		return
@@ -980,6 +991,30 @@ func (w *lcWorker) after(op *lcOp, keys []int64, gens []uint64, quiet bool, app 
 		return
 	}
 	op.After = seen
+}
+
+// exited waits, at most 2 s, until every backend of rows has left
+// pg_stat_activity, and returns when that was seen (0 if not).
+func (p *lcProc) exited(rows []lcHold) int64 {
+	var pids []int32
+	for _, h := range rows {
+		pids = append(pids, h.PID)
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for pause := time.Millisecond; time.Now().Before(deadline); pause = min(2*pause, 50*time.Millisecond) {
+		ctx, cancel := context.WithTimeout(context.Background(), lcStmt)
+		var n int
+		err := p.pool.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY ($1)", pids).Scan(&n)
+		cancel()
+		if err != nil {
+			return 0
+		}
+		if n == 0 {
+			return lcNow()
+		}
+		time.Sleep(pause) // polling bounded by deadline, for a backend to exit
+	}
+	return 0
 }
 
 // gone waits, at most 2 s, until none of rows is granted any more, and
