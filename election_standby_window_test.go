@@ -1,6 +1,8 @@
 package pgcoord
 
 import (
+	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -88,4 +90,84 @@ func TestCampaignOnStandbyLeadsOncePromoted(t *testing.T) {
 	if err := ld.Resign(ctx); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// Close while a Campaign, a Run and an Observe wait for a server that is
+// down (its retry interval grown to its longest) returns at once, within
+// the loss deadline: the Campaign and the Run return ErrClosed, the Observe
+// channel closes, and the Client has no connection being opened nor any
+// wait queued (Stat).
+func TestCloseEndsCampaignAndRunWaitingForServer(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	srv := pgtest.NewServer(t)
+	dsn := srv.DB(t)
+	migrated(t, dsn)
+	srv.Stop(t)
+	c, err := New(pgtest.Pool(t, dsn), WithHeartbeat(100*time.Millisecond), WithLossDeadline(time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := c.Election("close-while-down")
+	campaign, run := make(chan error, 1), make(chan error, 1)
+	go func() {
+		_, err := e.Campaign(ctx)
+		campaign <- err
+	}()
+	go func() {
+		run <- e.Run(ctx, func(context.Context, Term) error {
+			return errors.New("fn ran while the server was down")
+		})
+	}()
+	obs := e.Observe(ctx)
+	// The campaign's lock wait retries the connection (Run's waits for the
+	// key behind it, in the process); wait until the retry interval
+	// has had time to grow to its longest (maxRetryInterval).
+	waiting := time.Now()
+	if !pgtest.Poll(testTimeout, func() bool {
+		select {
+		case err := <-campaign:
+			t.Fatalf("Campaign returned (%v) while the server was down", err)
+		case err := <-run:
+			t.Fatalf("Run returned (%v) while the server was down", err)
+		default:
+		}
+		return c.Stat().QueuedWaits >= 1 && time.Since(waiting) > 3*maxRetryInterval
+	}) {
+		t.Fatalf("the campaigns did not retry their connections while the server was down: %+v", c.Stat())
+	}
+	start := time.Now()
+	if err := c.Close(ctx); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	took := time.Since(start)
+	if took > time.Second {
+		t.Fatalf("Close took %v while campaigns waited for the server, want within the loss deadline (1 s)", took)
+	}
+	for what, ch := range map[string]chan error{"Campaign": campaign, "Run": run} {
+		// Close waits for calls in flight, so each has returned; its
+		// goroutine sends the result a moment later.
+		select {
+		case err := <-ch:
+			if !errors.Is(err, ErrClosed) {
+				t.Fatalf("%s after Close: %v, want ErrClosed", what, err)
+			}
+		case <-time.After(time.Second):
+			t.Fatalf("%s had not returned 1 s after Close returned", what)
+		}
+	}
+	if !pgtest.Poll(testTimeout, func() bool {
+		select {
+		case _, ok := <-obs:
+			return !ok
+		default:
+			return false
+		}
+	}) {
+		t.Fatal("the Observe channel was not closed after Close")
+	}
+	if st := c.Stat(); st.Connecting != 0 || st.QueuedWaits != 0 || st.Waits != 0 || st.Backends != 0 || st.Sessions != 0 {
+		t.Fatalf("Stat after Close: %+v, want no connection and no wait", st)
+	}
+	t.Logf("Close took %v", took.Round(time.Microsecond))
 }
