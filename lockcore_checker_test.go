@@ -539,6 +539,9 @@ func (x *lcIndex) checkOp(op *lcOp) {
 	if op.UnlockErr != "" && !lost {
 		r.violate("Unlock error", op.UnlockAt, "%s: Unlock returned an error though the lock was not lost: %s", x.who(op), op.UnlockErr)
 	}
+	if op.Shared && op.UnlockCall != 0 && slices.ContainsFunc(x.terms, func(f lcFault) bool { return f.PID == op.PID && f.Gone != 0 && f.Gone < op.UnlockCall }) {
+		r.counts["shared Unlock called after its backend was gone"]++
+	}
 	if op.UnlockErr == "" && op.Shared && op.UnlockCall != 0 {
 		r.counts["shared Unlock checked against terminations"]++
 		for _, f := range x.terms {

@@ -71,7 +71,10 @@ package pgcoord
 //     handoff passes on) returns nil only if its backend answered: after
 //     a release, or, for a hold other handles share, after a round trip
 //     that proves the backend alive. One called after the nemesis saw
-//     the backend it terminated gone from pg_stat_activity must fail.
+//     the backend it terminated gone from pg_stat_activity must fail. A
+//     run must meet that case at least once: the joiners Client's
+//     goroutines share a hold every round, and "terminate reader" aims at
+//     one.
 //   - No deadlock. No goroutine holds one key while it waits for another,
 //     and LockAll takes its keys in one canonical order, so the application
 //     has no lock cycle: any ErrDeadlock is a failure. (The test database's
@@ -115,6 +118,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -168,17 +172,34 @@ type lcClientSpec struct {
 	shared, waits int  // WithSharedBackends, WithMaxWaits; 0 keeps the default
 	noHandoff     bool // WithHandoff(0, 0)
 	readers       bool // mostly shared acquires, on keys 1 and 2
+	// joiners: every round, the goroutines meet (lcMeet) and each takes
+	// key 1 with RLock, so that they join one hold on the Client's
+	// backend, and stay in their critical sections up to 60 ms; the
+	// heartbeat is L/2, the longest allowed. A backend terminated under
+	// the joined hold is noticed up to L/2 later: the Unlock of a handle
+	// that other handles still share, called meanwhile, must find out by
+	// its own round trip.
+	joiners bool
 }
 
 var lcClientSpecs = []lcClientSpec{
 	{workers: 2},                      // defaults: 2 shared backends, 4 waits, handoff
 	{workers: 2, shared: 1, waits: 1}, // the smallest limits, with handoff
 	{workers: 3, shared: 1, waits: 2, noHandoff: true, readers: true},
+	{workers: 2, shared: 1, waits: 1, joiners: true},
 }
 
+// lcMeet bounds how long a goroutine of a joiners Client waits for the
+// others at the start of a round.
+const lcMeet = 200 * time.Millisecond
+
 func (s lcClientSpec) options(app string) []Option {
+	beat := lcBeat
+	if s.joiners {
+		beat = lcLoss / 2
+	}
 	opts := []Option{
-		WithLossDeadline(lcLoss), WithHeartbeat(lcBeat), WithApplicationName(app),
+		WithLossDeadline(lcLoss), WithHeartbeat(beat), WithApplicationName(app),
 		WithLogger(slog.New(slog.DiscardHandler)), // losses are expected; the records tell them
 	}
 	if s.shared > 0 {
@@ -405,6 +426,38 @@ type lcClient struct {
 	mu    sync.Mutex
 	act   map[int64]*lcActivity
 	holds map[int64][]lcInHold // critical sections in progress, by key
+	meet  chan struct{}        // closed when the goroutines waiting in meet may go
+	met   int                  // goroutines waiting in meet
+}
+
+// meetOthers waits until every goroutine of the Client has called it, or for at
+// most lcMeet, or until ctx ends (see lcClientSpec.joiners).
+func (c *lcClient) meetOthers(ctx context.Context) {
+	c.mu.Lock()
+	if c.meet == nil {
+		c.meet = make(chan struct{})
+	}
+	ch := c.meet
+	if c.met++; c.met == c.spec.workers {
+		close(ch)
+		c.meet, c.met = nil, 0
+		c.mu.Unlock()
+		return
+	}
+	c.mu.Unlock()
+	t := time.NewTimer(lcMeet)
+	defer t.Stop()
+	select {
+	case <-ch:
+		return
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.meet == ch {
+		c.met--
+	}
 }
 
 // enter records that op's goroutine entered its critical section on keys,
@@ -504,7 +557,10 @@ func (c *lcClient) stillQuiet(keys []int64, gens []uint64) bool {
 // runLockCoreProcess runs the workload of process proc until ctx ends,
 // then releases everything, closes its Clients and reports each operation
 // through emit.
-func runLockCoreProcess(ctx context.Context, dsn string, proc int, seed uint64, emit func(lcEvent)) error {
+//
+// If started is not nil, it is called with the workload once its Clients
+// are open (the nemesis of this process looks at its joined holds).
+func runLockCoreProcess(ctx context.Context, dsn string, proc int, seed uint64, emit func(lcEvent), started func(*lcProc)) error {
 	cfg, err := pgxpool.ParseConfig(dsn)
 	if err != nil {
 		return err
@@ -530,6 +586,9 @@ func runLockCoreProcess(ctx context.Context, dsn string, proc int, seed uint64, 
 		p.clients = append(p.clients, &lcClient{idx: i, spec: spec, app: lcAppName(proc, i), c: c, act: map[int64]*lcActivity{}, holds: map[int64][]lcInHold{}})
 	}
 
+	if started != nil {
+		started(p)
+	}
 	probeCtx, stopProbe := context.WithCancel(context.Background())
 	var probe sync.WaitGroup
 	probe.Go(func() { p.probe(probeCtx, dsn) })
@@ -740,7 +799,10 @@ func (w *lcWorker) run(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		if kind := w.pick(true); kind.session {
+		if w.cl.spec.joiners {
+			w.cl.meetOthers(ctx)
+			w.round(ctx, w.cl.c, nil, lcKinds[slices.IndexFunc(lcKinds, func(k lcKind) bool { return k.name == "RLock" })])
+		} else if kind := w.pick(true); kind.session {
 			w.session(ctx)
 		} else {
 			w.round(ctx, w.cl.c, nil, kind)
@@ -776,6 +838,9 @@ func (w *lcWorker) pick(sessions bool) lcKind {
 // LockAll, given in random order (LockAll takes them in its own).
 func (w *lcWorker) keys(kind lcKind) []int64 {
 	if !kind.multi {
+		if w.cl.spec.joiners {
+			return []int64{1}
+		}
 		if w.cl.spec.readers {
 			return []int64{1 + w.rng.Int64N(2)}
 		}
@@ -912,19 +977,23 @@ func (w *lcWorker) round(ctx context.Context, on lcLocker, s *Session, kind lcKi
 		close(watched)
 	}()
 
+	think := 15 * time.Millisecond
+	if w.cl.spec.joiners {
+		think = 30 * time.Millisecond
+	}
 	op.Overlaps = w.cl.enter(op, keys)
 	op.Entry = w.check(op, keys, kind.shared)
 	if w.rng.IntN(100) < 5 {
 		w.think(l, lcLoss/2+time.Duration(w.rng.Int64N(int64(3*lcLoss/2)))) // a long one, to be lost in
 	} else {
-		w.think(l, 15*time.Millisecond)
+		w.think(l, think)
 	}
 	if kind.fence {
 		for i := range 1 + w.rng.IntN(2) {
 			op.Writes = append(op.Writes, w.write(l, op, i))
 		}
 	}
-	w.think(l, 15*time.Millisecond)
+	w.think(l, think)
 	op.Exit = w.check(op, keys, kind.shared)
 	w.cl.leave(op, keys)
 
@@ -1173,7 +1242,7 @@ func runLockCoreChild(out *childOut) error {
 		}
 		out.printf("%s", b)
 	}
-	if err := runLockCoreProcess(ctx, os.Getenv(faultDSNEnv), proc, seed, emit); err != nil {
+	if err := runLockCoreProcess(ctx, os.Getenv(faultDSNEnv), proc, seed, emit, nil); err != nil {
 		return err
 	}
 	emit(lcEvent{Proc: proc, Done: true})
@@ -1187,7 +1256,8 @@ func runLockCoreChild(out *childOut) error {
 type lcNemesis struct {
 	rng   *rand.Rand
 	admin *pgxpool.Pool
-	procs []*faultProc // child process i+1
+	procs []*faultProc           // child process i+1
+	own   atomic.Pointer[lcProc] // the workload of this process, once it runs
 
 	mu     sync.Mutex // faults and notes
 	faults []lcFault
@@ -1214,8 +1284,10 @@ func (n *lcNemesis) record(f lcFault) {
 //     advisory lock;
 //   - "terminate reader": of one that holds a key shared, which several
 //     goroutines of its Client may hold at once (a joined hold, whose
-//     releases but the last send nothing to the server); "terminate
-//     holder" when none does;
+//     releases but the last send nothing to the server): first, for up to
+//     a second, one under a hold that two goroutines of a Client of this
+//     process share at that moment (joinedReader; the joiners Client
+//     makes them common), else any; "terminate holder" when none does;
 //   - "terminate any": of any backend of the Clients, holding, waiting or
 //     idle;
 //   - "pause < L": SIGSTOP of a child for 50 ms to L/2, then SIGCONT;
@@ -1265,14 +1337,14 @@ func (n *lcNemesis) terminate(kind, app string, holders bool) bool {
 	if app == "" {
 		app = lcApp + "%"
 	}
+	if kind == "terminate reader" {
+		if b, ok := n.joinedReader(); ok {
+			return n.end(kind, b)
+		}
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), lcStmt)
 	defer cancel()
-	type backend struct {
-		PID    int32
-		App    string
-		Holder bool
-		Reader bool // holds a key shared, which several handles of its Client may share
-	}
+	type backend = lcBackend
 	rows, err := n.admin.Query(ctx, `SELECT a.pid, a.application_name,
 			EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted),
 			EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted AND l.mode = 'ShareLock')
@@ -1301,14 +1373,60 @@ func (n *lcNemesis) terminate(kind, app string, holders bool) bool {
 			kind = "terminate any" // nobody holds anything just now
 		}
 	}
-	b := pick[n.rng.IntN(len(pick))]
+	return n.end(kind, pick[n.rng.IntN(len(pick))])
+}
+
+// lcBackend is a backend of the Clients, as terminate lists them.
+type lcBackend struct {
+	PID    int32
+	App    string
+	Holder bool
+	Reader bool // holds a key shared, which several handles of its Client may share
+}
+
+// joinedReader looks, for at most a second, for a hold that goroutines
+// of one Client of this process share (a joined hold): two or more in
+// their critical sections on one key, shared, on one backend. Terminated,
+// such a backend leaves the handles whose Unlock sends no release, which
+// only Unlock's round trip can tell (lcClientSpec.joiners makes them
+// common).
+func (n *lcNemesis) joinedReader() (lcBackend, bool) {
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); <-tick.C {
+		p := n.own.Load()
+		if p == nil {
+			continue
+		}
+		for _, cl := range p.clients {
+			cl.mu.Lock()
+			for _, hs := range cl.holds {
+				for i, h := range hs {
+					if h.Shared && slices.ContainsFunc(hs[i+1:], func(o lcInHold) bool { return o.Shared && o.PID == h.PID }) {
+						cl.mu.Unlock()
+						return lcBackend{PID: h.PID, App: cl.app, Holder: true, Reader: true}, true
+					}
+				}
+			}
+			cl.mu.Unlock()
+		}
+	}
+	return lcBackend{}, false
+}
+
+// end terminates the backend b, waits (at most 2 s) until it has left
+// pg_stat_activity, and records the fault. It reports whether it ended
+// the backend.
+func (n *lcNemesis) end(kind string, b lcBackend) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), lcStmt)
+	defer cancel()
 	f := lcFault{Kind: kind, PID: b.PID, App: b.App, Holder: b.Holder, Client: -1}
 	if _, err := fmt.Sscanf(strings.TrimPrefix(b.App, lcApp), "%d-%d", &f.Proc, &f.Client); err != nil {
 		n.note("%s: application_name %q: %v", kind, b.App, err)
 	}
 	var ok bool
 	f.At = lcNow()
-	err = n.admin.QueryRow(ctx, "SELECT pg_terminate_backend($1)", b.PID).Scan(&ok)
+	err := n.admin.QueryRow(ctx, "SELECT pg_terminate_backend($1)", b.PID).Scan(&ok)
 	f.End = lcNow()
 	if err != nil || !ok {
 		n.note("%s: terminate backend %d: %v, %v", kind, b.PID, ok, err)
@@ -1449,9 +1567,9 @@ func TestLockCoreRandomized(t *testing.T) {
 	runCtx, stopRun := context.WithCancelCause(context.Background())
 	defer stopRun(errLockCoreStop)
 	own := make(chan error, 1)
-	go func() { own <- runLockCoreProcess(runCtx, dsn, 0, seed, col.add) }()
-
 	nemesis := &lcNemesis{rng: rand.New(rand.NewPCG(seed, math.MaxUint64)), admin: pgtest.Pool(t, dsn), procs: procs}
+	go func() { own <- runLockCoreProcess(runCtx, dsn, 0, seed, col.add, nemesis.own.Store) }()
+
 	nemesis.run(start.Add(runFor))
 	stopRun(errLockCoreStop)
 	for _, p := range procs {
@@ -1573,6 +1691,9 @@ func TestLockCoreRandomized(t *testing.T) {
 	share("after a failed acquire", "after failure checked", "after failure checked late", "after failure skipped")
 	floor("critical sections checked at entry and exit", rep.counts["entry checked"], 2*secs)
 	floor("locks lost", rep.counts["locks lost"], 1)
+	// A handle of a joined shared hold unlocked after its backend was
+	// seen gone: the case only Unlock's round trip tells (see joiners).
+	floor("shared Unlocks called after their backend was gone", rep.counts["shared Unlock called after its backend was gone"], 1)
 	for _, kind := range lcFaultKinds {
 		floor("faults "+kind, rep.counts["fault "+kind], max(1, secs/15))
 	}

@@ -9,7 +9,10 @@ package pgcoord
 // than its loss deadline L, the backend of a process's lock, of its
 // election guard or of its listener terminated, or all of its backends at
 // once, a process killed with SIGKILL (and another started in its place),
-// a server restart and a server crash.
+// a server restart and a server crash; and two staged cases: the
+// processes that hold the semaphore's permits paused, then killed once a
+// holder has headed the queue for two re-check intervals (starveHead),
+// and a takeover from a leader that leads without the guard (guardless).
 //
 // The schedule of faults and operations is a function of a seed
 // (-nemesis.seed, 0 for one taken from the clock), which the test logs at
@@ -52,7 +55,11 @@ package pgcoord
 //     grant that the reading before did not, the slots held then are no
 //     more than the highest limit that can have been in force between the
 //     two readings, and every new slot is below it (lowering the limit
-//     takes no permit away; it only holds back new grants).
+//     takes no permit away; it only holds back new grants). A free
+//     permit reaches the head of the queue: no backend holds the queue
+//     key for longer than nemesisHeadBound while fewer slots are held
+//     than the lowest limit in force meanwhile, unless its process was
+//     paused or killed or the server was down (checkHeads).
 //  3. RequestResign ends the term it names: when the leader's process was
 //     not paused, none of its backends but its listener was terminated,
 //     it was not killed and the server did not restart around the
@@ -154,6 +161,8 @@ const (
 	nemLimit        = "set limit"
 	nemResign       = "request resign"
 	nemTwoAtOnce    = "two faults at once"
+	nemStarveHead   = "kill the permit holders while a head waits"
+	nemGuardless    = "terminate a guardless leader's lock and the guard"
 	nemTargetLeader = "leader"
 	nemTargetHolder = "holder"
 	nemTargetCand   = "candidate"
@@ -166,11 +175,18 @@ var nemesisFaults = []struct {
 	weight int
 }{
 	{nemPauseShort, 3}, {nemPauseLong, 2}, {nemCutLock, 3}, {nemCutGuard, 2}, {nemCutListener, 2},
-	{nemCutAll, 2}, {nemKill, 2}, {nemRestart, 1}, {nemCrash, 1},
+	{nemCutAll, 2}, {nemKill, 2}, {nemRestart, 1}, {nemCrash, 1}, {nemStarveHead, 1}, {nemGuardless, 1},
 }
 
 // isServerFault reports whether kind restarts the server.
 func isServerFault(kind string) bool { return kind == nemRestart || kind == nemCrash }
+
+// isAlone reports whether a fault of kind comes only as the first of a
+// step, never as the second fault injected right after another: the
+// server faults, and the faults that stage a case over a few seconds.
+func isAlone(kind string) bool {
+	return isServerFault(kind) || kind == nemStarveHead || kind == nemGuardless
+}
 
 // nemesisStep is one fault or operation of the schedule.
 type nemesisStep struct {
@@ -192,7 +208,7 @@ func (s nemesisStep) String() string {
 		fmt.Fprintf(&b, " %d", s.limit)
 	case s.kind == nemResign || s.kind == nemCutGuard:
 		fmt.Fprintf(&b, " %s", nemesisElections[s.election].name)
-	case isServerFault(s.kind):
+	case isAlone(s.kind):
 	case s.target == nemTargetLeader:
 		fmt.Fprintf(&b, " of the leader of %s", nemesisElections[s.election].name)
 	default:
@@ -224,20 +240,20 @@ type nemesisPlan struct {
 func planNemesis(seed int64, d time.Duration) nemesisPlan {
 	rng := rand.New(rand.NewPCG(uint64(seed), 0x6e656d65736973))
 	between := func(lo, hi time.Duration) time.Duration { return lo + time.Duration(rng.Int64N(int64(hi-lo)+1)) }
-	p := nemesisPlan{candidates: 3 + rng.IntN(2), holders: 2 + rng.IntN(2), limit: 1 + rng.IntN(3)}
+	p := nemesisPlan{candidates: 3 + rng.IntN(2), holders: 3 + rng.IntN(2), limit: 1 + rng.IntN(3)}
 	for range p.candidates + p.holders {
 		p.beats = append(p.beats, time.Duration(100+50*rng.IntN(3))*time.Millisecond)
 	}
 	pick := func(server bool) string {
 		total := 0
 		for _, f := range nemesisFaults {
-			if server || !isServerFault(f.kind) {
+			if server || !isAlone(f.kind) {
 				total += f.weight
 			}
 		}
 		r := rng.IntN(total)
 		for _, f := range nemesisFaults {
-			if !server && isServerFault(f.kind) {
+			if !server && isAlone(f.kind) {
 				continue
 			}
 			if r < f.weight {
@@ -1000,6 +1016,10 @@ func (n *nemesis) do(s nemesisStep) bool {
 		n.mu.Unlock()
 		n.pool.Reset() // its connections died with the server
 		ok = true
+	case nemStarveHead:
+		ok = n.starveHead()
+	case nemGuardless:
+		ok = n.guardless(s.election)
 	case nemLimit:
 		ok = n.setLimit(s.limit)
 	case nemResign:
@@ -1179,6 +1199,216 @@ func (n *nemesis) kill(a *nemesisActor) {
 	n.mu.Unlock()
 	a.proc.Kill(n.t)
 	n.spawn(a.holder, a.slot)
+}
+
+// starveHead stages the case that only the head's re-check serves: a
+// permit freed by the death of its holder's process, which sends no
+// notification, while the head of the queue has waited for longer than
+// one re-check interval (semaphoreRecheck) already. It sets the limit to
+// 2, pauses the processes that hold slots once two are held, waits until
+// a holder's backend has headed the queue for two re-check intervals,
+// kills the paused processes (others take their slots), and waits (at
+// most 2.5 s) until the head holds a slot, so that no step of the
+// schedule sends a notification meanwhile. The permit watch's check of
+// the head (checkHeads) judges the outcome. It reports whether it killed
+// a process.
+func (n *nemesis) starveHead() bool {
+	if !n.setLimit(2) {
+		return false
+	}
+	type row struct {
+		Slot int
+		PID  int32
+		App  string
+	}
+	read := func() ([]row, bool) {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer cancel()
+		rows, err := n.pool.Query(ctx, `SELECT (l.k & 65535)::int, l.pid, coalesce(a.application_name, '') FROM (
+				SELECT pid, (classid::bigint << 32) | objid::bigint AS k FROM pg_catalog.pg_locks
+				WHERE locktype = 'advisory' AND granted AND objsubid = 1
+				  AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())) l
+			JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid WHERE l.k >> 16 = $1`, semaphoreTarget{name: nemesisPermits}.prefix())
+		var got []row
+		if err == nil {
+			got, err = pgx.CollectRows(rows, pgx.RowToStructByPos[row])
+		}
+		if err != nil {
+			n.pool.Reset() // the server may be restarting
+			n.mu.Lock()
+			n.note("reads of the semaphore's slots failed", err.Error())
+			n.mu.Unlock()
+			return nil, false
+		}
+		return got, true
+	}
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	var paused []*nemesisActor
+	var head int32
+	var headSince time.Time
+	for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); <-tick.C {
+		got, ok := read()
+		if !ok {
+			continue
+		}
+		var holders []*nemesisActor
+		var q row
+		for _, r := range got {
+			if r.Slot == queueSlot {
+				q = r
+				continue
+			}
+			n.mu.Lock()
+			a := n.byName[r.App]
+			n.mu.Unlock()
+			if a != nil && a.holder {
+				holders = append(holders, a)
+			}
+		}
+		if paused == nil {
+			if len(holders) < 2 {
+				continue
+			}
+			for _, a := range holders {
+				if n.pause(a, 2*time.Second) {
+					paused = append(paused, a)
+				}
+			}
+			if paused == nil {
+				return false
+			}
+			deadline = time.Now().Add(1500 * time.Millisecond)
+			continue
+		}
+		if q.PID != head {
+			head, headSince = q.PID, time.Now()
+		}
+		n.mu.Lock()
+		a := n.byName[q.App]
+		n.mu.Unlock()
+		if head == 0 || a == nil || !a.holder || time.Since(headSince) < 2*semaphoreRecheck {
+			continue
+		}
+		n.mu.Lock()
+		n.record(time.Now(), "%s has headed the queue for %v; killing %d paused permit holders", a.name, time.Since(headSince).Round(time.Millisecond), len(paused))
+		n.mu.Unlock()
+		for _, p := range paused {
+			n.kill(p)
+		}
+		killed := time.Now()
+		for end := killed.Add(2500 * time.Millisecond); time.Now().Before(end); <-tick.C {
+			got, _ := read()
+			if slices.ContainsFunc(got, func(r row) bool { return r.PID == head && r.Slot != queueSlot }) {
+				n.mu.Lock()
+				n.record(time.Now(), "%s holds a permit %v after the kill", a.name, time.Since(killed).Round(time.Millisecond))
+				n.note("heads served after their permits' holders were killed", "")
+				n.mu.Unlock()
+				break
+			}
+		}
+		return true
+	}
+	return false
+}
+
+// guardless stages a takeover from a leader that leads without the
+// guard, where only the handover's wait keeps two leaders apart (E12): it
+// pauses the leader of the election (of the other one if this one has
+// none) for 2.5 s and terminates its lock backend; another candidate wins
+// and, the paused leader's guard not freed within L, leads without it;
+// then one statement terminates that leader's lock backend and the guard's
+// (the paused process's), so that the next winner takes the guard at
+// once, while the guardless leader, whose process runs, learns of its
+// loss only at its next heartbeat (or its next try to take the guard,
+// every H). The next winner's fn must start only after that leader's
+// context was cancelled (check 1), which the row's guarded = false makes
+// it wait for. It stages the case twice (the guardless leader notices
+// within a few milliseconds now and then, which leaves no time for an
+// overlap), and reports whether it staged it at all.
+func (n *nemesis) guardless(election int) bool {
+	staged := 0
+	for range 2 * len(nemesisElections) {
+		if n.guardlessIn(nemesisElections[election]) {
+			if staged++; staged == 2 {
+				break
+			}
+			continue // again in the same election: its leader holds the guard
+		}
+		election = (election + 1) % len(nemesisElections)
+	}
+	return staged > 0
+}
+
+// guardlessIn is guardless in election et; it reports false if et has no
+// live leader or none led without the guard in time.
+func (n *nemesis) guardlessIn(et electionTarget) bool {
+	a := n.resolve(nemesisStep{target: nemTargetLeader, election: slices.Index(nemesisElections, et)})
+	n.mu.Lock()
+	var old *nemesisTerm
+	for _, lt := range n.terms {
+		if lt.election == et.name && lt.actor == a && lt.end.IsZero() && (old == nil || lt.term > old.term) {
+			old = lt
+		}
+	}
+	dead := !a.killed.IsZero()
+	n.mu.Unlock()
+	if old == nil || dead || !n.pause(a, 2500*time.Millisecond) {
+		return false
+	}
+	from := time.Now()
+	if !n.cut(nemGuardless, "a.pid = $1", old.lockPID) {
+		return false
+	}
+	// The next leader waits L for the guard, then leads without it.
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	var next *nemesisTerm
+	for deadline := from.Add(2 * time.Second); next == nil && time.Now().Before(deadline); <-tick.C {
+		n.mu.Lock()
+		for _, lt := range n.terms {
+			if lt.election == et.name && lt.term > old.term && lt.guardPID == 0 && lt.end.IsZero() && lt.actor.killed.IsZero() && lt.actor != a {
+				next = lt
+			}
+		}
+		n.mu.Unlock()
+	}
+	if next == nil {
+		return false
+	}
+	// Right after the guardless leader's heartbeat on its lock backend
+	// (its last statement's end moves), so that its next one, which would
+	// tell it of the loss, is about H away.
+	var last time.Time
+	for deadline := time.Now().Add(500 * time.Millisecond); time.Now().Before(deadline); <-tick.C {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		var at time.Time
+		err := n.pool.QueryRow(ctx, "SELECT coalesce(state_change, 'epoch') FROM pg_catalog.pg_stat_activity WHERE pid = $1", next.lockPID).Scan(&at)
+		cancel()
+		if err != nil || !last.IsZero() && !at.Equal(last) {
+			break
+		}
+		last = at
+	}
+	n.cut(nemGuardless, "a.pid = $1 OR a.pid IN ("+nemesisHolderSQL+" AND k = $2)", next.lockPID, nemesisGuardKey(et.name).v)
+	n.mu.Lock()
+	cuts := next.actor.cuts
+	hit := len(cuts) > 0 && !cuts[len(cuts)-1].at.Before(from) &&
+		slices.ContainsFunc(cuts[len(cuts)-1].victims, func(v nemesisVictim) bool { return v.pid == next.lockPID })
+	n.mu.Unlock()
+	// Let the takeover play out before the next step (or the end of the
+	// run): the next winner waits L after winning.
+	for deadline := time.Now().Add(nemesisLoss + time.Second); hit && time.Now().Before(deadline); <-tick.C {
+		n.mu.Lock()
+		started := slices.ContainsFunc(slices.Collect(maps.Values(n.terms)), func(lt *nemesisTerm) bool {
+			return lt.election == et.name && lt.term > next.term
+		})
+		n.mu.Unlock()
+		if started {
+			break
+		}
+	}
+	return hit
 }
 
 // setLimit changes the semaphore's limit through the admin Client.
@@ -1453,6 +1683,7 @@ func (n *nemesis) check(stopAt time.Time, ran, d time.Duration) {
 
 	// 2. Never more permits than the limit.
 	grants := n.checkPermits()
+	headsChecked, headsExcused := n.checkHeads()
 
 	terms := map[string]int{}
 	for _, lt := range n.terms {
@@ -1480,6 +1711,8 @@ func (n *nemesis) check(stopAt time.Time, ran, d time.Duration) {
 	t.Logf("nemesis: permits: %d acquired, %d released, %d releases failed, %d acquires failed, %d found lost on the server and reported; %d limit changes (%d failed); pg_locks read %d times (%d failed), %d new grants checked against the limit, at most %d permits held at once",
 		n.counts["permits acquired"], n.counts["permits released"], n.counts["releases failed"], n.counts["acquires failed"],
 		n.counts["permits found lost and reported"], len(n.limits)-1, limitsFailed, n.watch.polls, n.watch.failed, grants, n.watch.most)
+	t.Logf("nemesis: the queue's head waiting longer than %v while a permit was free: %d stalls checked, %d excused (its process paused or killed, or the server down); heads served after their permits' holders were killed: %d",
+		nemesisStallShown, headsChecked, headsExcused, n.counts["heads served after their permits' holders were killed"])
 	t.Logf("nemesis: overlapping terms excused: %v; terminations of a live leader's lock or guard noticed within L: %d (%d not checked: paused)", excused, noticed, pausedCut)
 	for _, kind := range slices.Sorted(maps.Keys(n.reasons)) {
 		t.Logf("nemesis: %s: %d, such as: %q", kind, n.counts[kind], n.reasons[kind])
@@ -1571,7 +1804,12 @@ func (n *nemesis) excuse(old, nw *nemesisTerm) (why string, ok bool) {
 			continue
 		}
 		for _, v := range c.victims {
-			l, g := slices.Contains(v.lockOf, old.election), slices.Contains(v.guardOf, old.election)
+			// Its own backends: the term's lock backend, and its guard's
+			// (the one it won with, or one it took during the term). A
+			// backend of the process that held the election's lock just
+			// before the term, a campaign that lost it, is not.
+			l := slices.Contains(v.lockOf, old.election) && v.pid == old.lockPID
+			g := slices.Contains(v.guardOf, old.election) && (v.pid == old.guardPID || !c.at.Before(old.since))
 			if (l || g) && (first.IsZero() || c.at.Before(first)) {
 				first = c.at
 			}
@@ -1755,6 +1993,50 @@ func (n *nemesis) checkPermits() int {
 	return len(w.grants)
 }
 
+// checkHeads checks that a free permit reaches the head of the queue
+// within nemesisHeadBound: no stretch of readings in which one backend
+// held the queue key, fewer slots were held than the lowest limit in
+// force meanwhile, and the head's process was neither paused nor killed
+// nor the server down, lasts longer. It returns how many stalls with a
+// free permit it checked and how many it excused. It runs after
+// checkPermits, which sets the limits' until.
+func (n *nemesis) checkHeads() (checked, excused int) {
+	lowest := func(from, to time.Time) int {
+		m := 1 << 30
+		for _, l := range n.limits {
+			if l.call.After(to) {
+				break
+			}
+			if l.until.IsZero() || l.until.After(from) {
+				m = min(m, l.value)
+			}
+		}
+		return m
+	}
+	for _, st := range n.watch.stalls {
+		limit := lowest(st.from, st.to)
+		if st.held >= limit {
+			continue
+		}
+		checked++
+		a := n.byName[st.app]
+		down := false
+		for _, f := range n.server {
+			down = down || !f.from.After(st.to) && !f.to.Before(st.from.Add(-nemesisHeadBound))
+		}
+		if a == nil || down || a.pausedDuring(st.from.Add(-nemesisHeadBound), st.to, 0) ||
+			!a.killed.IsZero() && !a.killed.Before(st.from) && !a.killed.After(st.to.Add(nemesisHeadBound)) {
+			excused++
+			continue
+		}
+		if d := st.to.Sub(st.from); d > nemesisHeadBound {
+			n.violate("pg_locks: backend %d (%s) headed the semaphore's queue from %s to %s (%v) while %d slots were held, below the lowest limit in force meanwhile, %d; a free permit reaches the head within %v (limit changes: %s)",
+				st.pid, st.app, n.rel(st.from), n.rel(st.to), d.Round(time.Millisecond), st.held, limit, nemesisHeadBound, n.limitsAround(st.from, st.to))
+		}
+	}
+	return checked, excused
+}
+
 // limitsAround describes the limit changes near [from, to].
 func (n *nemesis) limitsAround(from, to time.Time) string {
 	var b []string
@@ -1776,8 +2058,27 @@ type nemesisPermitWatch struct {
 	// Written by the watching goroutine, read after done is closed.
 	polls, failed, most int
 	grants              []nemesisGrant
+	stalls              []nemesisStall
 	broken              []string
 }
+
+// nemesisStall is a stretch of consecutive readings, longer than
+// nemesisStallShown, in which one backend held the queue key (headed the
+// queue) and the number of slots held stayed the same.
+type nemesisStall struct {
+	pid      int32
+	app      string    // the head's application_name
+	held     int       // slots held throughout
+	from, to time.Time // the end of the first reading, the start of the last: the stall lasted at least that long
+}
+
+// nemesisStallShown is the shortest stall the watch records.
+const nemesisStallShown = 500 * time.Millisecond
+
+// nemesisHeadBound is how long the head of a semaphore's queue may wait
+// while a permit is free: RELIABILITY.md's "250 ms + a round trip (tests
+// allow 1 s)".
+const nemesisHeadBound = time.Second
 
 // nemesisGrant is a reading that showed slots granted that the reading
 // before did not.
@@ -1791,7 +2092,8 @@ type nemesisGrant struct {
 // keys' upper 48 bits are prefix, for at most bound.
 func watchNemesisPermits(dsn string, prefix int64, bound time.Duration) *nemesisPermitWatch {
 	w := &nemesisPermitWatch{stop: make(chan struct{}), done: make(chan struct{})}
-	const sql = `SELECT (k & 65535)::int, pid, granted FROM (
+	const sql = `SELECT (k & 65535)::int, pid, granted,
+			coalesce((SELECT a.application_name FROM pg_catalog.pg_stat_activity a WHERE a.pid = l.pid), '') FROM (
 			SELECT pid, granted, (classid::bigint << 32) | objid::bigint AS k FROM pg_catalog.pg_locks
 			WHERE locktype = 'advisory' AND objsubid = 1
 			  AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())) l
@@ -1810,6 +2112,14 @@ func watchNemesisPermits(dsn string, prefix int64, bound time.Duration) *nemesis
 		defer end.Stop()
 		prevFrom := time.Now()
 		prev := map[[2]int64]bool{}
+		var stall nemesisStall // of the readings so far; pid 0 for none
+		flush := func() {
+			if stall.pid != 0 && stall.to.Sub(stall.from) > nemesisStallShown {
+				w.stalls = append(w.stalls, stall)
+			}
+			stall = nemesisStall{}
+		}
+		defer flush()
 		for {
 			select {
 			case <-w.stop:
@@ -1834,6 +2144,7 @@ func watchNemesisPermits(dsn string, prefix int64, bound time.Duration) *nemesis
 				Slot    int
 				PID     int32
 				Granted bool
+				App     string
 			}
 			var got []row
 			if err == nil {
@@ -1845,6 +2156,7 @@ func watchNemesisPermits(dsn string, prefix int64, bound time.Duration) *nemesis
 				conn.Close(context.Background())
 				conn = nil
 				w.failed++
+				flush() // the server may be restarting
 				continue
 			}
 			w.polls++
@@ -1852,12 +2164,13 @@ func watchNemesisPermits(dsn string, prefix int64, bound time.Duration) *nemesis
 			holder := map[int]int32{}
 			var fresh []int
 			var head int32       // holds the queue key
+			var headApp string   // its application_name
 			var awaiting []int32 // wait for slot 0
 			for _, r := range got {
 				switch {
 				case r.Slot == queueSlot:
 					if r.Granted {
-						head = r.PID
+						head, headApp = r.PID, r.App
 					}
 				case !r.Granted && r.Slot == 0:
 					awaiting = append(awaiting, r.PID)
@@ -1880,6 +2193,14 @@ func watchNemesisPermits(dsn string, prefix int64, bound time.Duration) *nemesis
 				w.broken = append(w.broken, fmt.Sprintf("backends %v wait for slot 0 while %d heads the queue", awaiting, head))
 			}
 			w.most = max(w.most, len(now))
+			if head != stall.pid || len(now) != stall.held {
+				flush()
+				if head != 0 {
+					stall = nemesisStall{pid: head, app: headApp, held: len(now), from: to, to: to}
+				}
+			} else if head != 0 {
+				stall.to = from
+			}
 			if len(fresh) > 0 {
 				w.grants = append(w.grants, nemesisGrant{from: prevFrom, to: to, held: len(now), slots: fresh})
 			}
@@ -1965,6 +2286,9 @@ func TestNemesisExcuseBounds(t *testing.T) {
 			actor: nemesisActor{cuts: []nemesisCut{{at: at(900), victims: []nemesisVictim{{lockOf: []string{x}}}}, {at: at(950), victims: []nemesisVictim{{guardOf: []string{x}}}}}}},
 		{name: "both connections lost, noticed later", end: 1300, want: "both terminated",
 			actor: nemesisActor{cuts: []nemesisCut{{at: at(900), victims: []nemesisVictim{{lockOf: []string{x}}}}, {at: at(950), victims: []nemesisVictim{{guardOf: []string{x}}}}}}},
+		{name: "a lock backend of the process's campaign before the term is not the term's", end: 1150, ok: true, want: "both terminated",
+			actor: nemesisActor{cuts: []nemesisCut{{at: at(-50), victims: []nemesisVictim{{pid: 7, lockOf: []string{x}}}},
+				{at: at(900), victims: []nemesisVictim{{lockOf: []string{x}}, {guardOf: []string{x}}}}}}},
 		{name: "one connection lost explains nothing", end: 1150,
 			actor: nemesisActor{cuts: []nemesisCut{{at: at(900), victims: []nemesisVictim{{lockOf: []string{x}}}}}}},
 		{name: "a crash, noticed within 2H of the server's return", end: 1250, ok: true, want: "crashed",
