@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -186,6 +187,53 @@ func TestCheckFenceReadOnlyTransaction(t *testing.T) {
 				t.Fatalf("CheckFence(current fence %d) in a READ ONLY transaction = %v, want SQLSTATE 25006", f1, err)
 			}
 			t.Logf("CheckFence: %v", err)
+		})
+	}
+}
+
+// TestCheckFenceWrongSchema: a fence issued in one migrated schema and
+// checked in another (also migrated) never passes there: under READ
+// COMMITTED the error wraps ErrStaleFence and says the fence was never
+// issued in that schema; under REPEATABLE READ and SERIALIZABLE, where a
+// missing fence cannot be told from one issued after the snapshot, it is
+// SQLSTATE 40001 naming that schema, not ErrStaleFence. In the right
+// schema it passes under every level.
+func TestCheckFenceWrongSchema(t *testing.T) {
+	ctx := testCtx(t)
+	_, pool := migratedPool(t, ctx, "fences_a")
+	if err := Migrate(ctx, pool, WithSchema("fences_b")); err != nil {
+		t.Fatalf("Migrate: %v", err)
+	}
+	ca, cb := mustFenceConfig(t, WithSchema("fences_a")), mustFenceConfig(t, WithSchema("fences_b"))
+	k := Int64Key(6000)
+	f := Term(mustNextFence(t, ctx, pool, ca, k))
+	// Another key has a fence in schema b, so b's table is not empty.
+	mustNextFence(t, ctx, pool, cb, Int64Key(6001))
+	for _, level := range fenceIsoLevels {
+		t.Run(string(level), func(t *testing.T) {
+			tx := fenceBeginSnapshot(t, ctx, pool, cb, pgx.TxOptions{IsoLevel: level})
+			err := CheckFence(ctx, tx, k, f, WithSchema("fences_b"))
+			switch {
+			case err == nil:
+				t.Fatalf("CheckFence(fence %d of schema fences_a) in schema fences_b = nil", f)
+			case !strings.Contains(err.Error(), "fences_b"):
+				t.Fatalf("CheckFence in the wrong schema: %q does not name the schema", err)
+			case level == pgx.ReadCommitted:
+				if !errors.Is(err, ErrStaleFence) || !strings.Contains(err.Error(), "never issued") {
+					t.Fatalf("CheckFence in the wrong schema = %v, want ErrStaleFence (never issued)", err)
+				}
+			default:
+				if errors.Is(err, ErrStaleFence) || fenceSQLState(err) != "40001" {
+					t.Fatalf("CheckFence in the wrong schema = %v, want SQLSTATE 40001", err)
+				}
+			}
+			if err := tx.Rollback(ctx); err != nil {
+				t.Fatal(err)
+			}
+			tx = fenceBeginSnapshot(t, ctx, pool, ca, pgx.TxOptions{IsoLevel: level})
+			if err := CheckFence(ctx, tx, k, f, WithSchema("fences_a")); err != nil {
+				t.Fatalf("CheckFence(fence %d) in its own schema = %v, want nil", f, err)
+			}
 		})
 	}
 }
