@@ -1,0 +1,128 @@
+package pgcoord
+
+import (
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// A term recorded away from the election lock's backend (a transaction
+// that checked the previous term keeps its fences row share-locked, so the
+// record waits for it on a backend of the Client's that holds nothing)
+// while the synchronous standby receives no WAL: once the transaction ends,
+// the away record's term is withheld slice after slice and Campaign waits;
+// once the standby receives WAL again Campaign leads with a term above
+// every withheld one, which the promoted standby's fences and leaders rows
+// hold.
+func TestTermRecordedAwayWaitsForSynchronousStandby(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	primary := pgtest.NewServer(t)
+	pdsn := primary.DB(t)
+	migrated(t, pdsn)
+	cfg, err := pgx.ParseConfig(pdsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	standby := primary.StartStandby(t)
+	sdsn := standby.ConnString(cfg.Database)
+	primary.RequireSynchronousStandby(t)
+
+	c := newTestClient(t, pdsn, WithHeartbeat(100*time.Millisecond), WithLossDeadline(time.Second))
+	e := c.Election("durable-away")
+	ld0, err := e.Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 := ld0.Term()
+	if err := ld0.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	checker := pgtest.Conn(t, pdsn)
+	tx, err := checker.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := CheckFence(ctx, tx, e.Key(), t0); err != nil {
+		t.Fatal(err)
+	}
+	pconn, sconn := pgtest.Conn(t, pdsn), pgtest.Conn(t, sdsn)
+	resume := primary.PauseWALSenders(t)
+	type won struct {
+		ld  *Leadership
+		err error
+	}
+	campaign := make(chan won, 1)
+	go func() {
+		ld, err := e.Campaign(ctx)
+		campaign <- won{ld, err}
+	}()
+	early := func() {
+		t.Helper()
+		select {
+		case w := <-campaign:
+			var term Term
+			if w.ld != nil {
+				term = w.ld.Term()
+			}
+			t.Fatalf("Campaign returned (term %d, %v) while the synchronous standby received no WAL; the standby holds %d",
+				term, w.err, storedFence(t, ctx, sconn, e.Key()))
+		default:
+		}
+	}
+	// The record waits for the transaction on a backend that does not
+	// hold the election's lock.
+	space, key := fenceRow(e.Key())
+	if !pgtest.Poll(testTimeout, func() bool {
+		early()
+		var n int
+		err := pconn.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%leaders%'
+			AND pid NOT IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted
+				AND objsubid = $1 AND ((classid::int8 << 32) | objid::int8) = $2)`, space, key).Scan(&n)
+		return err == nil && n > 0
+	}) {
+		t.Fatal("the term's record never waited for the CheckFence transaction away from the election lock's backend")
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	stalled := time.Now()
+	if !pgtest.Poll(testTimeout, func() bool {
+		early()
+		return storedFence(t, ctx, pconn, e.Key()) >= int64(t0)+3 && time.Since(stalled) > 1500*time.Millisecond
+	}) {
+		t.Fatalf("the primary's term stayed at %d (before %d): the away record was not issued again slice after slice", storedFence(t, ctx, pconn, e.Key()), t0)
+	}
+	withheldUpTo := storedFence(t, ctx, pconn, e.Key())
+	resume()
+	var ld *Leadership
+	select {
+	case w := <-campaign:
+		if w.err != nil {
+			t.Fatalf("Campaign after the standby resumed: %v", w.err)
+		}
+		ld = w.ld
+	case <-ctx.Done():
+		t.Fatal("Campaign did not return after the standby resumed")
+	}
+	if int64(ld.Term()) <= withheldUpTo {
+		t.Fatalf("term %d handed out, want above every withheld one (up to %d)", ld.Term(), withheldUpTo)
+	}
+	heldOnlyBy(t, pdsn, e.Key(), ld.lock.s.PID())
+	t.Logf("term %d before, withheld up to %d, handed out %d", t0, withheldUpTo, ld.Term())
+	primary.Kill(t)
+	standby.Promote(t)
+	if got := storedFence(t, ctx, sconn, e.Key()); Term(got) < ld.Term() {
+		t.Fatalf("term %d was handed out, but the promoted standby's fences row holds %d", ld.Term(), got)
+	}
+	var recorded int64
+	if err := sconn.QueryRow(ctx, "SELECT term FROM pgcoord.leaders WHERE name = $1", e.Name()).Scan(&recorded); err != nil {
+		t.Fatal(err)
+	}
+	if Term(recorded) != ld.Term() {
+		t.Fatalf("the promoted standby's leaders row holds term %d, want the handed-out %d", recorded, ld.Term())
+	}
+}
