@@ -1,6 +1,8 @@
 package pgcoord
 
 import (
+	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -124,5 +126,68 @@ func TestTermRecordedAwayWaitsForSynchronousStandby(t *testing.T) {
 	}
 	if Term(recorded) != ld.Term() {
 		t.Fatalf("the promoted standby's leaders row holds term %d, want the handed-out %d", recorded, ld.Term())
+	}
+}
+
+// A Campaign whose ctx ends while its term's commit waits for the stalled
+// synchronous standby returns ctx's error and leads nowhere: its term is
+// withheld, the election's lock is free again (pg_locks); once the standby
+// receives WAL again, the next Campaign leads with a term above every one
+// the primary issued meanwhile.
+func TestCampaignCtxEndsWhileTermWaitsForSynchronousStandby(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	primary := pgtest.NewServer(t)
+	pdsn := primary.DB(t)
+	migrated(t, pdsn)
+	cfg, err := pgx.ParseConfig(pdsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	standby := primary.StartStandby(t)
+	sdsn := standby.ConnString(cfg.Database)
+	primary.RequireSynchronousStandby(t)
+
+	c := newTestClient(t, pdsn, WithHeartbeat(100*time.Millisecond), WithLossDeadline(time.Second))
+	e := c.Election("durable-ctx")
+	ld0, err := e.Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 := ld0.Term()
+	if err := ld0.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pconn := pgtest.Conn(t, pdsn)
+	resume := primary.PauseWALSenders(t)
+	short, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	ld, err := e.Campaign(short)
+	if err == nil {
+		t.Fatalf("Campaign led with term %d while the synchronous standby received no WAL", ld.Term())
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Campaign whose ctx ended while its term waited for the standby: %v, want context.DeadlineExceeded", err)
+	}
+	withheldUpTo := storedFence(t, ctx, pconn, e.Key())
+	if withheldUpTo < int64(t0)+2 {
+		t.Fatalf("the primary's term is %d (before %d): the term was not issued and withheld slice after slice", withheldUpTo, t0)
+	}
+	pgtest.Eventually(t, testTimeout, "the election's lock is free after the Campaign gave up", func() bool {
+		return len(lockState(t, pdsn)[e.Key()]) == 0
+	})
+	t.Logf("Campaign with a 2 s ctx: %v; terms up to %d withheld (before %d)", err, withheldUpTo, t0)
+	resume()
+	ld, err = e.Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if int64(ld.Term()) <= withheldUpTo {
+		t.Fatalf("term %d after the standby resumed, want above every withheld one (up to %d)", ld.Term(), withheldUpTo)
+	}
+	primary.Kill(t)
+	standby.Promote(t)
+	if got := storedFence(t, ctx, pgtest.Conn(t, sdsn), e.Key()); Term(got) < ld.Term() {
+		t.Fatalf("term %d was handed out, but the promoted standby holds %d", ld.Term(), got)
 	}
 }
