@@ -173,7 +173,7 @@ type lcClientSpec struct {
 	noHandoff     bool // WithHandoff(0, 0)
 	readers       bool // mostly shared acquires, on keys 1 and 2
 	// joiners: every round, the goroutines meet (lcMeet) and each takes
-	// key 1 with RLock, so that they join one hold on the Client's
+	// lcJoinKey with RLock, so that they join one hold on the Client's
 	// backend, and stay in their critical sections up to 60 ms; the
 	// heartbeat is L/2, the longest allowed. A backend terminated under
 	// the joined hold is noticed up to L/2 later: the Unlock of a handle
@@ -192,6 +192,11 @@ var lcClientSpecs = []lcClientSpec{
 // lcMeet bounds how long a goroutine of a joiners Client waits for the
 // others at the start of a round.
 const lcMeet = 200 * time.Millisecond
+
+// lcJoinKey is the key of the joiners Clients, which take it shared only:
+// nothing waits for it, so the goroutines that take it at once join one
+// hold (the second while the first's statement is in flight).
+const lcJoinKey = lcKeys + 1
 
 func (s lcClientSpec) options(app string) []Option {
 	beat := lcBeat
@@ -839,7 +844,7 @@ func (w *lcWorker) pick(sessions bool) lcKind {
 func (w *lcWorker) keys(kind lcKind) []int64 {
 	if !kind.multi {
 		if w.cl.spec.joiners {
-			return []int64{1}
+			return []int64{lcJoinKey}
 		}
 		if w.cl.spec.readers {
 			return []int64{1 + w.rng.Int64N(2)}
