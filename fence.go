@@ -168,6 +168,11 @@ func nextFence(ctx context.Context, q interface {
 // it as ErrStaleFence (never issued). TestCheckFenceFirstFenceAfterSnapshot
 // checks both levels.
 //
+// In a READ ONLY transaction CheckFence always fails (SQLSTATE 25006: the
+// row lock it takes is refused there); check fences in a transaction that
+// may write, which is the one that writes under the fence anyway. If ctx
+// ends during the query, the error wraps ctx's error too.
+//
 // ctx governs the query, including the wait for a new fence being issued at
 // the same moment. Options: only [WithSchema] applies; pass the schema given
 // to [Migrate] and the Client.
@@ -233,7 +238,7 @@ func checkFence(ctx context.Context, c *config, tx xactsql.Tx, key Key, fence Te
 		// the server reports no serialization failure; report one.
 		var iso string
 		if err := tx.QueryRow(ctx, "SELECT current_setting('transaction_isolation')", nil, &iso); err != nil {
-			return pgError("CheckFence", err)
+			return withCtxErr(ctx, pgError("CheckFence", err))
 		}
 		if iso == "repeatable read" || iso == "serializable" {
 			return errorf("CheckFence: fence %d for key %s cannot be checked in this transaction: %w", fence, key, &pgconn.PgError{
@@ -246,7 +251,7 @@ func checkFence(ctx context.Context, c *config, tx xactsql.Tx, key Key, fence Te
 		}
 		return errorf("CheckFence: %w: fence %d for key %s was never issued: no fence exists for the key in schema %s", ErrStaleFence, fence, key, c.quotedSchema())
 	case err != nil:
-		return notMigrated(c, "CheckFence", err)
+		return withCtxErr(ctx, notMigrated(c, "CheckFence", err))
 	case stored > fence:
 		return errorf("CheckFence: %w: fence %d for key %s is stale: fence %d has been issued", ErrStaleFence, fence, key, stored)
 	case stored < fence:
@@ -263,4 +268,17 @@ func notMigrated(c *config, op string, err error) error {
 		return errorf("%s: %w (schema %s): %w", op, ErrNotMigrated, c.quotedSchema(), err)
 	}
 	return pgError(op, err)
+}
+
+// withCtxErr adds ctx's error to err, a statement's error, when ctx ended
+// and err does not say so already: a statement cut short by a cancel
+// request reports the server's 57014 alone, and a driver that closed the
+// connection its own way ("bad connection"), so that errors.Is with
+// context.Canceled or context.DeadlineExceeded holds, as for the Xact
+// functions.
+func withCtxErr(ctx context.Context, err error) error {
+	if cerr := context.Cause(ctx); cerr != nil && !errors.Is(err, cerr) && !errors.Is(err, ctx.Err()) {
+		return fmt.Errorf("%w (%w)", err, cerr)
+	}
+	return err
 }

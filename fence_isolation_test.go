@@ -237,3 +237,44 @@ func TestCheckFenceWrongSchema(t *testing.T) {
 		})
 	}
 }
+
+// TestCheckFenceCancelledWaitWrapsCtxError: CheckFence waits for a fence
+// being issued (the issuer's transaction holds the row), and ctx is
+// cancelled during that wait. Under pgx's default handler the error wraps
+// context.Canceled; under pgconn.CancelRequestContextWatcherHandler the
+// server's 57014 comes back, and the context's error is not in the chain,
+// unlike XactLock's (xactError appends it).
+func TestCheckFenceCancelledWaitWrapsCtxError(t *testing.T) {
+	ctx := testCtx(t)
+	dsn, pool := migratedPool(t, ctx, DefaultSchema)
+	c := mustFenceConfig(t)
+	for i, h := range xactCancelHandlers {
+		t.Run(h.name, func(t *testing.T) {
+			k := Int64Key(int64(5000 + i))
+			f1 := Term(mustNextFence(t, ctx, pool, c, k))
+			issuer, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = issuer.Rollback(context.Background()) }()
+			mustNextFence(t, ctx, issuer, c, k)
+			conn := xactCancelConn(t, dsn, h.configure)
+			tx, err := conn.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = tx.Rollback(context.Background()) }()
+			cctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			done := make(chan error, 1)
+			go func() { done <- CheckFence(cctx, tx, k, f1) }()
+			waitBlockedBy(t, ctx, pool, conn.PgConn().PID(), issuer.Conn().PgConn().PID())
+			cancel()
+			err = xactRecv(t, done, "CheckFence")
+			t.Logf("CheckFence: %v", err)
+			if !errors.Is(err, context.Canceled) {
+				t.Errorf("CheckFence cancelled in its wait: got %v, want an error wrapping context.Canceled", err)
+			}
+		})
+	}
+}

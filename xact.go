@@ -430,9 +430,14 @@ func XactTryRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // TestInTxNestedFailureRollsBackSavepoint checks this in pg_locks and in
 // the table the outer transaction commits.
 //
-// fn's error is returned unchanged (a rollback error after it is dropped: a
-// failed rollback closes the connection, which ends the transaction on the
-// server). Other errors: those of XactLock ([ErrInvalidKey], checked before
+// fn must not commit or roll back the transaction it is given: InTx ends
+// it. A transaction that fn ended leaves InTx nothing to roll back, and for
+// a savepoint, fn's work and keys stay in the outer transaction.
+//
+// fn's error is returned unchanged, except for a savepoint whose rollback
+// failed, where the error says so and asks to roll the outer transaction
+// back (a failed rollback of a transaction of its own closes the
+// connection, which ends the transaction on the server). Other errors: those of XactLock ([ErrInvalidKey], checked before
 // BEGIN; [ErrDeadlock]; [ErrTooManyLocks]; the context's error), and BEGIN or
 // COMMIT errors from pgx, wrapped. A nil db or fn is an error, and so is a
 // nil pointer in db (a nil *pgxpool.Pool, *pgx.Conn or *pgxpool.Tx).
@@ -526,13 +531,11 @@ func inTx(ctx context.Context, op string, begin func(context.Context) (xactsql.T
 
 	if err := xactExec(ctx, mode, tx, ks); err != nil {
 		done = true
-		rollbackTxn(ctx, tx)
-		return err
+		return rolledBack(ctx, tx, err)
 	}
 	if err := fn(tx); err != nil {
 		done = true
-		rollbackTxn(ctx, tx)
-		return err
+		return rolledBack(ctx, tx, err)
 	}
 	done = true
 	if err := tx.Commit(ctx); err != nil {
@@ -545,14 +548,27 @@ func inTx(ctx context.Context, op string, begin func(context.Context) (xactsql.T
 // reach, bounded by xactRollbackTimeout. The error is dropped: pgx closes
 // the connection when a rollback fails, which ends the transaction on the
 // server.
-func rollbackTx(ctx context.Context, tx pgx.Tx) { rollbackTxn(ctx, pgxTx{tx: tx}) }
+func rollbackTx(ctx context.Context, tx pgx.Tx) { _ = rollbackTxn(ctx, pgxTx{tx: tx}) }
 
-// rollbackTxn is rollbackTx for any transaction InTx begins. database/sql
-// discards a connection whose rollback failed, as pgx closes it.
-func rollbackTxn(ctx context.Context, tx xactsql.Txn) {
+// rollbackTxn is rollbackTx for any transaction InTx begins, and returns
+// the rollback's error. database/sql discards a connection whose rollback
+// failed, as pgx closes it.
+func rollbackTxn(ctx context.Context, tx xactsql.Txn) error {
 	ctx, cancel := withoutCancel(ctx, xactRollbackTimeout)
 	defer cancel()
-	_ = tx.Rollback(ctx)
+	return tx.Rollback(ctx)
+}
+
+// rolledBack rolls tx back after err and returns err. For a savepoint
+// whose rollback failed (the connection broke), the outer transaction is
+// over too, and the error says so: ROLLBACK TO SAVEPOINT could not release
+// the savepoint's keys, and only the outer transaction's end does.
+func rolledBack(ctx context.Context, tx xactsql.Txn, err error) error {
+	rerr := rollbackTxn(ctx, tx)
+	if t, ok := tx.(pgxTx); ok && t.nested && rerr != nil {
+		return errorf("%w; rolling back to the savepoint failed too (roll the outer transaction back): %w", err, rerr)
+	}
+	return err
 }
 
 // isNil reports whether v is nil or holds a nil pointer, such as a nil

@@ -313,3 +313,49 @@ func TestInTxNestedLockWaitCancelled(t *testing.T) {
 		t.Fatalf("committed rows: got %q, want [outer]", rows)
 	}
 }
+
+// InTx nested in a
+// pgx.Tx on a connection with pgx's default context handler, waiting for a
+// key another transaction holds, has its ctx cancelled. pgx closes the
+// connection, so the ROLLBACK TO SAVEPOINT that InTx sends fails, and the
+// outer transaction is over. InTx's doc promises that "only if the
+// rollback itself fails (a broken connection), which the error then says,
+// must the outer transaction be rolled back"; the error is the lock's
+// alone and does not say so.
+func TestInTxNestedFailedRollbackSaysSo(t *testing.T) {
+	ctx := t.Context()
+	dsn, pool := xactPool(t)
+	conn := xactCancelConn(t, dsn, xactCancelHandlers[0].configure)
+	outerKey, innerKey := Int64Key(1), Int64Key(2)
+	holder := xactBegin(t, pool)
+	if err := XactLock(ctx, holder, innerKey); err != nil {
+		t.Fatal(err)
+	}
+	outer, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = outer.Rollback(context.Background()) }()
+	pid := xactPID(outer)
+	if err := XactLock(ctx, outer, outerKey); err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		done <- InTx(cctx, outer, []Key{innerKey}, func(pgx.Tx) error { return nil })
+	}()
+	xactEventuallyHeld(t, dsn, pid, xactEx(outerKey), xactWaitingEx(innerKey))
+	cancel()
+	err = xactRecv(t, done, "InTx")
+	t.Logf("InTx: %v", err)
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("got %v, want context.Canceled", err)
+	}
+	_, execErr := outer.Exec(ctx, "SELECT 1")
+	t.Logf("the outer transaction after InTx: %v", execErr)
+	if execErr != nil && !strings.Contains(err.Error(), "roll the outer transaction back") {
+		t.Errorf("the outer transaction is unusable (%v), but InTx's error does not say to roll it back: %v", execErr, err)
+	}
+}

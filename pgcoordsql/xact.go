@@ -38,7 +38,11 @@ var impl = xactsql.Registered.(xactsql.Impl[pgcoord.Key, pgcoord.Term, pgcoord.F
 // and commit. If it is done too (ctx is the one given to BeginTx, or derived
 // from it), database/sql rolls tx back by itself as soon as that context
 // ends, whatever XactLock does: the keys tx held are released then, and
-// Commit returns sql.ErrTxDone (or the context's error). Every error from the
+// Commit returns sql.ErrTxDone (or the context's error). So pass the
+// context tx was begun with, or one derived from it: if tx's own context
+// ends while XactLock waits under another ctx that stays live, database/sql
+// rolls tx back right after the statement, and XactLock can return nil for
+// keys already released (Commit then returns sql.ErrTxDone). Every error from the
 // server aborts tx and releases its keys as well: do not go on with tx after
 // an error.
 //
