@@ -171,3 +171,46 @@ func TestCloseEndsCampaignAndRunWaitingForServer(t *testing.T) {
 	}
 	t.Logf("Close took %v", took.Round(time.Microsecond))
 }
+
+// A Campaign, and a Run, whose ctx ends while the only server is a
+// standby return ctx's error joined with the last connection error
+// (ErrReadOnly), as the doc comment of Campaign says and as Lock does
+// (RELIABILITY row 22).
+func TestCampaignCtxEndOnStandbyReportsLastConnectionError(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	primary := pgtest.NewServer(t)
+	pdsn := primary.DB(t)
+	migrated(t, pdsn)
+	standby := primary.StartStandby(t)
+	sdsn := standby.ConnString(pgtest.Conn(t, pdsn).Config().Database)
+	c := newTestClient(t, sdsn, WithHeartbeat(100*time.Millisecond), WithLossDeadline(time.Second))
+	e := c.Election("standby-ctx")
+
+	lctx, cancel := context.WithTimeout(ctx, 2500*time.Millisecond)
+	_, lerr := c.Lock(lctx, Int64Key(7))
+	cancel()
+	if !errors.Is(lerr, context.DeadlineExceeded) || !errors.Is(lerr, ErrReadOnly) {
+		t.Fatalf("Lock on a standby with a 2.5 s ctx: %v, want DeadlineExceeded and ErrReadOnly", lerr)
+	}
+	cctx, cancel := context.WithTimeout(ctx, 2500*time.Millisecond)
+	start := time.Now()
+	_, err := e.Campaign(cctx)
+	cancel()
+	took := time.Since(start)
+	if took > 2500*time.Millisecond+time.Second {
+		t.Fatalf("Campaign with a 2.5 s ctx returned after %v", took)
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Campaign on a standby with a 2.5 s ctx: %v, want DeadlineExceeded", err)
+	}
+	if !errors.Is(err, ErrReadOnly) {
+		t.Fatalf("Campaign on a standby with a 2.5 s ctx: %v, want it joined with the last connection error (ErrReadOnly), as Lock's %v", err, lerr)
+	}
+	rctx, cancel := context.WithTimeout(ctx, 2500*time.Millisecond)
+	err = e.Run(rctx, func(context.Context, Term) error { return nil })
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, ErrReadOnly) {
+		t.Fatalf("Run on a standby with a 2.5 s ctx: %v, want DeadlineExceeded joined with ErrReadOnly", err)
+	}
+}

@@ -436,6 +436,7 @@ var errLostWhileWinning = errors.New("pgcoord: leadership lock lost while winnin
 
 // wait takes the election's lock, in rounds.
 func (e *Election) wait(ctx context.Context) (*Lock, error) {
+	var last error // the last round's error that says the server could not be used
 	for {
 		round, cancel := context.WithTimeout(ctx, e.campaignRound())
 		l, err := e.c.Lock(round, e.key, withPrepared(e.recordStatement()), withoutHooks())
@@ -444,9 +445,14 @@ func (e *Election) wait(ctx context.Context) (*Lock, error) {
 		// before round.Err() reports it.
 		ended := round.Err() != nil || errors.Is(err, context.DeadlineExceeded)
 		cancel()
+		if err != nil && (connectionTrouble(err) || errors.Is(err, ErrReadOnly) || errors.Is(err, ErrTooManyConnections)) {
+			last = err
+		}
 		switch {
 		case err == nil:
 			return l, nil
+		case ctx.Err() != nil && last != nil:
+			return nil, errorf("election %q: campaign: %w (last connection error: %w)", e.name, context.Cause(ctx), last)
 		case ctx.Err() != nil:
 			return nil, errorf("election %q: campaign: %w", e.name, context.Cause(ctx))
 		case ended && !errors.Is(err, ErrClosed):
