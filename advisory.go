@@ -6,6 +6,16 @@ import (
 	"time"
 )
 
+// Session-level locks: the API
+//
+// Client.Lock, TryLock, RLock, TryRLock, LockAll and Do, and the same on a
+// Session, all come to Client.acquire: the key's in-process gate
+// (gate.go) lets one goroutine, or a group of readers, go on to the server;
+// Session.take (holds.go) routes the statement to a backend and takes the
+// keys, a wait running in slices (block.go); WithFence then issues the
+// fence (fence.go). acquireErr turns what went wrong into the caller's
+// error.
+
 // LockOption modifies one acquire.
 type LockOption interface {
 	applyLock(*lockConfig) error
@@ -368,4 +378,26 @@ func (c *Client) acquireErr(ctx context.Context, r request, err error) error {
 		err = errorf("%w: %w", cause, err)
 	}
 	return errorf("lock %s: %w", keyList(r.keys), err)
+}
+
+// acquireCtx derives the context of an acquire: it ends with ctx or when
+// the Client closes, whichever is first. Statements of the acquire run on
+// ctx alone (see stmtCtx): the Client's Close cuts their connections, and
+// the lease bounds them, so they need not watch the Client too.
+func (c *Client) acquireCtx(ctx context.Context) (context.Context, context.CancelFunc) {
+	if ctx.Done() == nil {
+		// ctx never ends: the acquire ends only with the Client, at the
+		// cost of no goroutine, timer or registration.
+		return &acquireContext{Context: closingContext{values: ctx, closing: c.closing}, stmt: ctx}, func() {}
+	}
+	merged, cancel := context.WithCancelCause(ctx)
+	stop := context.AfterFunc(c.closing, func() { cancel(ErrClosed) })
+	return &acquireContext{Context: merged, stmt: ctx}, func() { stop(); cancel(nil) }
+}
+
+// An acquireContext bounds an acquire (Context) and remembers the caller's
+// context, which bounds the acquire's statements.
+type acquireContext struct {
+	context.Context
+	stmt context.Context
 }

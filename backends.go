@@ -638,3 +638,13 @@ func (m *contention) recent(k Key) bool {
 	at := sl.at.Load()
 	return at != 0 && sl.key.Load() == k.v && time.Since(contentionEpoch)-time.Duration(at) < m.memory
 }
+
+// awaitConnect waits for call, bounded by ctx.
+func (c *Client) awaitConnect(ctx context.Context, call *connectCall) error {
+	select {
+	case <-call.done:
+		return call.err
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+}

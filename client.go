@@ -222,45 +222,6 @@ func (c *Client) handoff(l *Lock) bool {
 	})
 }
 
-// acquireCtx derives the context of an acquire: it ends with ctx or when
-// the Client closes, whichever is first. Statements of the acquire run on
-// ctx alone (see stmtCtx): the Client's Close cuts their connections, and
-// the lease bounds them, so they need not watch the Client too.
-func (c *Client) acquireCtx(ctx context.Context) (context.Context, context.CancelFunc) {
-	if ctx.Done() == nil {
-		// ctx never ends: the acquire ends only with the Client, at the
-		// cost of no goroutine, timer or registration.
-		return &acquireContext{Context: closingContext{values: ctx, closing: c.closing}, stmt: ctx}, func() {}
-	}
-	merged, cancel := context.WithCancelCause(ctx)
-	stop := context.AfterFunc(c.closing, func() { cancel(ErrClosed) })
-	return &acquireContext{Context: merged, stmt: ctx}, func() { stop(); cancel(nil) }
-}
-
-// An acquireContext bounds an acquire (Context) and remembers the caller's
-// context, which bounds the acquire's statements.
-type acquireContext struct {
-	context.Context
-	stmt context.Context
-}
-
-// stmtCtx returns the context a statement runs on: the caller's, for an
-// acquire's context. pgx watches a statement's context when it can end;
-// watching the caller's context alone costs no more than raw pgx does.
-func stmtCtx(ctx context.Context) context.Context {
-	if a, ok := ctx.(*acquireContext); ok {
-		return a.stmt
-	}
-	return ctx
-}
-
-// closingContext has the values of a context that never ends, and ends
-// when the Client closes, with ErrClosed as its cause.
-type closingContext struct {
-	values  context.Context
-	closing context.Context
-}
-
 func (x closingContext) Deadline() (time.Time, bool) { return time.Time{}, false }
 func (x closingContext) Done() <-chan struct{}       { return x.closing.Done() }
 func (x closingContext) Err() error                  { return x.closing.Err() }

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // A connection's life
@@ -196,16 +195,6 @@ func (c *Client) anyConnect() *connectCall {
 	return c.startConnect()
 }
 
-// awaitConnect waits for call, bounded by ctx.
-func (c *Client) awaitConnect(ctx context.Context, call *connectCall) error {
-	select {
-	case <-call.done:
-		return call.err
-	case <-ctx.Done():
-		return context.Cause(ctx)
-	}
-}
-
 // connect opens a dedicated connection through the pool's connect path
 // (its dialer, wrapped, and its BeforeConnect and AfterConnect hooks) and
 // prepares it for holding locks. It returns the connection and its backend
@@ -372,61 +361,4 @@ func closeConn(conn *pgx.Conn, d time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	defer cancel()
 	_ = conn.Close(ctx)
-}
-
-// Commits that may not be durable
-//
-// With synchronous replication (synchronous_standby_names), a commit waits
-// until a synchronous standby has its WAL. If the wait is cancelled (a
-// cancel request: the end of a slice, a yield or a caller's ctx in
-// Session.block, or anyone's pg_cancel_backend), PostgreSQL does not undo
-// the commit: it answers the statement with success and a WARNING
-// ("canceling wait for synchronous replication due to user request ...
-// committed locally, but might not have been replicated"), SQLSTATE 01000
-// (57P01 when the backend is being terminated, which also ends the
-// connection). A token (a fence, a term) committed like that exists on the
-// primary only: a failover to the standby would issue it again. So every
-// dedicated connection counts such warnings (watchNotices), and a token
-// statement whose run saw one withholds its token (see
-// blockingStatement.durable). The message is in the server's language, so
-// the count goes by severity and SQLSTATE: a token statement raises no
-// other warning.
-
-// notDurableKey is the key, in a dedicated connection's CustomData, of the
-// number of warnings it received that a commit may not be durable.
-const notDurableKey = "pgcoord.notDurable"
-
-// watchNotices makes connections opened with cc count, in their
-// CustomData, the warnings that say a commit may not have reached a
-// synchronous standby; cc's own OnNotice, if any, is still called.
-func watchNotices(cc *pgx.ConnConfig) {
-	next := cc.OnNotice
-	cc.OnNotice = func(pc *pgconn.PgConn, n *pgconn.Notice) {
-		if commitMayNotBeDurable(n) {
-			d := pc.CustomData()
-			k, _ := d[notDurableKey].(int)
-			d[notDurableKey] = k + 1
-		}
-		if next != nil {
-			next(pc, n)
-		}
-	}
-}
-
-// commitMayNotBeDurable reports whether n is a warning that PostgreSQL
-// sends when it stops waiting for a synchronous standby.
-func commitMayNotBeDurable(n *pgconn.Notice) bool {
-	severity := n.SeverityUnlocalized
-	if severity == "" {
-		severity = n.Severity
-	}
-	return severity == "WARNING" && (n.Code == "01000" || n.Code == "57P01")
-}
-
-// notDurableWarnings returns how many warnings that a commit may not be
-// durable conn has received (see watchNotices). Read it while holding the
-// connection, before and after a statement.
-func notDurableWarnings(conn *pgx.Conn) int {
-	k, _ := conn.PgConn().CustomData()[notDurableKey].(int)
-	return k
 }

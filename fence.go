@@ -5,11 +5,21 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/pgcoord/pgcoord/internal/xactsql"
 )
+
+// Fences
+//
+// A fence is a number from the fences table, one row per key, issued
+// strictly increasing and committed durably before it is handed out; a
+// write checks it with CheckFence in its own transaction, which refuses a
+// fence lower than the key's latest. Session.issueFence issues a lock's
+// fence on the lock's backend when it can, and otherwise away from it
+// (blockAway), so that no backend that holds keys waits for a row.
 
 // fenceRow returns the fences table's key_space and key for k: objsubid and
 // (classid << 32) | objid, exactly as k appears in pg_locks.
@@ -281,4 +291,99 @@ func withCtxErr(ctx context.Context, err error) error {
 		return fmt.Errorf("%w (%w)", err, cerr)
 	}
 	return err
+}
+
+// issueFence gives l a new fence for its key. The statement waits while a
+// transaction that checked an older fence of the key (CheckFence) is open,
+// so it runs as a blocking statement (see blockAway).
+func (s *Session) issueFence(ctx context.Context, l *Lock) error {
+	// The fence may wait on another backend: stop when l is lost.
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	go func() {
+		select {
+		case <-l.done:
+			cancel(l.Err())
+		case <-ctx.Done():
+		}
+	}()
+	space, key := fenceRow(l.keys[0])
+	var fence int64
+	run := func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+		err := conn.QueryRow(ctx, sql, args...).Scan(&fence)
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = errorf("%w: backend %d no longer holds %s", ErrLockLost, s.pid, l.keys[0])
+		}
+		return err
+	}
+	// Both statements are token statements: a fence whose commit a
+	// synchronous standby has not confirmed is withheld (see block).
+	err := s.c.blockAway(ctx, s, blockingStatement{
+		sql:     issueFenceSQL(s.c.cfg, 3, 0, "", true),
+		args:    []any{space, key, ""},
+		run:     run,
+		quick:   true,
+		durable: true,
+	}, blockingStatement{
+		// Away from l's backend, the fence checks that l's backend
+		// still holds the key.
+		sql:     issueFenceSQL(s.c.cfg, 4, 3, "", false),
+		args:    []any{space, key, s.pid, ""},
+		run:     run,
+		durable: true,
+	})
+	if err != nil {
+		return notMigrated(s.c.cfg, "issue fence for key "+l.keys[0].String(), err)
+	}
+	l.fence = fence
+	return nil
+}
+
+// glance is how long a blocking statement that rarely waits may wait on a
+// backend that holds other goroutines' locks (see blockAway) for a lock
+// its NOWAIT does not cover (a row being inserted by another transaction
+// at the same moment): well below PostgreSQL's deadlock_timeout, so that
+// the backend's own deadlock check does not run meanwhile. The row it
+// needs it never waits for there: the deadlock check of that row's holder
+// would see the backend's keys.
+const glance = 20 * time.Millisecond
+
+// blockAway runs st, a blocking statement that rarely waits (for a row
+// that a transaction holds), for a lock on home. On a Session of the
+// application's own, it runs there in slices. On a backend of the Client's,
+// which may hold other goroutines' locks, it first runs there without
+// joining the queue of the row it needs (st locks it with NOWAIT: a wait
+// there, however short, would let the row holder's deadlock check find a
+// cycle through home if the holder waited for one of home's keys) and
+// waiting at most a glance for anything else; if the row is held (or the
+// server picked it as a deadlock victim meanwhile), away runs instead on a backend that
+// holds nothing, in slices, as a lock wait does (see backends.go); while no
+// such backend is free, st runs on home again at growing intervals. On
+// home too, st runs in slices, which bounds a wait that no lock_timeout
+// covers: its commit's wait for a synchronous standby (see block).
+func (c *Client) blockAway(ctx context.Context, home *Session, st, away blockingStatement) error {
+	if !home.managed {
+		return home.block(ctx, st)
+	}
+	st.glance = glance
+	poll := minPollInterval
+	for {
+		err := home.block(ctx, st)
+		if code := pgCode(err); code != "55P03" && code != "40P01" || home.Err() != nil {
+			return err
+		}
+		b, done, err := c.waitBackend(ctx)
+		switch {
+		case err == nil:
+			err = b.block(ctx, away)
+			done()
+			return err
+		case !errors.Is(err, errNoWaitBackend):
+			return err
+		}
+		if err := c.pause(ctx, poll); err != nil {
+			return err
+		}
+		poll = min(2*poll, maxPollInterval)
+	}
 }

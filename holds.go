@@ -3,14 +3,18 @@ package pgcoord
 import (
 	"context"
 	"errors"
-	"strconv"
+	"fmt"
+	"iter"
+	"slices"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// What a backend holds
+// What a backend holds, and the statements that change it
 //
 // A Session counts, per key, the live handles that hold the key on its
 // backend (keyHold). Only the first handle of a key sends a lock statement
@@ -231,48 +235,6 @@ func (s *Session) tryThenWait(ctx context.Context, k Key, shared bool) (waited b
 	return waited, err
 }
 
-// A blockingStatement is a statement that may wait for a lock held
-// elsewhere: an advisory lock, or a row that another transaction holds.
-// Session.block runs it in slices.
-type blockingStatement struct {
-	sql  string
-	args []any // the last one is the slice's lock_timeout, in milliseconds, as text: block fills it in
-	// bare, if not empty, is sql with NULL in place of its set_config of
-	// lock_timeout, for a slice as long as the session's lock_timeout
-	// (the wait slice, see sessionSettings): it takes args but the last.
-	bare string
-	run  func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error
-	// undo releases, on the same connection, whatever a slice that ended
-	// without success may have taken; nil if such a slice takes nothing.
-	undo func(ctx context.Context, conn *pgx.Conn) error
-	// locks is how many locks the statement may wait for, one after
-	// another (0 counts as 1): each gets an equal share of the slice.
-	locks int
-	// quick marks a statement that rarely waits (for a row that a
-	// transaction holds): it takes the connection in turn like any other
-	// statement, and lets others interrupt it only once it has run
-	// yieldAfter, so a busy backend cannot keep it from running. A lock
-	// wait, which usually waits, lets the statements that want the
-	// connection go first, and they interrupt it at once.
-	quick bool
-	// durable marks a token statement (it issues a fence or a term and
-	// commits it): its result counts only if its commit is known durable.
-	// A slice in which the connection received a warning that the commit
-	// may not have reached a synchronous standby (see watchNotices) is
-	// withheld: block treats it as a slice that ended without success, and
-	// the next slice issues a new token (see block).
-	durable bool
-	// glance, if not 0, is the lock_timeout of every slice, and a slice
-	// that ends for a lock (55P03, or 40P01 as a deadlock victim) ends
-	// block with that error, for the caller to wait elsewhere (see
-	// blockAway).
-	glance time.Duration
-}
-
-// yieldAfter is how long a quick blocking statement runs before another
-// statement may interrupt it.
-const yieldAfter = 10 * time.Millisecond
-
 // lockStatement takes keys (at most one chunk), waiting until they are
 // free. A slice that ends without them may still have taken some (the
 // keys before the one it waited for, or even that one: the server can
@@ -299,232 +261,6 @@ func (s *Session) lockStatement(keys []Key, shared bool) blockingStatement {
 		undo: func(ctx context.Context, conn *pgx.Conn) error {
 			return s.unlockStatement(ctx, conn, keys, shared, false)
 		},
-	}
-}
-
-// block runs a blocking statement in slices, so that the server answers at
-// least every slice, which proves the connection alive (and with it every
-// lock of the backend) while the wait goes on. A statement that may wait
-// for n locks one after another waits at most 1/n of the slice for each
-// (lock_timeout, for that statement only), so the server ends it within
-// the slice; a cancel request ends it should the server not answer half a
-// heartbeat after that. Another statement that needs the
-// connection interrupts the slice, runs, and the wait resumes. A slice that
-// ends without success is undone (st.undo) before the next one. Blocking
-// statements on one session run one at a time.
-//
-// A slice that would outlast ctx's deadline is cut to it, so the server
-// itself ends the wait at the deadline: quicker than a cancel request,
-// which is sent only for other ends of ctx, or if the server has not
-// answered deadlineGrace after the deadline.
-//
-// A slice's cancel request may also land while the statement's commit
-// waits for a synchronous standby, which PostgreSQL then ends with success
-// and a warning, the commit made on the primary only. For most statements
-// that does no harm; a token statement (st.durable) withholds such a slice's
-// token, since a failover to the standby would issue it again, and runs
-// again in the next slice: its new commit waits for the standby once more,
-// and once the standby confirms it, it has every earlier commit of the
-// primary too, the withheld token's included. The token handed out is then
-// the greater, durable one; the withheld one is never handed out. When ctx
-// ends first, block returns an error (ctx's, and errNotDurable). The slices
-// go on cancelling a commit wait rather than letting it run: a backend
-// whose answers stop for the loss deadline is lost with every lock on it,
-// and PostgreSQL does not end a wait for a standby when the client goes
-// away, so that backend would keep its locks until the standby came back.
-// A withheld slice is an answer, which proves the backend alive; so a
-// stalled synchronous standby delays tokens, never the lease.
-//
-// On error, what the last slice may have taken is the caller's to undo.
-func (s *Session) block(ctx context.Context, st blockingStatement) error {
-	select {
-	case s.waitTurn <- struct{}{}:
-	case <-ctx.Done():
-		return context.Cause(ctx)
-	case <-s.done:
-		return s.Err()
-	}
-	defer func() { <-s.waitTurn }()
-	last := len(st.args) - 1
-	for withheld := 0; ; {
-		slice, byDeadline := s.c.cfg.waitSlice(), false
-		if dl, ok := ctx.Deadline(); ok {
-			left := time.Until(dl)
-			if left <= 0 {
-				return context.DeadlineExceeded
-			}
-			if left <= slice {
-				slice, byDeadline = left, true
-			}
-		}
-		each := slice / time.Duration(max(st.locks, 1))
-		sql, args := st.sql, st.args
-		if st.glance > 0 {
-			st.args[last] = strconv.FormatInt(max(st.glance.Milliseconds(), 1), 10)
-		} else if ms := max((each + time.Millisecond - 1).Milliseconds(), 1); st.bare != "" && ms == s.c.cfg.waitSlice().Milliseconds() {
-			// The session's own lock_timeout (see sessionSettings).
-			sql, args = st.bare, st.args[:last]
-		} else {
-			st.args[last] = strconv.FormatInt(ms, 10)
-		}
-		var sctx context.Context
-		var cancel context.CancelCauseFunc
-		stop := func() bool { return true }
-		if byDeadline {
-			// ctx's deadline is the server's to enforce; a cancel
-			// request follows only if it does not answer in time.
-			sctx, cancel = context.WithCancelCause(context.WithoutCancel(ctx))
-			stop = context.AfterFunc(ctx, func() {
-				if ctx.Err() == context.DeadlineExceeded {
-					select {
-					case <-sctx.Done():
-						return
-					case <-time.After(deadlineGrace):
-					}
-				}
-				cancel(context.Cause(ctx))
-			})
-		} else {
-			// Any end of ctx ends the slice at once, with ctx's cause.
-			sctx, cancel = context.WithCancelCause(ctx)
-		}
-		// The server ends the statement within the slice; should it not
-		// answer (a loaded server, a lock it waits for that lock_timeout
-		// does not cover), a cancel request does, early enough to leave
-		// time for the answer within the lease. A token statement's
-		// commit may wait for a synchronous standby, which no
-		// lock_timeout covers, slice after slice: it is cut at the end of
-		// the slice, so that two slices in a row, each proving the
-		// backend alive as of its start, are answered within L - H plus
-		// two answers' time.
-		cutAfter := slice + s.c.cfg.heartbeat/2
-		if st.durable {
-			cutAfter = slice
-		}
-		cut := time.AfterFunc(cutAfter, func() { cancel(errSliceOver) })
-		if err := s.grabForWait(ctx, cancel, st.quick); err != nil {
-			stop()
-			cut.Stop()
-			cancel(nil)
-			return err
-		}
-		arm := func() bool { return true }
-		if st.quick {
-			arm = time.AfterFunc(yieldAfter, func() {
-				s.state.Lock()
-				if s.pending > 0 && s.interrupt != nil {
-					s.interrupt(errYield)
-				}
-				s.state.Unlock()
-			}).Stop
-		}
-		warned := notDurableWarnings(s.conn)
-		err := s.exec(sctx, func(ctx context.Context, conn *pgx.Conn) error {
-			return st.run(ctx, conn, sql, args)
-		})
-		s.state.Lock()
-		s.interrupt = nil
-		s.state.Unlock()
-		arm()
-		stop()
-		cut.Stop()
-		cause := context.Cause(sctx)
-		cancel(nil)
-		if err == nil && st.durable && notDurableWarnings(s.conn) != warned {
-			// Committed on this server only: withhold the token.
-			err = errNotDurable
-			if withheld++; withheld == 1 {
-				s.c.cfg.warnLogger().Warn("pgcoord: a token's commit was not confirmed by the synchronous standby; it is withheld and a new one issued until the standby confirms one",
-					"pid", s.pid)
-			}
-		}
-		// A yield or the cut cancels the slice's statement: on the server
-		// (57014), or before pgx sent it (a context error, the connection
-		// intact).
-		yielded := errors.Is(cause, errYield)
-		interrupted := (yielded || errors.Is(cause, errSliceOver)) &&
-			(pgCode(err) == "57014" || errors.Is(err, context.Canceled) && !s.conn.IsClosed())
-		sliceEnded := interrupted || pgCode(err) == "55P03" && st.glance == 0 || err == errNotDurable
-		if err == nil || ctx.Err() != nil || s.Err() != nil || !sliceEnded {
-			s.release()
-			if err == errNotDurable {
-				// ctx ended, or the session did, before the standby
-				// confirmed a token.
-				why := context.Cause(ctx)
-				if e := s.Err(); e != nil {
-					why = e
-				}
-				err = errorf("%w (%w)", why, errNotDurable)
-			}
-			return err
-		}
-		// The slice ended without success: go on waiting, from nothing.
-		if st.undo != nil {
-			uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
-			err = s.exec(uctx, st.undo)
-			cancel()
-			if err != nil {
-				s.release()
-				return err
-			}
-		}
-		s.release()
-	}
-}
-
-// deadlineGrace is how long after ctx's deadline a wait cut to it may go
-// on before it is cancelled with a cancel request. (A slice that is not
-// cut to the deadline is cancelled half a heartbeat after its end.)
-const deadlineGrace = 50 * time.Millisecond
-
-// errSliceOver cancels a slice that has run its time (see block).
-var errSliceOver = errors.New("pgcoord: wait slice over")
-
-// errNotDurable says that a token statement's commit was not confirmed
-// durable (see block); it reaches a caller only joined to the reason it
-// stopped waiting.
-var errNotDurable = errors.New("pgcoord: a token was withheld: its commit was not confirmed by the synchronous standby (synchronous_standby_names) in time")
-
-// grabForWait takes the connection for one slice of a blocking statement,
-// after any statement that is waiting for it unless the statement is
-// quick, and installs interrupt.
-func (s *Session) grabForWait(ctx context.Context, interrupt func(error), quick bool) error {
-	for {
-		select {
-		case s.use <- struct{}{}:
-		case <-ctx.Done():
-			return context.Cause(ctx)
-		case <-s.done:
-			return s.Err()
-		}
-		s.state.Lock()
-		if s.err != nil {
-			s.state.Unlock()
-			<-s.use
-			return s.Err()
-		}
-		if s.pending == 0 || quick {
-			s.interrupt = interrupt
-			s.interruptAt = time.Time{}
-			if quick {
-				s.interruptAt = time.Now().Add(yieldAfter)
-			}
-			s.state.Unlock()
-			return nil
-		}
-		if s.noPending == nil {
-			s.noPending = make(chan struct{})
-		}
-		ch := s.noPending
-		s.state.Unlock()
-		<-s.use
-		select {
-		case <-ch:
-		case <-ctx.Done():
-			return context.Cause(ctx)
-		case <-s.done:
-			return s.Err()
-		}
 	}
 }
 
@@ -691,101 +427,6 @@ func (s *Session) drop(l *Lock) {
 	}
 }
 
-// issueFence gives l a new fence for its key. The statement waits while a
-// transaction that checked an older fence of the key (CheckFence) is open,
-// so it runs as a blocking statement (see blockAway).
-func (s *Session) issueFence(ctx context.Context, l *Lock) error {
-	// The fence may wait on another backend: stop when l is lost.
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	go func() {
-		select {
-		case <-l.done:
-			cancel(l.Err())
-		case <-ctx.Done():
-		}
-	}()
-	space, key := fenceRow(l.keys[0])
-	var fence int64
-	run := func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
-		err := conn.QueryRow(ctx, sql, args...).Scan(&fence)
-		if errors.Is(err, pgx.ErrNoRows) {
-			err = errorf("%w: backend %d no longer holds %s", ErrLockLost, s.pid, l.keys[0])
-		}
-		return err
-	}
-	// Both statements are token statements: a fence whose commit a
-	// synchronous standby has not confirmed is withheld (see block).
-	err := s.c.blockAway(ctx, s, blockingStatement{
-		sql:     issueFenceSQL(s.c.cfg, 3, 0, "", true),
-		args:    []any{space, key, ""},
-		run:     run,
-		quick:   true,
-		durable: true,
-	}, blockingStatement{
-		// Away from l's backend, the fence checks that l's backend
-		// still holds the key.
-		sql:     issueFenceSQL(s.c.cfg, 4, 3, "", false),
-		args:    []any{space, key, s.pid, ""},
-		run:     run,
-		durable: true,
-	})
-	if err != nil {
-		return notMigrated(s.c.cfg, "issue fence for key "+l.keys[0].String(), err)
-	}
-	l.fence = fence
-	return nil
-}
-
-// glance is how long a blocking statement that rarely waits may wait on a
-// backend that holds other goroutines' locks (see blockAway) for a lock
-// its NOWAIT does not cover (a row being inserted by another transaction
-// at the same moment): well below PostgreSQL's deadlock_timeout, so that
-// the backend's own deadlock check does not run meanwhile. The row it
-// needs it never waits for there: the deadlock check of that row's holder
-// would see the backend's keys.
-const glance = 20 * time.Millisecond
-
-// blockAway runs st, a blocking statement that rarely waits (for a row
-// that a transaction holds), for a lock on home. On a Session of the
-// application's own, it runs there in slices. On a backend of the Client's,
-// which may hold other goroutines' locks, it first runs there without
-// joining the queue of the row it needs (st locks it with NOWAIT: a wait
-// there, however short, would let the row holder's deadlock check find a
-// cycle through home if the holder waited for one of home's keys) and
-// waiting at most a glance for anything else; if the row is held (or the
-// server picked it as a deadlock victim meanwhile), away runs instead on a backend that
-// holds nothing, in slices, as a lock wait does (see backends.go); while no
-// such backend is free, st runs on home again at growing intervals. On
-// home too, st runs in slices, which bounds a wait that no lock_timeout
-// covers: its commit's wait for a synchronous standby (see block).
-func (c *Client) blockAway(ctx context.Context, home *Session, st, away blockingStatement) error {
-	if !home.managed {
-		return home.block(ctx, st)
-	}
-	st.glance = glance
-	poll := minPollInterval
-	for {
-		err := home.block(ctx, st)
-		if code := pgCode(err); code != "55P03" && code != "40P01" || home.Err() != nil {
-			return err
-		}
-		b, done, err := c.waitBackend(ctx)
-		switch {
-		case err == nil:
-			err = b.block(ctx, away)
-			done()
-			return err
-		case !errors.Is(err, errNoWaitBackend):
-			return err
-		}
-		if err := c.pause(ctx, poll); err != nil {
-			return err
-		}
-		poll = min(2*poll, maxPollInterval)
-	}
-}
-
 // wrongBackend turns "no row" from a statement guarded by
 // WHERE pg_backend_pid() = <the session's pid> into ErrTransactionPooling:
 // the statement ran on another backend, and did nothing there.
@@ -815,4 +456,201 @@ func containsKey(keys []Key, k Key) bool {
 		}
 	}
 	return false
+}
+
+// maxKeysPerStatement bounds the keys one statement takes or releases:
+// PostgreSQL allows at most 1664 select-list entries, and pgx 65535
+// parameters. Larger sets take one round trip per chunk, in order.
+const maxKeysPerStatement = 1000
+
+// chunked yields keys in order, in chunks of at most maxKeysPerStatement.
+func chunked(keys []Key) iter.Seq2[int, []Key] {
+	return func(yield func(int, []Key) bool) {
+		i := 0
+		for chunk := range slices.Chunk(keys, maxKeysPerStatement) {
+			if !yield(i, chunk) {
+				return
+			}
+			i++
+		}
+	}
+}
+
+// selectKeys writes "fn(k1), fn(k2), ..." and appends the keys' values.
+func selectKeys(b *strings.Builder, fn string, keys []Key, args []any) []any {
+	for i, k := range keys {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		var list string
+		list, args = k.sqlArgs(len(args)+1, args)
+		b.WriteString(fn)
+		b.WriteByte('(')
+		b.WriteString(list)
+		b.WriteByte(')')
+	}
+	return args
+}
+
+// guard appends the backend check.
+func guard(b *strings.Builder, args []any, pid int32) (string, []any) {
+	args = append(args, pid)
+	fmt.Fprintf(b, " WHERE pg_backend_pid() = $%d", len(args))
+	return b.String(), args
+}
+
+// lockSQL applies fn to each key in order, with no backend check: for
+// transaction-level locks, which need none.
+func lockSQL(fn string, keys []Key) (string, []any) {
+	var b strings.Builder
+	b.WriteString("SELECT ")
+	args := selectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)))
+	return b.String(), args
+}
+
+// unlockSQL releases keys: one boolean column per key.
+func unlockSQL(fn string, keys []Key, pid int32) (string, []any) {
+	if len(keys) == 1 {
+		return singleKeySQL(fn, "SELECT %s", keys[0], pid)
+	}
+	var b strings.Builder
+	b.WriteString("SELECT ")
+	args := selectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)+1))
+	return guard(&b, args, pid)
+}
+
+// trySQL tries keys in order. For one key it returns one boolean; for more
+// it stops at the first key it cannot take and returns that key's 1-based
+// position, or 0 if it took them all (CASE evaluates its conditions in
+// order, and only as far as needed).
+func trySQL(fn string, keys []Key, pid int32) (string, []any) {
+	if len(keys) == 1 {
+		return singleKeySQL(fn, "SELECT %s", keys[0], pid)
+	}
+	var b strings.Builder
+	args := make([]any, 0, 2*len(keys)+1)
+	b.WriteString("SELECT CASE")
+	for i, k := range keys {
+		var list string
+		list, args = k.sqlArgs(len(args)+1, args)
+		fmt.Fprintf(&b, " WHEN NOT %s(%s) THEN %d", fn, list, i+1)
+	}
+	b.WriteString(" ELSE 0 END")
+	return guard(&b, args, pid)
+}
+
+// waitSQL takes keys, waiting at most the lock_timeout given as the last
+// argument (milliseconds, as text; set for this statement's transaction
+// only) before failing with SQLSTATE 55P03. The caller fills that argument
+// in.
+func waitSQL(fn string, keys []Key, pid int32) (string, []any) {
+	if len(keys) == 1 {
+		sql, args := singleKeySQL(fn, "SELECT set_config('lock_timeout', $%d, true), %s", keys[0], pid)
+		return sql, append(args, "")
+	}
+	var b strings.Builder
+	b.WriteString("SELECT set_config('lock_timeout', $%d, true), ")
+	args := selectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)+2))
+	sql, args := guard(&b, args, pid)
+	return fmt.Sprintf(sql, len(args)+1), append(args, "")
+}
+
+// tryThenWaitSQL takes one key: it tries the key and, only if that
+// fails, waits for it at most the lock_timeout given as the last argument
+// (which the caller fills in). Its second column is true if the try took
+// the key, false if the statement waited. bare is the same statement
+// without the setting of lock_timeout (see blockingStatement.bare).
+func tryThenWaitSQL(k Key, shared bool, pid int32) (sql, bare string, args []any) {
+	_, _, pair := k.Pair()
+	ck := singleKey{"try-then-wait", lockFunc(shared, false), pair}
+	texts, ok := singleKeyCache.Load(ck)
+	if !ok {
+		list, args := k.sqlArgs(1, nil)
+		format := "SELECT %s, CASE WHEN %s(%s) THEN true ELSE %s(%s) IS NULL END WHERE pg_backend_pid() = $%d"
+		setting := fmt.Sprintf("set_config('lock_timeout', $%d, true)", len(args)+2)
+		texts, _ = singleKeyCache.LoadOrStore(ck, [2]string{
+			fmt.Sprintf(format, setting, lockFunc(shared, true), list, lockFunc(shared, false), list, len(args)+1),
+			fmt.Sprintf(format, "NULL", lockFunc(shared, true), list, lockFunc(shared, false), list, len(args)+1),
+		})
+	}
+	t := texts.([2]string)
+	if a, b, pair := k.Pair(); pair {
+		return t[0], t[1], []any{a, b, pid, ""}
+	}
+	return t[0], t[1], []any{k.v, pid, ""}
+}
+
+// singleKeySQL builds the statement for one key from a cache: the common
+// case builds no SQL. format has a %s for the key's call and guard, and
+// may have a %d before it for the number of the argument after them.
+func singleKeySQL(fn, format string, k Key, pid int32) (string, []any) {
+	_, _, pair := k.Pair()
+	ck := singleKey{fn, format, pair}
+	sql, ok := singleKeyCache.Load(ck)
+	if !ok {
+		var b strings.Builder
+		args := selectKeys(&b, fn, []Key{k}, nil)
+		text, args := guard(&b, args, pid)
+		if strings.Contains(format, "%d") {
+			sql, _ = singleKeyCache.LoadOrStore(ck, fmt.Sprintf(format, len(args)+1, text))
+		} else {
+			sql, _ = singleKeyCache.LoadOrStore(ck, fmt.Sprintf(format, text))
+		}
+	}
+	if a, b, pair := k.Pair(); pair {
+		return sql.(string), []any{a, b, pid}
+	}
+	return sql.(string), []any{k.v, pid}
+}
+
+type singleKey struct {
+	fn, format string
+	pair       bool
+}
+
+var singleKeyCache sync.Map
+
+func lockFunc(shared, try bool) string {
+	switch {
+	case shared && try:
+		return "pg_try_advisory_lock_shared"
+	case shared:
+		return "pg_advisory_lock_shared"
+	case try:
+		return "pg_try_advisory_lock"
+	}
+	return "pg_advisory_lock"
+}
+
+func unlockFunc(shared bool) string {
+	if shared {
+		return "pg_advisory_unlock_shared"
+	}
+	return "pg_advisory_unlock"
+}
+
+func keyList(keys []Key) string {
+	if len(keys) == 1 {
+		return keys[0].String()
+	}
+	const shown = 4
+	s := make([]string, 0, shown+1)
+	for _, k := range keys[:min(len(keys), shown)] {
+		s = append(s, k.String())
+	}
+	if len(keys) > shown {
+		s = append(s, fmt.Sprintf("and %d more", len(keys)-shown))
+	}
+	return "[" + strings.Join(s, " ") + "]"
+}
+
+// sqlArgs returns the SQL argument list text for k starting at placeholder
+// $n, and appends k's values to args: "$n" for a bigint key, "$n, $n+1" for
+// a pair key (typed so the right PostgreSQL overload is chosen).
+func (k Key) sqlArgs(n int, args []any) (string, []any) {
+	if k.kind == kindPair {
+		a, b, _ := k.Pair()
+		return fmt.Sprintf("$%d::int4, $%d::int4", n, n+1), append(args, a, b)
+	}
+	return fmt.Sprintf("$%d::int8", n), append(args, k.v)
 }

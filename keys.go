@@ -3,7 +3,6 @@ package pgcoord
 import (
 	"cmp"
 	"encoding/binary"
-	"fmt"
 	"slices"
 	"strconv"
 	"strings"
@@ -211,17 +210,6 @@ func canonicalKeys(keys []Key) ([]Key, error) {
 	out := slices.Clone(keys)
 	slices.SortFunc(out, compareKeys)
 	return slices.Compact(out), nil
-}
-
-// sqlArgs returns the SQL argument list text for k starting at placeholder
-// $n, and appends k's values to args: "$n" for a bigint key, "$n, $n+1" for
-// a pair key (typed so the right PostgreSQL overload is chosen).
-func (k Key) sqlArgs(n int, args []any) (string, []any) {
-	if k.kind == kindPair {
-		a, b, _ := k.Pair()
-		return fmt.Sprintf("$%d::int4, $%d::int4", n, n+1), append(args, a, b)
-	}
-	return fmt.Sprintf("$%d::int8", n), append(args, k.v)
 }
 
 // MarshalText implements [encoding.TextMarshaler] with the form of

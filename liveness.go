@@ -14,6 +14,13 @@ import (
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 )
 
+// Liveness settings
+//
+// The bounds every dedicated connection lives by, derived from the loss
+// deadline L and the heartbeat H: the server's own bound S on a silent
+// client, and the settings a lock connection sets on its backend so that
+// the server ends it within S and no role default ends a holder.
+
 // serverBound returns S, the time after which the server drops the backend
 // of a client it has heard nothing from, given the client loss deadline L.
 // It is 2L: keepalive probes start after L/2 of silence, one a second, and

@@ -14,6 +14,13 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
+// Migrations
+//
+// The tables and functions pgcoord needs (fences, leaders, semaphores) are
+// created by Migrate, per database and schema, in one transaction under a
+// transaction-level advisory lock, so that processes migrating at once
+// apply each migration once; schema_version records what was applied.
+
 //go:embed migrations/*.sql
 var migrationFiles embed.FS
 

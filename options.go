@@ -11,6 +11,12 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
+// Options of a Client
+//
+// Option configures New and Open; LoggerOption and SchemaOption also apply
+// elsewhere (Migrate takes the schema). Every option checks its value and
+// New reports a bad one.
+
 // Defaults of the liveness settings. See [WithHeartbeat] and
 // [WithLossDeadline], and the package documentation for how they bound the
 // time during which two holders could both believe they hold a key.

@@ -1,0 +1,364 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Admission
+//
+// A permit is a slot key held on one of the Client's backends; the grant
+// (semaphore_acquire, one statement) takes a free slot below the limit and
+// writes the holder's row in semaphore_holders. Semaphore.acquire tries to
+// be admitted at once and otherwise queues (semaphore_queue.go); the grant
+// runs on a backend the routing rule in backends.go allows, and
+// Session.adopt records the granted slot on its backend like any other key,
+// so it is released, and lost, with that backend.
+
+// admission is what semaphore_acquire answered.
+type admission struct {
+	limit, holders int
+	queued         bool
+}
+
+// acquire is Acquire or TryAcquire, reported to OnPermit.
+func (s *Semaphore) acquire(ctx context.Context, try bool) (*Permit, error) {
+	if s.err != nil {
+		return nil, s.err
+	}
+	q := s.c.hooks
+	if q == nil || q.h.OnPermit == nil {
+		return s.take(ctx, try)
+	}
+	start := time.Now()
+	// Registered as a call in flight, the acquire keeps Close from
+	// closing the hook queue before its event is queued.
+	entered := s.c.enter() == nil
+	p, err := s.take(ctx, try)
+	q.permitAcquired(s, try, start, p, err)
+	if entered {
+		s.c.wg.Done()
+	}
+	return p, err
+}
+
+func (s *Semaphore) take(ctx context.Context, try bool) (*Permit, error) {
+	c := s.c
+	if err := c.enter(); err != nil {
+		return nil, s.fail(ctx, "acquire", err)
+	}
+	defer c.wg.Done()
+	ctx, cancel := c.acquireCtx(ctx)
+	defer cancel()
+
+	p, adm, err := s.admitRiding(ctx, try)
+	switch {
+	case err != nil && (try || !lockTimedOut(err)):
+		return nil, s.fail(ctx, "acquire", err)
+	case p != nil:
+		return p, nil
+	case try && adm.queued:
+		return nil, s.fail(ctx, "try acquire", fmt.Errorf("%w: %d of %d permits held, and other acquires are waiting", ErrNoPermit, adm.holders, adm.limit))
+	case try:
+		return nil, s.fail(ctx, "try acquire", fmt.Errorf("%w: %d of %d permits held", ErrNoPermit, adm.holders, adm.limit))
+	}
+	for {
+		q, err := c.Lock(ctx, s.queueKey(), withoutHooks())
+		if err != nil {
+			return nil, s.fail(ctx, "wait in queue", err)
+		}
+		p, err := s.lead(ctx, q)
+		if p != nil {
+			return p, nil // the grant released q
+		}
+		if uerr := s.leave(ctx, q); err == nil && uerr != nil {
+			err = fmt.Errorf("leave queue: %w", uerr)
+		}
+		if err != nil {
+			return nil, s.fail(ctx, "acquire", err)
+		}
+		// The queue key was lost with its backend: line up again.
+	}
+}
+
+// leave releases the queue key q. It reports no error for a key that was
+// lost (the server freed it with its backend) or ended with the Client.
+func (s *Semaphore) leave(ctx context.Context, q *Lock) error {
+	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+	defer cancel()
+	err := q.Unlock(uctx)
+	// A backend that ended while the release was under way ends q with
+	// ErrNotHeld, and Unlock reports how it ended: lost, or closed. A
+	// queue place already released (by a grant that then failed, as the
+	// Client closed) is left as well.
+	if err == nil || errorIsLoss(q.Err()) || errorIsLoss(err) || errors.Is(err, ErrNotHeld) {
+		return nil
+	}
+	s.c.cfg.warnLogger().Warn("pgcoord: semaphore: leave the queue", "semaphore", s.name, "err", err)
+	return err
+}
+
+// admitRiding is admit, tried again with backoff while the server cannot
+// be reached or refuses (a restart, a failover), until ctx ends; a try
+// fails fast. Such retries count in Stat's QueuedWaits.
+func (s *Semaphore) admitRiding(ctx context.Context, try bool) (*Permit, admission, error) {
+	c := s.c
+	retry := minRetryInterval
+	var last error // the last connection error
+	for queued := false; ; {
+		p, adm, err := s.admit(ctx)
+		switch {
+		case err == nil || try || !connectionTrouble(err):
+		case ctx.Err() == nil:
+			last = err
+			if !queued {
+				queued = true
+				c.queuedWaits.Add(1)
+				defer c.queuedWaits.Add(-1)
+			}
+			if err = c.pause(ctx, retry); err == nil {
+				retry = min(2*retry, maxRetryInterval)
+				continue
+			}
+			fallthrough
+		default:
+			if last != nil && !errors.Is(err, last) {
+				err = errorf("%w (last connection error: %w)", err, last)
+			}
+		}
+		return p, adm, err
+	}
+}
+
+// admit runs semaphore_acquire on a shared backend, for an acquire that
+// does not head the queue. A backend found dead takes nothing with it that
+// this call holds: it goes on on another.
+//
+// A backend that a blocking acquire claimed to wait on between the pick and
+// the grant takes no grant (see beginGrant): the grant goes to another.
+// The shared backend may hold other goroutines' keys, so the grant does not
+// wait there for the semaphore's row: when a transaction holds it, the
+// grant waits for it on a backend that holds nothing, claimed like a lock
+// wait's (see backends.go), or, while no such backend is free, returns the
+// lock timeout error.
+func (s *Semaphore) admit(ctx context.Context) (*Permit, admission, error) {
+	c := s.c
+	var err error
+	for lost, routed := 0, 0; lost <= c.cfg.sharedBackends+c.cfg.maxWaits; {
+		var b *Session
+		if b, err = c.route(ctx, request{}); err != nil {
+			return nil, admission{}, err
+		}
+		var p *Permit
+		var adm admission
+		p, adm, err = s.admitOn(ctx, b, nil, false)
+		if lockTimedOut(err) && ctx.Err() == nil {
+			w, done, werr := c.waitBackend(ctx)
+			switch {
+			case werr == nil:
+				p, adm, err = s.admitOn(ctx, w, nil, true)
+				done()
+			case !errors.Is(werr, errNoWaitBackend):
+				err = werr
+			}
+		}
+		switch {
+		case errors.Is(err, errRoute):
+			if routed++; routed%maxRoutes == 0 {
+				if err := c.pause(ctx, minPollInterval); err != nil {
+					return nil, admission{}, err
+				}
+			}
+			continue
+		case err == nil || !errorIsLoss(err) || ctx.Err() != nil:
+			return p, adm, err
+		}
+		lost++
+	}
+	return nil, admission{}, err
+}
+
+// admitOn runs semaphore_acquire on b and records the slot it took as a
+// lock of b, before anything else can run on b. q is the queue key that b
+// holds for the head of the queue, or nil: a grant to the head releases
+// it. If the statement fails, a slot it may have taken before failing is
+// released on b, so that nothing stays behind, and q ends if the server no
+// longer holds it; if that fails too, b is lost, which frees everything.
+// It returns errRoute, sending nothing, if a blocking acquire has claimed
+// b to wait on (see beginGrant).
+//
+// If claimed, the caller has claimed b to wait on (waitBackend or
+// claimWait): b holds nothing but q, and the statement may wait for the
+// semaphore's row, at most a wait slice. Otherwise b may hold other
+// goroutines' keys, and the statement does not wait for the row: when a
+// transaction holds it, it fails at once with SQLSTATE 55P03
+// (acquireNowaitSQL). A wait there would put b in the row's queue, where
+// the deadlock check of that transaction, should it wait for one of b's
+// keys, would find a cycle that the application does not have; and the
+// statements of b's other locks would wait behind it.
+func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock, claimed bool) (*Permit, admission, error) {
+	head := q != nil
+	if err := b.beginGrant(claimed); err != nil {
+		return nil, admission{}, err
+	}
+	defer b.endGrant()
+	if err := b.grab(ctx); err != nil {
+		return nil, admission{}, err
+	}
+	defer b.release()
+	var (
+		slot          *int32
+		limit, holder int32
+		queued        bool
+		adm           admission
+	)
+	timeout := strconv.FormatInt(s.c.cfg.waitSlice().Milliseconds(), 10)
+	sql := s.acquireNowaitSQL
+	if claimed {
+		sql = s.acquireSQL
+	}
+	err := b.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		err := conn.QueryRow(ctx, sql, s.name, int32(s.limit), s.key.v, head, s.identity, timeout, b.pid).
+			Scan(&slot, &limit, &holder, &queued)
+		return b.wrongBackend(err)
+	})
+	if err != nil {
+		if b.Err() == nil && !errors.Is(s.c.notMigratedSemaphore(err), ErrNotMigrated) {
+			// A function that does not exist took nothing; any other
+			// failure may have come after the slot was taken.
+			s.cleanup(ctx, b, q)
+		}
+		if e := b.Err(); e != nil {
+			return nil, adm, e
+		}
+		return nil, adm, s.c.notMigratedSemaphore(err)
+	}
+	adm = admission{limit: int(limit), holders: int(holder), queued: queued}
+	if slot == nil {
+		return nil, adm, nil
+	}
+	if head {
+		b.forgetReleased(q, ErrNotHeld)
+	}
+	k := s.slotKey(int(*slot))
+	l, err := b.adopt(k)
+	if err != nil {
+		_ = b.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+			s.unadopted(ctx, conn, b)
+			return nil
+		})
+		return nil, adm, err
+	}
+	return &Permit{sem: s, l: l, slot: int(*slot)}, adm, nil
+}
+
+// unadopted releases, on conn (b's connection, which the caller holds), a
+// slot that a grant just took and that b could not record as held (b
+// ended meanwhile: the Client closes, or the connection was lost), with
+// its row, so that an Acquire that fails leaves no row behind. With the
+// connection gone, the server has freed the slot, and the row is a dead
+// holder's, which Holders ignores and later acquires remove.
+func (s *Semaphore) unadopted(ctx context.Context, conn *pgx.Conn, b *Session) {
+	if conn.IsClosed() {
+		return
+	}
+	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+	defer cancel()
+	_, _ = s.cleanupOn(uctx, conn, b)
+}
+
+// cleanup releases, on b (whose connection the caller holds), every slot
+// of the semaphore that b holds on the server but not in its records, and
+// their rows: what a failed semaphore_acquire may have left. If the server
+// no longer holds q, the head's queue key, q ends as lost.
+func (s *Semaphore) cleanup(ctx context.Context, b *Session, q *Lock) {
+	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+	defer cancel()
+	var queueHeld bool
+	err := b.exec(uctx, func(ctx context.Context, conn *pgx.Conn) error {
+		var err error
+		queueHeld, err = s.cleanupOn(ctx, conn, b)
+		return err
+	})
+	switch {
+	case err != nil:
+		b.lose(fmt.Errorf("release after failed semaphore acquire: %w", err))
+	case q != nil && !queueHeld:
+		b.forgetReleased(q, fmt.Errorf("%w: a failed grant released the queue key %s", ErrLockLost, q.Key()))
+	}
+}
+
+// cleanupOn runs cleanup's statement on conn, b's connection, and reports
+// whether b holds the semaphore's queue key on the server.
+func (s *Semaphore) cleanupOn(ctx context.Context, conn *pgx.Conn, b *Session) (queueHeld bool, err error) {
+	known := []int64{} // an empty array, not NULL
+	b.state.Lock()
+	for k := range b.keys {
+		if k.kind == kindInt64 && k.v>>16 == s.prefix {
+			known = append(known, k.v)
+		}
+	}
+	b.state.Unlock()
+	var n int64
+	err = conn.QueryRow(ctx, s.cleanupSQL, s.prefix, known, s.name, b.pid).Scan(&n, &queueHeld)
+	return queueHeld, err
+}
+
+// forgetReleased ends l, which the server no longer holds on b, with why,
+// and forgets its keys. The caller holds b's connection.
+func (b *Session) forgetReleased(l *Lock, why error) {
+	b.state.Lock()
+	_, mine := b.locks[l]
+	delete(b.locks, l)
+	if mine {
+		for _, k := range l.keys {
+			delete(b.keys, k)
+		}
+	}
+	b.state.Unlock()
+	if mine {
+		l.end(why) // leaves the keys' gates: the next goroutine may line up
+	}
+}
+
+// adopt records that b holds k, just taken on the server by a statement
+// of the caller's, and returns the lock. If b's records still show a
+// release of k (its statement is done, its bookkeeping not yet), adopt
+// waits for it.
+func (b *Session) adopt(k Key) (*Lock, error) {
+	for {
+		b.state.Lock()
+		if b.err != nil {
+			b.state.Unlock()
+			return nil, b.err
+		}
+		h := b.keys[k]
+		if h == nil {
+			b.keys[k] = &keyHold{n: 1}
+			b.permits = true
+			// No gate: the row lock of semaphore_acquire, not this
+			// process, decides who takes a slot.
+			l := &Lock{s: b, keys: []Key{k}, done: make(chan struct{})}
+			l.unreported.Store(true) // a permit, not a Lock of the hooks
+			b.locks[l] = struct{}{}
+			b.state.Unlock()
+			return l, nil
+		}
+		busy := h.busy
+		b.state.Unlock()
+		if busy == nil {
+			err := fmt.Errorf("%w: the server granted %s to backend %d, which records it as held already", ErrLockLost, k, b.pid)
+			b.lose(err)
+			return nil, err
+		}
+		select {
+		case <-busy:
+		case <-b.done:
+		}
+	}
+}
