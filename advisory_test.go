@@ -285,77 +285,6 @@ func TestUnlockWithCancelledContextOnTinyPool(t *testing.T) {
 	mustUnlock(t, lb)
 }
 
-// Terminating the holder's backend ends its locks: Done closes within the
-// heartbeat bound, Err wraps ErrLockLost, and Do's callback is cancelled.
-func TestLossOnTerminatedBackend(t *testing.T) {
-	t.Parallel()
-	ctx := testCtx(t)
-	dsn := pgtest.DB(t)
-	c := newTestClient(t, dsn)
-	k := HashKey("loss")
-
-	l, err := c.Lock(ctx, k)
-	if err != nil {
-		t.Fatal(err)
-	}
-	start := time.Now()
-	pgtest.Terminate(t, dsn, l.s.PID())
-	awaitEnd(t, l, "after the backend was terminated")
-	took := time.Since(start)
-	t.Logf("loss noticed after %v", took)
-	if bound := lossNoticeBound(c.cfg); took > bound {
-		t.Errorf("loss noticed after %v, documented bound %v", took, bound)
-	}
-	if !errors.Is(l.Err(), ErrLockLost) {
-		t.Fatalf("Err: %v, want ErrLockLost", l.Err())
-	}
-	if err := l.Unlock(ctx); !errors.Is(err, ErrLockLost) {
-		t.Fatalf("Unlock after loss: %v, want ErrLockLost", err)
-	}
-	notHeld(t, dsn, k)
-
-	// Do: the callback's context is cancelled with the loss as cause.
-	started := make(chan struct{})
-	doErr := make(chan error, 1)
-	var cause error
-	go func() {
-		doErr <- c.Do(ctx, k, func(fctx context.Context) error {
-			close(started)
-			<-fctx.Done()
-			cause = context.Cause(fctx)
-			return fctx.Err()
-		})
-	}()
-	select {
-	case <-started:
-	case <-time.After(testTimeout):
-		t.Fatal("Do's callback did not start")
-	}
-	pids := grantedTo(t, dsn, k)
-	if len(pids) != 1 {
-		t.Fatalf("pg_locks while Do runs: holders %v, want one", pids)
-	}
-	pgtest.Terminate(t, dsn, pids[0])
-	select {
-	case err := <-doErr:
-		if !errors.Is(err, ErrLockLost) {
-			t.Fatalf("Do: %v, want ErrLockLost", err)
-		}
-	case <-time.After(testTimeout):
-		t.Fatal("Do's callback was not cancelled after the backend was terminated")
-	}
-	if !errors.Is(cause, ErrLockLost) {
-		t.Fatalf("callback context cause: %v, want ErrLockLost", cause)
-	}
-	notHeld(t, dsn, k)
-	// The Client goes on working after a loss.
-	l, err = c.TryLock(ctx, k)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mustUnlock(t, l)
-}
-
 // Two sessions locking two keys in opposite order: a lock cycle of the
 // application. PostgreSQL picks one acquire as the deadlock victim: it
 // fails with ErrDeadlock and takes nothing, and its session and the lock it
@@ -670,48 +599,6 @@ func mustInt64(k Key) int64 {
 		panic("not a bigint key")
 	}
 	return v
-}
-
-// When the server's lock table is full, LockAll fails with ErrTooManyLocks,
-// the keys of the failed call are released and earlier locks stay held.
-func TestLockAllTooManyLocks(t *testing.T) {
-	t.Parallel()
-	ctx := testCtx(t)
-	srv := pgtest.NewServer(t) // a private server: this fills its lock table
-	dsn := srv.DB(t)
-	s := newTestSession(t, newTestClient(t, dsn))
-	const batch = 20_000 // keys per LockAll: 20 statements of 1,000
-	var held []*Lock
-	var err error
-	for i := 0; i < 50 && err == nil; i++ {
-		keys := make([]Key, batch)
-		for j := range keys {
-			keys[j] = Int64Key(int64(i*batch + j))
-		}
-		var l *Lock
-		if l, err = s.LockAll(ctx, keys...); err == nil {
-			held = append(held, l)
-		}
-	}
-	if !errors.Is(err, ErrTooManyLocks) {
-		t.Fatalf("LockAll until the lock table is full: %v, want ErrTooManyLocks", err)
-	}
-	if len(err.Error()) > 500 {
-		t.Errorf("error message of %d bytes: keys should be abbreviated", len(err.Error()))
-	}
-	t.Logf("full after %d keys: %v", len(held)*batch, err)
-	if s.Err() != nil {
-		t.Fatalf("session ended: %v", s.Err())
-	}
-	if n := len(lockState(t, dsn)); n != len(held)*batch {
-		t.Fatalf("%d keys locked after the failed LockAll, want the %d of the earlier calls", n, len(held)*batch)
-	}
-	for _, l := range held {
-		mustUnlock(t, l)
-	}
-	if n := len(lockState(t, dsn)); n != 0 {
-		t.Fatalf("%d keys still locked after unlocking everything", n)
-	}
 }
 
 func TestOpen(t *testing.T) {

@@ -1,5 +1,12 @@
 package pgcoord
 
+// Tests of a Client's backends: many keys live on a few shared backends,
+// blocking waits use at most WithMaxWaits backends of their own, lock
+// connections follow the pool's connect path, and the Client's connection
+// limits delay an acquire but never deadlock goroutines with a consistent
+// lock order. Connections are counted in pg_stat_activity, keys in
+// pg_locks.
+
 import (
 	"context"
 	"errors"
@@ -471,4 +478,88 @@ func TestHandoff(t *testing.T) {
 		}
 	}
 	t.Fatalf("remote waiter still waiting after %d local handoffs", handoffs)
+}
+
+// Promises (backends.go, WithMaxWaits): a Client uses at most
+// WithSharedBackends + WithMaxWaits connections, and its limits never
+// deadlock goroutines whose lock order is consistent, even when LockAll
+// calls with overlapping keys and single-key Locks of the same keys wait
+// for a holder in another process and outnumber the backends.
+func TestLimitsHoldConnectionsAndNeverDeadlockOverlappingLockAll(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	const app = "brk-limits"
+	c := newTestClient(t, dsn, WithSharedBackends(1), WithMaxWaits(1), WithApplicationName(app))
+	keys := []Key{Int64Key(7601), Int64Key(7602), Int64Key(7603), Int64Key(7604)}
+	holder := pgtest.Conn(t, dsn)
+	for _, k := range keys {
+		v, _ := k.Int64()
+		if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	obs := pgtest.Conn(t, dsn)
+	count := func() int {
+		var n int
+		if err := obs.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", app).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	sets := [][]Key{{keys[0], keys[1]}, {keys[1], keys[2]}, {keys[2], keys[3]}, {keys[0], keys[3]}, {keys[0]}, {keys[1]}, {keys[2]}, {keys[3]}}
+	errs := make(chan error, len(sets))
+	var wg sync.WaitGroup
+	for _, set := range sets {
+		wg.Go(func() {
+			for range 5 {
+				l, err := c.LockAll(ctx, set...)
+				if err != nil {
+					errs <- err
+					return
+				}
+				if err := l.Unlock(ctx); err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	maxSeen := 0
+	observe := func() {
+		if n := count(); n > maxSeen {
+			maxSeen = n
+		}
+	}
+	// The acquires queue: one waits on the server, the rest poll.
+	pgtest.Eventually(t, 10*time.Second, "an acquire to wait on the server", func() bool {
+		observe()
+		return len(lockState(t, dsn)[keys[0]])+len(lockState(t, dsn)[keys[1]])+len(lockState(t, dsn)[keys[2]])+len(lockState(t, dsn)[keys[3]]) > 4
+	})
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock_all()"); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.After(testTimeout)
+	for finished := false; !finished; {
+		observe()
+		select {
+		case <-done:
+			finished = true
+		case <-deadline:
+			t.Fatalf("broken promise: acquires with a consistent order did not finish within %v under WithSharedBackends(1), WithMaxWaits(1): %+v", testTimeout, c.Stat())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	close(errs)
+	for err := range errs {
+		t.Errorf("broken promise: acquire failed: %v (ErrDeadlock: %v)", err, errors.Is(err, ErrDeadlock))
+	}
+	if maxSeen > 2 {
+		t.Fatalf("broken promise: pg_stat_activity showed %d connections of the Client, more than WithSharedBackends(1) + WithMaxWaits(1)", maxSeen)
+	}
+	for _, k := range keys {
+		notHeld(t, dsn, k)
+	}
+	t.Logf("at most %d connections", maxSeen)
 }

@@ -235,48 +235,6 @@ func TestUnlockInterruptsBlockedWait(t *testing.T) {
 	mustUnlock(t, r.l)
 }
 
-// A lock held on a backend keeps its loss deadline while a blocking acquire
-// waits on the same backend: when the network goes silent, the held lock is
-// declared lost within the deadline.
-func TestLeaseHoldsDuringBlockedWait(t *testing.T) {
-	t.Parallel()
-	ctx := testCtx(t)
-	dsn := pgtest.DB(t)
-	proxy := pgtest.NewProxy(t, dsn)
-	const loss, beat = 2 * time.Second, 250 * time.Millisecond
-	c := newTestClientOn(t, pgtest.Pool(t, dsn, proxy.Route), WithLossDeadline(loss), WithHeartbeat(beat))
-	other := newTestClient(t, dsn)
-	k1, k2 := HashKey("lease-held"), HashKey("lease-wanted")
-	h, err := other.Lock(ctx, k2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := newTestSession(t, c)
-	l1, err := s.Lock(ctx, k1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	wch := goLock(func() (*Lock, error) { return s.Lock(ctx, k2) })
-	pgtest.Eventually(t, testTimeout, "session waits for k2", func() bool { return waitingOn(t, dsn, k2) == 1 })
-
-	start := time.Now()
-	proxy.Blackhole()
-	awaitEnd(t, l1, "loss of k1 while waiting for k2")
-	took := leaseLostAt(t, s).Sub(start)
-	t.Logf("held lock declared lost %v after the network went silent: %v", took, l1.Err())
-	if !errors.Is(l1.Err(), ErrLockLost) {
-		t.Fatalf("k1 Err: %v, want ErrLockLost", l1.Err())
-	}
-	if took > loss+beat {
-		t.Errorf("k1 declared lost after %v, want within the loss deadline %v (+ one beat)", took, loss)
-	}
-	if r := receive(t, wch); r.err == nil {
-		t.Fatal("the blocked acquire succeeded on a lost session")
-	}
-	proxy.CloseAll()
-	mustUnlock(t, h)
-}
-
 // Settings that exist only from PostgreSQL 14 are left out for 13.
 func TestSessionSettingsByServerVersion(t *testing.T) {
 	cfg, err := newConfig(nil)

@@ -1,5 +1,9 @@
 package pgcoord
 
+// Helpers shared by the tests of several files: clients, roles and
+// connections of the test server, reads of pg_locks and pg_stat_activity,
+// and campaigns run in the background.
+
 import (
 	"context"
 	"errors"
@@ -252,4 +256,110 @@ func leaseLostAt(t testing.TB, s *Session) time.Time {
 	s.state.Lock()
 	defer s.state.Unlock()
 	return s.lastOK.Add(age)
+}
+
+// appConnections counts the connections whose application_name is app.
+func appConnections(t testing.TB, pool *pgxpool.Pool, app string) int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	var n int
+	if err := pool.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", app).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// errResult is the error a goroutine's call returned, and when.
+type errResult struct {
+	err error
+	at  time.Time
+}
+
+// rowTerm reads the term of an election's row, or 0 when the row cannot be
+// read (no row yet, or a pool connection that a restart ended).
+func rowTerm(ctx context.Context, pool *pgxpool.Pool, schema, name string) Term {
+	var n int64
+	if err := pool.QueryRow(ctx, "SELECT term FROM "+quoteIdent(schema)+".leaders WHERE name = $1", name).Scan(&n); err != nil {
+		return 0
+	}
+	return Term(n)
+}
+
+// quoteIdent quotes a schema name for SQL.
+func quoteIdent(s string) string { return `"` + s + `"` }
+
+// campaignResult is what a Campaign run in a goroutine returned, and when.
+type campaignResult struct {
+	ld  *Leadership
+	err error
+	at  time.Time
+}
+
+func goCampaign(ctx context.Context, e *Election) <-chan campaignResult {
+	ch := make(chan campaignResult, 1)
+	go func() {
+		ld, err := e.Campaign(ctx)
+		ch <- campaignResult{ld, err, time.Now()}
+	}()
+	return ch
+}
+
+func receiveCampaign(t testing.TB, ch <-chan campaignResult, what string) campaignResult {
+	t.Helper()
+	select {
+	case r := <-ch:
+		return r
+	case <-time.After(testTimeout):
+		t.Fatalf("campaign did not return in time: %s", what)
+		return campaignResult{}
+	}
+}
+
+// silentClient returns a Client whose every connection goes through a
+// proxy that the test can silence, so that the Client learns of a loss only
+// by its own loss deadline.
+func silentClient(t *testing.T, dsn string, opts ...Option) (*Client, *pgtest.Proxy) {
+	t.Helper()
+	proxy := pgtest.NewProxy(t, dsn)
+	c, err := New(pgtest.Pool(t, dsn, proxy.Route), opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close(context.Background()) })
+	return c, proxy
+}
+
+// awaitLeadershipEnd waits, bounded, until a leadership has ended, and
+// returns when its context was cancelled by its own clock.
+func awaitLeadershipEnd(t testing.TB, ld *Leadership) time.Time {
+	t.Helper()
+	select {
+	case <-ld.Done():
+	case <-time.After(testTimeout):
+		t.Fatalf("term %d did not end", ld.Term())
+	}
+	return ld.cancelledAt()
+}
+
+// queryStart returns pg_stat_activity.query_start of backend pid: when its
+// last statement (for an idle session, its last heartbeat) began.
+func queryStart(t testing.TB, pool *pgxpool.Pool, pid int32) time.Time {
+	t.Helper()
+	var at time.Time
+	if err := pool.QueryRow(testCtx(t), "SELECT query_start FROM pg_stat_activity WHERE pid = $1", pid).Scan(&at); err != nil {
+		t.Fatalf("query_start of backend %d: %v", pid, err)
+	}
+	return at
+}
+
+// guardSessionPID returns the backend pid of c's guard session, 0 if it
+// has none.
+func guardSessionPID(c *Client) int32 {
+	c.guardMu.Lock()
+	defer c.guardMu.Unlock()
+	if c.guard == nil {
+		return 0
+	}
+	return c.guard.PID()
 }

@@ -1,13 +1,17 @@
 package pgcoord
 
 // The handover between leaders where the guard alone proves nothing: a
-// leader that leads without the guard, and a term that a server restart
-// ended. Candidates run in child processes; each reports when its fn
-// started and when its context was cancelled, by its own clock, and writes
-// its term through CheckFence.
+// leader that leads without the guard, a term that a server restart ended,
+// and a live leader whose two connections are lost apart; and the wait a
+// new leader owes its predecessor, which outlives a winner that gives up,
+// ends cleanly with the campaign's ctx or Close, and gives way to a
+// RequestResign. Candidates run in child processes or in this one; each
+// reports when its fn started and when its context was cancelled, by its
+// own clock, and the tests read pg_locks and the leaders row.
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"syscall"
 	"testing"
@@ -355,5 +359,381 @@ func TestElectionTermsGrowPastTheLeadersRow(t *testing.T) {
 	defer tx.Rollback(ctx)
 	if err := c.CheckFence(ctx, tx, e.Key(), ld.Term()); err != nil {
 		t.Fatalf("CheckFence(term %d): %v", ld.Term(), err)
+	}
+}
+
+// The handover after a server restart: the leaders row records the
+// server's start time, so the first candidate that wins on the restarted
+// server waits out the old leader's loss deadline before it leads. That
+// candidate's campaign ends during the wait (its ctx is cancelled: the
+// caller gave up). Its own record has replaced the old leader's row, with
+// the new server's start time and guarded = true, so the next winner finds
+// nothing to wait for and leads at once, while the old leader's process
+// still lives and its context is not cancelled.
+//
+// The old leader's connections go through a proxy that is silenced just
+// before the restart, so that it learns of the restart only by its own
+// loss deadline (10 s): the latest moment the documentation allows it.
+func TestElectionHandoverWaitOutlivesWinnerAfterRestart(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	srv := pgtest.NewServer(t)
+	dsn := srv.DB(t)
+	admin := pgtest.Pool(t, dsn)
+	if err := Migrate(ctx, admin); err != nil {
+		t.Fatal(err)
+	}
+	const name = "restart-give-up"
+	key := electionKey(DefaultSchema, name)
+	const oldLoss, oldBeat = 10 * time.Second, time.Second
+	old, proxy := silentClient(t, dsn, WithLossDeadline(oldLoss), WithHeartbeat(oldBeat))
+	ldOld, err := old.Election(name).Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	heldOnlyBy(t, dsn, key, ldOld.lock.s.PID())
+
+	quick := []Option{WithLossDeadline(time.Second), WithHeartbeat(100 * time.Millisecond)}
+	first := newTestClient(t, dsn, quick...)
+	second := newTestClient(t, dsn, quick...)
+	firstCtx, giveUp := context.WithCancel(ctx)
+	defer giveUp()
+	firstCh := goCampaign(firstCtx, first.Election(name))
+	pgtest.Eventually(t, testTimeout, "the first candidate waits for the lock", func() bool {
+		return waitingOn(t, dsn, key) >= 1
+	})
+
+	proxy.Blackhole()
+	srv.Restart(t)
+	restarted := time.Now()
+	pgtest.Eventually(t, testTimeout, "the first candidate wins on the restarted server and records its term", func() bool {
+		return rowTerm(ctx, admin, DefaultSchema, name) > ldOld.Term()
+	})
+	select {
+	case r := <-firstCh:
+		t.Fatalf("the first candidate's campaign returned (%v, %v) at once; it must wait out the old leader's L = %v", r.ld, r.err, oldLoss)
+	default:
+	}
+	secondCh := goCampaign(ctx, second.Election(name))
+	pgtest.Eventually(t, testTimeout, "the second candidate waits for the lock", func() bool {
+		return waitingOn(t, dsn, key) >= 1
+	})
+	giveUp()
+	if r := receiveCampaign(t, firstCh, "first"); r.err == nil {
+		t.Fatalf("the first candidate led (term %d) although its ctx was cancelled", r.ld.Term())
+	}
+	r := receiveCampaign(t, secondCh, "second")
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	oldLive := ldOld.Context().Err() == nil
+	heldOnlyBy(t, dsn, key, r.ld.lock.s.PID())
+	oldEnd := awaitLeadershipEnd(t, ldOld)
+	t.Logf("restart; second candidate led %v after it (term %d); the old leader's context was cancelled %v after it",
+		r.at.Sub(restarted).Round(time.Millisecond), r.ld.Term(), oldEnd.Sub(restarted).Round(time.Millisecond))
+	if oldLive || r.at.Before(oldEnd) {
+		t.Errorf("two leaders: term %d started %v before the old term %d, whose server restarted, had its context cancelled",
+			r.ld.Term(), oldEnd.Sub(r.at).Round(time.Millisecond), ldOld.Term())
+	}
+	if err := r.ld.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The handover after a leader that led without the guard: its successor
+// waits out its loss deadline after winning (the row says guarded =
+// false). The successor's campaign ends during that wait (its ctx is
+// cancelled); its record set guarded = true, so the next winner leads at
+// once, while the guardless leader's process lives and its context is not
+// cancelled.
+//
+// The guard is held at first by a plain connection (as by a paused
+// process), so the first leader starts without it; the connections of
+// that leader go through a proxy that is silenced before the guard is
+// freed and its lock backend terminated, so that it learns of the loss
+// only by its loss deadline.
+func TestElectionHandoverWaitOutlivesWinnerAfterGuardless(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	admin := pgtest.Pool(t, dsn)
+	const name = "guardless-give-up"
+	key := electionKey(DefaultSchema, name)
+	guardKey := HashKey("pgcoord.election.guard", DefaultSchema, name)
+	squatter := pgtest.Conn(t, dsn)
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+	const oldLoss, oldBeat = 4 * time.Second, time.Second
+	old, proxy := silentClient(t, dsn, WithLossDeadline(oldLoss), WithHeartbeat(oldBeat))
+	ldOld, err := old.Election(name).Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, guarded, _ := leaderRow(t, admin, name); guarded {
+		t.Fatal("leaders row: guarded, with the guard held elsewhere")
+	}
+
+	quick := []Option{WithLossDeadline(time.Second), WithHeartbeat(100 * time.Millisecond)}
+	first := newTestClient(t, dsn, quick...)
+	second := newTestClient(t, dsn, quick...)
+	firstCtx, giveUp := context.WithCancel(ctx)
+	defer giveUp()
+	firstCh := goCampaign(firstCtx, first.Election(name))
+	pgtest.Eventually(t, testTimeout, "the first candidate waits for the lock", func() bool {
+		return waitingOn(t, dsn, key) >= 1
+	})
+
+	proxy.Blackhole()
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+	at := terminateBackend(t, admin, ldOld.lock.s.PID())
+	pgtest.Eventually(t, testTimeout, "the first candidate wins and records its term", func() bool {
+		return rowTerm(ctx, admin, DefaultSchema, name) > ldOld.Term()
+	})
+	select {
+	case r := <-firstCh:
+		t.Fatalf("the first candidate's campaign returned (%v, %v) at once; it must wait out the guardless leader's L = %v", r.ld, r.err, oldLoss)
+	default:
+	}
+	secondCh := goCampaign(ctx, second.Election(name))
+	pgtest.Eventually(t, testTimeout, "the second candidate waits for the lock", func() bool {
+		return waitingOn(t, dsn, key) >= 1
+	})
+	giveUp()
+	if r := receiveCampaign(t, firstCh, "first"); r.err == nil {
+		t.Fatalf("the first candidate led (term %d) although its ctx was cancelled", r.ld.Term())
+	}
+	r := receiveCampaign(t, secondCh, "second")
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	oldLive := ldOld.Context().Err() == nil
+	heldOnlyBy(t, dsn, key, r.ld.lock.s.PID())
+	oldEnd := awaitLeadershipEnd(t, ldOld)
+	if !errors.Is(ldOld.Err(), ErrLockLost) {
+		t.Errorf("guardless leader ended with %v, want ErrLockLost", ldOld.Err())
+	}
+	t.Logf("lock backend terminated; second candidate led %v after it (term %d); the guardless leader's context was cancelled %v after it",
+		r.at.Sub(at).Round(time.Millisecond), r.ld.Term(), oldEnd.Sub(at).Round(time.Millisecond))
+	if oldLive || r.at.Before(oldEnd) {
+		t.Errorf("two leaders: term %d started %v before the guardless term %d had its context cancelled",
+			r.ld.Term(), oldEnd.Sub(r.at).Round(time.Millisecond), ldOld.Term())
+	}
+	if err := r.ld.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A live leader's guard connection is lost, and a second later (less than
+// 2H: its heartbeat H is 4 s) its lock connection: the documented case in
+// which a new leader cannot tell the old leader from a killed process. The
+// new leader takes over at once; the old leader's context is cancelled
+// within 2H of the first loss, as documented (the overlap is bounded by
+// that), and the old term is stale: CheckFence refuses it.
+func TestElectionBothConnectionsLostApartIsBounded(t *testing.T) {
+	t.Parallel()
+	const beat, loss = 4 * time.Second, 10 * time.Second
+	const gap = time.Second
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	pool := pgtest.Pool(t, dsn)
+	name := "guard-then-lock"
+	key := electionKey(DefaultSchema, name)
+	a := newTestClient(t, dsn, WithHeartbeat(beat), WithLossDeadline(loss))
+	b := newTestClient(t, dsn, WithHeartbeat(100*time.Millisecond), WithLossDeadline(time.Second))
+	old, err := a.Election(name).Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	next := goCampaign(ctx, b.Election(name))
+	pgtest.Eventually(t, testTimeout, "the other candidate waits for the lock", func() bool {
+		return waitingOn(t, dsn, key) >= 1
+	})
+	guard := old.guardLock()
+	if guard == nil {
+		t.Fatal("the first leader holds no guard")
+	}
+	guardPID, lockPID := guard.s.PID(), old.lock.s.PID()
+
+	// Terminate the guard backend right after its heartbeat, so that the
+	// old leader's next look at it is a heartbeat interval away.
+	seen := queryStart(t, pool, guardPID)
+	pgtest.Eventually(t, 3*beat, "the guard session's next heartbeat", func() bool {
+		return queryStart(t, pool, guardPID).After(seen)
+	})
+	first := terminateBackend(t, pool, guardPID)
+	// The second fault, a second after the first.
+	second := time.NewTimer(gap)
+	<-second.C
+	if old.Context().Err() != nil {
+		t.Fatalf("the old leader ended before its lock backend was terminated: %v", context.Cause(old.Context()))
+	}
+	terminated := terminateBackend(t, pool, lockPID)
+
+	r := receiveCampaign(t, next, "takeover")
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	defer r.ld.Resign(context.Background())
+	cancelled := awaitLeadershipEnd(t, old)
+	if r.ld.Term() <= old.Term() {
+		t.Fatalf("new term %d, old %d", r.ld.Term(), old.Term())
+	}
+	heldOnlyBy(t, dsn, key, r.ld.lock.s.PID())
+	if d := cancelled.Sub(first); d > lossNoticeBound(&config{heartbeat: beat}) {
+		t.Errorf("the old leader's context was cancelled %v after its guard connection was lost, want within 2H = %v", d.Round(time.Millisecond), 2*beat)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if err := CheckFence(ctx, tx, key, old.Term()); !errors.Is(err, ErrStaleFence) {
+		t.Errorf("CheckFence with the old term %d: %v, want ErrStaleFence", old.Term(), err)
+	}
+	t.Logf("new leader %v after the lock connection was lost; old leader's context cancelled %v after the guard's (overlap %v)",
+		r.at.Sub(terminated).Round(time.Millisecond), cancelled.Sub(first).Round(time.Millisecond), max(cancelled.Sub(r.at), 0).Round(time.Millisecond))
+}
+
+// guardlessHandover sets up a candidate of its own Client that has won an
+// election whose previous leader led without the guard, and now waits out
+// that leader's loss deadline before it starts, holding the election's
+// lock and its guard. It returns the candidate's Client, its campaign's
+// result channel and cancel function, and the election's and guard's keys.
+func guardlessHandover(t *testing.T, dsn, name string) (y *Client, next <-chan campaignResult, cancel context.CancelFunc, key, guardKey Key) {
+	t.Helper()
+	ctx := testCtx(t)
+	pool := pgtest.Pool(t, dsn)
+	key = electionKey(DefaultSchema, name)
+	guardKey = HashKey("pgcoord.election.guard", DefaultSchema, name)
+	squatter := pgtest.Conn(t, dsn)
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+	x := newTestClient(t, dsn, WithLossDeadline(time.Second), WithHeartbeat(100*time.Millisecond))
+	old, err := x.Election(name).Campaign(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if term, guarded, _ := leaderRow(t, pool, name); term != old.Term() || guarded {
+		t.Fatalf("leaders row: term %d guarded %v; want term %d without the guard", term, guarded, old.Term())
+	}
+	// The candidate's own loss deadline is the longer, so the wait it owes
+	// after winning is 3 s.
+	y = newTestClient(t, dsn, WithLossDeadline(3*time.Second), WithHeartbeat(100*time.Millisecond))
+	cctx, cancel := context.WithCancel(ctx)
+	t.Cleanup(cancel)
+	next = goCampaign(cctx, y.Election(name))
+	pgtest.Eventually(t, testTimeout, "the candidate waits for the lock", func() bool {
+		return waitingOn(t, dsn, key) >= 1
+	})
+	terminateBackend(t, pool, old.lock.s.PID())
+	pgtest.Eventually(t, testTimeout, "the candidate records its term", func() bool {
+		return rowTerm(ctx, pool, DefaultSchema, name) > old.Term()
+	})
+	awaitLeadershipEnd(t, old)
+	// The guard is free now: the candidate takes it and waits on.
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Eventually(t, testTimeout, "the candidate takes the guard", func() bool {
+		pid := guardSessionPID(y)
+		got := grantedTo(t, dsn, guardKey)
+		return pid != 0 && len(got) == 1 && got[0] == pid
+	})
+	select {
+	case r := <-next:
+		t.Fatalf("the campaign returned (%v) before the wait it owes the guardless leader", r.err)
+	default:
+	}
+	if got := grantedTo(t, dsn, key); len(got) != 1 {
+		t.Fatalf("election lock held by %v, want the waiting candidate", got)
+	}
+	return y, next, cancel, key, guardKey
+}
+
+// A candidate that waits out a guardless predecessor's loss deadline, its
+// lock and guard held, and gives up (its ctx ends) or whose Client closes:
+// the campaign returns the documented error and nothing stays held in
+// pg_locks; Close returns within the loss deadline.
+func TestElectionHandoverWaitEndsCleanly(t *testing.T) {
+	t.Parallel()
+	t.Run("cancel", func(t *testing.T) {
+		t.Parallel()
+		dsn := migratedDB(t)
+		_, next, cancel, key, guardKey := guardlessHandover(t, dsn, "wait-cancel")
+		cancel()
+		r := receiveCampaign(t, next, "cancelled during the handover wait")
+		if !errors.Is(r.err, context.Canceled) || r.ld != nil {
+			t.Fatalf("Campaign = %v, %v; want context.Canceled", r.ld, r.err)
+		}
+		notHeld(t, dsn, key)
+		notHeld(t, dsn, guardKey)
+	})
+	t.Run("close", func(t *testing.T) {
+		t.Parallel()
+		dsn := migratedDB(t)
+		y, next, _, key, guardKey := guardlessHandover(t, dsn, "wait-close")
+		start := time.Now()
+		if err := y.Close(testCtx(t)); err != nil {
+			t.Fatalf("Close: %v", err)
+		}
+		if d := time.Since(start); d > 3*time.Second {
+			t.Errorf("Close took %v during the handover wait, want within L = 3s", d)
+		}
+		r := receiveCampaign(t, next, "closed during the handover wait")
+		if !errors.Is(r.err, ErrClosed) || r.ld != nil {
+			t.Fatalf("Campaign = %v, %v; want ErrClosed", r.ld, r.err)
+		}
+		notHeld(t, dsn, key)
+		notHeld(t, dsn, guardKey)
+	})
+}
+
+// RequestResign while the leader that Leader reports has recorded its term
+// but still waits out a guardless predecessor's loss deadline. The request
+// names that leader's term, and "a leader whose process runs and whose
+// backend answers steps down within a heartbeat interval and a round trip
+// of the request". The leader's heartbeat is 100 ms; the test allows 1 s.
+func TestElectionRequestResignDuringHandoverWait(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	const name = "resign-wait"
+	_, next, _, key, _ := guardlessHandover(t, dsn, name)
+	e := newTestClient(t, dsn).Election(name)
+	info, err := e.Leader(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := grantedTo(t, dsn, key); len(got) != 1 || got[0] != info.PID {
+		t.Fatalf("Leader = %+v, pg_locks holder %v", info, got)
+	}
+	asked := time.Now()
+	if err := e.RequestResign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The term asked to resign gives up its wait, and its lock, within a
+	// heartbeat and a round trip: its fn never starts.
+	var gaveUp time.Duration
+	pgtest.Eventually(t, testTimeout, "the asked term to free the election's lock", func() bool {
+		got := grantedTo(t, dsn, key)
+		gaveUp = time.Since(asked)
+		return len(got) == 0 || got[0] != info.PID
+	})
+	if gaveUp > time.Second {
+		t.Errorf("the term Leader reported (%d) gave up %v after RequestResign returned, want within H (100ms) and a round trip", info.Term, gaveUp.Round(time.Millisecond))
+	}
+	r := receiveCampaign(t, next, "the candidate, once another term has had its turn")
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if r.ld.Term() <= info.Term {
+		t.Fatalf("term %d started after term %d was asked to resign before it led", r.ld.Term(), info.Term)
+	}
+	if err := r.ld.Resign(ctx); err != nil {
+		t.Fatal(err)
 	}
 }

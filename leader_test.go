@@ -1,5 +1,10 @@
 package pgcoord
 
+// Tests of elections (Client.Election, Campaign, Leader, Resign,
+// RequestResign): a campaign wins, reports its errors and leads until it
+// resigns or loses its backend, and a request to resign reaches the leader.
+// Each test reads the outcome back from pg_locks and the leaders row.
+
 import (
 	"context"
 	"errors"
@@ -374,4 +379,63 @@ func TestElectionCampaignPreparesTakeover(t *testing.T) {
 	if info, err := ea.Leader(ctx); err != nil || info.Identity != "b" || info.Term != lb.Term() || info.PID != lb.lock.s.PID() {
 		t.Fatalf("Leader = %+v, %v; want b, term %d, backend %d", info, err, lb.Term(), lb.lock.s.PID())
 	}
+}
+
+// Campaign "returns ctx's error when ctx ends first, ErrClosed after
+// Close, an error wrapping ErrNotMigrated without the tables of Migrate".
+// Two ordinary cases: the Client is closed while a candidate waits for a
+// leader of another Client to go, and a database without the tables. The
+// campaign's ctx has a deadline of 5 s: Campaign must return the
+// error, and Close must return within the Client's loss deadline L.
+func TestCampaignReturnsItsErrors(t *testing.T) {
+	t.Parallel()
+	const loss = time.Second
+	t.Run("closed", func(t *testing.T) {
+		t.Parallel()
+		ctx := testCtx(t)
+		dsn := migratedDB(t)
+		const name = "campaign-closed"
+		leader := newTestClient(t, dsn)
+		ld, err := leader.Election(name).Campaign(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := New(pgtest.Pool(t, dsn), WithLossDeadline(loss), WithHeartbeat(100*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		ch := goCampaign(cctx, c.Election(name))
+		pgtest.Eventually(t, testTimeout, "the candidate waits for the lock", func() bool {
+			return waitingOn(t, dsn, electionKey(DefaultSchema, name)) >= 1
+		})
+		closed := make(chan time.Duration, 1)
+		start := time.Now()
+		go func() {
+			_ = c.Close(context.Background())
+			closed <- time.Since(start)
+		}()
+		r := receiveCampaign(t, ch, "candidate")
+		if !errors.Is(r.err, ErrClosed) {
+			t.Errorf("Campaign returned %v after %v; want ErrClosed at once", r.err, r.at.Sub(start).Round(time.Millisecond))
+		}
+		if d := <-closed; d > loss {
+			t.Errorf("Close took %v, want within L = %v", d.Round(time.Millisecond), loss)
+		}
+		_ = ld.Resign(ctx)
+	})
+	t.Run("not-migrated", func(t *testing.T) {
+		t.Parallel()
+		ctx := testCtx(t)
+		dsn := pgtest.DB(t)
+		c := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(100*time.Millisecond))
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		start := time.Now()
+		_, err := c.Election("campaign-not-migrated").Campaign(cctx)
+		if !errors.Is(err, ErrNotMigrated) {
+			t.Errorf("Campaign on a database without the tables returned %v after %v; want ErrNotMigrated at once", err, time.Since(start).Round(time.Millisecond))
+		}
+	})
 }

@@ -1,5 +1,9 @@
 package pgcoord
 
+// Tests of the server's limits: with no free connection slot or a full lock
+// table, an acquire fails with an error that names the setting, leaves none
+// of its keys, and everything works again once there is room.
+
 import (
 	"context"
 	"errors"
@@ -161,5 +165,47 @@ func TestLockTableExhausted(t *testing.T) {
 	mustUnlock(t, l)
 	if n := len(lockState(t, dsn)); n != 0 {
 		t.Fatalf("%d keys still locked", n)
+	}
+}
+
+// When the server's lock table is full, LockAll fails with ErrTooManyLocks,
+// the keys of the failed call are released and earlier locks stay held.
+func TestLockAllTooManyLocks(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	srv := pgtest.NewServer(t) // a private server: this fills its lock table
+	dsn := srv.DB(t)
+	s := newTestSession(t, newTestClient(t, dsn))
+	const batch = 20_000 // keys per LockAll: 20 statements of 1,000
+	var held []*Lock
+	var err error
+	for i := 0; i < 50 && err == nil; i++ {
+		keys := make([]Key, batch)
+		for j := range keys {
+			keys[j] = Int64Key(int64(i*batch + j))
+		}
+		var l *Lock
+		if l, err = s.LockAll(ctx, keys...); err == nil {
+			held = append(held, l)
+		}
+	}
+	if !errors.Is(err, ErrTooManyLocks) {
+		t.Fatalf("LockAll until the lock table is full: %v, want ErrTooManyLocks", err)
+	}
+	if len(err.Error()) > 500 {
+		t.Errorf("error message of %d bytes: keys should be abbreviated", len(err.Error()))
+	}
+	t.Logf("full after %d keys: %v", len(held)*batch, err)
+	if s.Err() != nil {
+		t.Fatalf("session ended: %v", s.Err())
+	}
+	if n := len(lockState(t, dsn)); n != len(held)*batch {
+		t.Fatalf("%d keys locked after the failed LockAll, want the %d of the earlier calls", n, len(held)*batch)
+	}
+	for _, l := range held {
+		mustUnlock(t, l)
+	}
+	if n := len(lockState(t, dsn)); n != 0 {
+		t.Fatalf("%d keys still locked after unlocking everything", n)
 	}
 }

@@ -1,5 +1,12 @@
 package pgcoord
 
+// Tests of a lock's liveness on its backend: the settings that keep a lock
+// connection alive and its lease bounded are in force, role and database
+// defaults cannot end a holder or a wait, a wait longer than the loss
+// deadline is not a loss, a standby is refused before anything is locked
+// on it, and a holder whose backend is terminated or whose network goes
+// silent reports the loss within its bound.
+
 import (
 	"context"
 	"errors"
@@ -390,4 +397,204 @@ func TestLossOnSilentNetwork(t *testing.T) {
 	}
 	heldOnlyBy(t, dsn, k, l2.s.PID())
 	mustUnlock(t, l2)
+}
+
+// Promise (doc.go, the lease): a database's defaults (lock_timeout,
+// statement_timeout, idle_in_transaction_session_timeout,
+// default_transaction_isolation = serializable) cannot end a holder or a
+// long wait: a wait over several slices, then a fence that waits for a
+// transaction that checked the old one, succeed, and the holder's other
+// lock on the same Client lives throughout.
+func TestDatabaseDefaultsDoNotEndWaitsOrFences(t *testing.T) {
+	ctx := testCtx(t)
+	dsn, pool := migratedPool(t, ctx, DefaultSchema)
+	admin := pgtest.Conn(t, dsn)
+	var db string
+	if err := admin.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
+		t.Fatal(err)
+	}
+	ident := pgx.Identifier{db}.Sanitize()
+	for _, set := range []string{"lock_timeout = '50ms'", "statement_timeout = '100ms'", "idle_in_transaction_session_timeout = '200ms'", "default_transaction_isolation = 'serializable'", "deadlock_timeout = '10ms'"} {
+		if _, err := admin.Exec(ctx, "ALTER DATABASE "+ident+" SET "+set); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const loss, hb = 2 * time.Second, 500 * time.Millisecond
+	c := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(hb))
+	_ = pool
+	k, other := Int64Key(7701), Int64Key(7702)
+	first, err := c.Lock(ctx, k, WithFence())
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldFence := first.Fence()
+	mustUnlock(t, first)
+	lo, err := c.Lock(ctx, other)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	holder := pgtest.Conn(t, dsn)
+	kv, _ := k.Int64()
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", kv); err != nil {
+		t.Fatal(err)
+	}
+	ch := goLock(func() (*Lock, error) { return c.Lock(ctx, k, WithFence()) })
+	began := time.Now()
+	slice := c.cfg.waitSlice()
+	// The wait goes on over several slices.
+	pgtest.Eventually(t, 10*time.Second, "the wait to last three slices", func() bool {
+		stillWaiting(t, ch)
+		return time.Since(began) > 3*slice && waitingOn(t, dsn, k) == 1
+	})
+	// A transaction checks the old fence, so the new fence must wait for it.
+	tconn := pgtest.Conn(t, dsn)
+	if _, err := tconn.Exec(ctx, "SET idle_in_transaction_session_timeout = 0"); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := tconn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := CheckFence(ctx, tx, k, oldFence); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1)", kv); err != nil {
+		t.Fatal(err)
+	}
+	fenceWaitFrom := time.Now()
+	pgtest.Eventually(t, 10*time.Second, "the fence to wait over three slices", func() bool {
+		stillWaiting(t, ch)
+		return time.Since(fenceWaitFrom) > 3*slice
+	})
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	res := receive(t, ch)
+	if res.err != nil {
+		t.Fatalf("broken promise: a wait and a fence under the database's defaults failed: %v", res.err)
+	}
+	if res.l.Fence() <= oldFence {
+		t.Fatalf("fence %d not newer than %d", res.l.Fence(), oldFence)
+	}
+	if lo.Err() != nil {
+		t.Fatalf("broken promise: the other lock was lost: %v", lo.Err())
+	}
+	heldOnlyBy(t, dsn, k, res.l.s.PID())
+	mustUnlock(t, res.l)
+	mustUnlock(t, lo)
+	notHeld(t, dsn, k)
+}
+
+// Terminating the holder's backend ends its locks: Done closes within the
+// heartbeat bound, Err wraps ErrLockLost, and Do's callback is cancelled.
+func TestLossOnTerminatedBackend(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	c := newTestClient(t, dsn)
+	k := HashKey("loss")
+
+	l, err := c.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	pgtest.Terminate(t, dsn, l.s.PID())
+	awaitEnd(t, l, "after the backend was terminated")
+	took := time.Since(start)
+	t.Logf("loss noticed after %v", took)
+	if bound := lossNoticeBound(c.cfg); took > bound {
+		t.Errorf("loss noticed after %v, documented bound %v", took, bound)
+	}
+	if !errors.Is(l.Err(), ErrLockLost) {
+		t.Fatalf("Err: %v, want ErrLockLost", l.Err())
+	}
+	if err := l.Unlock(ctx); !errors.Is(err, ErrLockLost) {
+		t.Fatalf("Unlock after loss: %v, want ErrLockLost", err)
+	}
+	notHeld(t, dsn, k)
+
+	// Do: the callback's context is cancelled with the loss as cause.
+	started := make(chan struct{})
+	doErr := make(chan error, 1)
+	var cause error
+	go func() {
+		doErr <- c.Do(ctx, k, func(fctx context.Context) error {
+			close(started)
+			<-fctx.Done()
+			cause = context.Cause(fctx)
+			return fctx.Err()
+		})
+	}()
+	select {
+	case <-started:
+	case <-time.After(testTimeout):
+		t.Fatal("Do's callback did not start")
+	}
+	pids := grantedTo(t, dsn, k)
+	if len(pids) != 1 {
+		t.Fatalf("pg_locks while Do runs: holders %v, want one", pids)
+	}
+	pgtest.Terminate(t, dsn, pids[0])
+	select {
+	case err := <-doErr:
+		if !errors.Is(err, ErrLockLost) {
+			t.Fatalf("Do: %v, want ErrLockLost", err)
+		}
+	case <-time.After(testTimeout):
+		t.Fatal("Do's callback was not cancelled after the backend was terminated")
+	}
+	if !errors.Is(cause, ErrLockLost) {
+		t.Fatalf("callback context cause: %v, want ErrLockLost", cause)
+	}
+	notHeld(t, dsn, k)
+	// The Client goes on working after a loss.
+	l, err = c.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustUnlock(t, l)
+}
+
+// A lock held on a backend keeps its loss deadline while a blocking acquire
+// waits on the same backend: when the network goes silent, the held lock is
+// declared lost within the deadline.
+func TestLeaseHoldsDuringBlockedWait(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	proxy := pgtest.NewProxy(t, dsn)
+	const loss, beat = 2 * time.Second, 250 * time.Millisecond
+	c := newTestClientOn(t, pgtest.Pool(t, dsn, proxy.Route), WithLossDeadline(loss), WithHeartbeat(beat))
+	other := newTestClient(t, dsn)
+	k1, k2 := HashKey("lease-held"), HashKey("lease-wanted")
+	h, err := other.Lock(ctx, k2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := newTestSession(t, c)
+	l1, err := s.Lock(ctx, k1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wch := goLock(func() (*Lock, error) { return s.Lock(ctx, k2) })
+	pgtest.Eventually(t, testTimeout, "session waits for k2", func() bool { return waitingOn(t, dsn, k2) == 1 })
+
+	start := time.Now()
+	proxy.Blackhole()
+	awaitEnd(t, l1, "loss of k1 while waiting for k2")
+	took := leaseLostAt(t, s).Sub(start)
+	t.Logf("held lock declared lost %v after the network went silent: %v", took, l1.Err())
+	if !errors.Is(l1.Err(), ErrLockLost) {
+		t.Fatalf("k1 Err: %v, want ErrLockLost", l1.Err())
+	}
+	if took > loss+beat {
+		t.Errorf("k1 declared lost after %v, want within the loss deadline %v (+ one beat)", took, loss)
+	}
+	if r := receive(t, wch); r.err == nil {
+		t.Fatal("the blocked acquire succeeded on a lost session")
+	}
+	proxy.CloseAll()
+	mustUnlock(t, h)
 }

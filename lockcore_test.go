@@ -1047,3 +1047,190 @@ func TestUnlockOfJoinedSharedHoldAfterBackendEnded(t *testing.T) {
 		t.Fatalf("the remaining handle's Err = %v, want ErrLockLost", b.Err())
 	}
 }
+
+// waitsNotGranted reports how many lock requests of backend pid wait (not
+// granted) in pg_locks, of the given locktype ("" for any).
+func waitsNotGranted(t testing.TB, conn *pgx.Conn, pid int32, locktype string) int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var n int
+	err := conn.QueryRow(ctx, `SELECT count(*) FROM pg_locks
+		WHERE pid = $1 AND NOT granted AND ($2 = '' OR locktype = $2)`, pid, locktype).Scan(&n)
+	if err != nil {
+		t.Fatalf("read pg_locks: %v", err)
+	}
+	return n
+}
+
+// campaignBlockedByTableLock holds X on the only shared backend of a
+// Client and starts a campaign of an election on the same Client while a
+// transaction holds pgcoord's tables in ACCESS EXCLUSIVE mode (a migration,
+// a VACUUM FULL, an operator's LOCK TABLE). It returns once the campaign's
+// statement waits on that backend.
+func campaignBlockedByTableLock(t *testing.T, ctx context.Context, opts ...Option) (c *Client, lx *Lock, obs *pgx.Conn, release func()) {
+	t.Helper()
+	dsn, pool := migratedPool(t, ctx, DefaultSchema)
+	c = newTestClientOn(t, pool, append([]Option{WithSharedBackends(1)}, opts...)...)
+	x := Int64Key(7101)
+	lx, err := c.Lock(ctx, x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b1 := lx.s.PID()
+	obs = pgtest.Conn(t, dsn)
+
+	locker := pgtest.Conn(t, dsn)
+	tx, err := locker.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, `LOCK TABLE pgcoord.fences, pgcoord.leaders IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	unlockTables := func() { once.Do(func() { _ = tx.Rollback(context.Background()) }) }
+	t.Cleanup(unlockTables)
+
+	cctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		ld, err := c.Election("break").Campaign(cctx)
+		if err == nil {
+			_ = ld.Resign(context.Background())
+		}
+	}()
+	release = func() {
+		cancel()
+		unlockTables()
+		select {
+		case <-done:
+		case <-time.After(testTimeout):
+			t.Error("campaign did not end")
+		}
+	}
+	t.Cleanup(release)
+	pgtest.Eventually(t, 10*time.Second, "the campaign's statement to wait for the table lock on the shared backend", func() bool {
+		return waitsNotGranted(t, obs, b1, "relation") > 0
+	})
+	return c, lx, obs, release
+}
+
+// Promise (backends.go): every blocking statement, on any backend, runs in
+// slices, so a backend that holds locks answers within its wait slice and
+// another statement that needs it (an Unlock) runs first.
+//
+// A campaign prepares its statement on the shared backend (withPrepared,
+// Session.prepare) in one plain statement, not in slices: when pgcoord's
+// tables are locked, it waits there with lock_timeout 0, and the Unlock of
+// another goroutine's lock on that backend waits behind it.
+func TestUnlockAnswersWithinSliceWhileCampaignPrepareWaits(t *testing.T) {
+	ctx := testCtx(t)
+	c, lx, _, release := campaignBlockedByTableLock(t, ctx, WithLossDeadline(2*time.Second), WithHeartbeat(500*time.Millisecond))
+	slice := c.cfg.waitSlice()
+	start := time.Now()
+	err := lx.Unlock(ctx)
+	took := time.Since(start)
+	release()
+	bound := slice + 500*time.Millisecond
+	if err != nil || took > bound {
+		t.Fatalf("broken promise: Unlock of a lock on a backend where a campaign's statement waits took %v (bound: the wait slice %v + 500ms) and returned %v; "+
+			"the campaign's Session.prepare runs as one unsliced statement on the shared backend while pgcoord's tables are locked", took.Round(time.Millisecond), slice, err)
+	}
+}
+
+// Promise (doc.go, backends.go): no goroutine's lock is lost because of
+// another's wait; a backend's locks keep their loss deadline while another
+// statement waits on it.
+//
+// The campaign's unsliced prepare on the shared backend keeps it from
+// answering for longer than the loss deadline, so the session declares
+// every lock on it lost.
+func TestLockSurvivesCampaignPrepareWaitingOnSameBackend(t *testing.T) {
+	ctx := testCtx(t)
+	const loss, hb = 2 * time.Second, 500 * time.Millisecond
+	_, lx, _, _ := campaignBlockedByTableLock(t, ctx, WithLossDeadline(loss), WithHeartbeat(hb))
+	// Two campaign rounds (each L long): a lock that survives them survives.
+	select {
+	case <-lx.Done():
+		t.Fatalf("broken promise: goroutine A's lock on the shared backend was lost (%v) while another goroutine's campaign waited on the same backend: "+
+			"Session.prepare runs unsliced with lock_timeout 0, so the backend answers nothing for longer than the loss deadline %v", lx.Err(), loss)
+	case <-time.After(2*loss + 2*hb):
+	}
+	mustUnlock(t, lx)
+}
+
+// Promise (RLock's doc): a waiting writer is not starved; readers of one
+// Client join each other's hold without asking the server only for a
+// short while after it was taken (the bounds of WithHandoff).
+//
+// TryRLock readers of a Client with one shared backend join its hold of the
+// key whatever its age (route returns the holder for a try, and needs skips
+// the joinable check for tries), so overlapping readers keep the key on
+// the server forever and a writer of another process never gets it.
+func TestTryRLockReadersDoNotStarveWaitingWriter(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	c := newTestClient(t, dsn, WithSharedBackends(1))
+	k := Int64Key(7201)
+	kv, _ := k.Int64()
+
+	cur, err := c.TryRLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A writer of another process waits for the key.
+	wconn := pgtest.Conn(t, dsn)
+	wctx, wcancel := context.WithTimeout(ctx, 10*time.Second)
+	defer wcancel()
+	wch := make(chan errResult, 1)
+	go func() {
+		_, err := wconn.Exec(wctx, "SELECT pg_advisory_lock($1)", kv)
+		wch <- errResult{err, time.Now()}
+	}()
+	pgtest.Eventually(t, 10*time.Second, "writer waits", func() bool { return waitingOn(t, dsn, k) == 1 })
+	queued := time.Now()
+
+	// Readers keep coming, each overlapping the one before it.
+	const stream = 3 * time.Second
+	reads, refused := 0, false
+	var writer *errResult
+	for time.Since(queued) < stream && writer == nil {
+		next, err := c.TryRLock(ctx, k)
+		if errors.Is(err, ErrLocked) {
+			refused = true
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		reads++
+		mustUnlock(t, cur)
+		cur = next
+		select {
+		case r := <-wch:
+			writer = &r
+		default:
+		}
+	}
+	stillWaiting := writer == nil && waitingOn(t, dsn, k) == 1
+	mustUnlock(t, cur)
+	var w errResult
+	if writer != nil {
+		w = *writer
+	} else {
+		w = <-wch
+	}
+	if w.err == nil {
+		if _, err := wconn.Exec(ctx, "SELECT pg_advisory_unlock($1)", kv); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if stillWaiting && !refused {
+		t.Fatalf("broken promise: a writer waited %v behind %d TryRLock readers of one Client that arrived after it (the first was taken long before the handoff window %v): "+
+			"each joined the backend's shared hold without asking the server, so the key never became free for the writer",
+			stream, reads, c.cfg.handoffWindow)
+	}
+	t.Logf("%d reads after the writer queued; refused: %v", reads, refused)
+}

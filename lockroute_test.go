@@ -1,8 +1,18 @@
 package pgcoord
 
+// Tests of where an acquire runs (route, tryThenWait, spreadAbove): a key
+// contended a moment ago is tried and waited for in one statement (and a
+// Client that reports contention reports it once, also when the wait is
+// cancelled or its backend is lost); a Client that holds many keys spreads
+// them over more backends within its connection bounds; and a wait never
+// runs on a backend whose grant is in flight. Each test reads the outcome
+// back from pg_locks and pg_stat_activity.
+
 import (
 	"context"
 	"errors"
+	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -441,4 +451,354 @@ func TestGrantAvoidsBackendClaimedToWait(t *testing.T) {
 	}
 	done()
 	mustRelease(t, p)
+}
+
+// contentionCount returns how many OnContention events r holds.
+func (r *recorder) contentionCount() int {
+	_, _, c, _ := r.counts()
+	return c
+}
+
+// waiterPID returns the backend that waits (not granted) for k, once one
+// does whose pid is not in not.
+func waiterPID(t testing.TB, dsn string, k Key, not ...int32) int32 {
+	t.Helper()
+	var pid int32
+	pgtest.Eventually(t, testTimeout, "a backend to wait for "+k.String(), func() bool {
+		for _, h := range lockState(t, dsn)[k] {
+			if !h.granted && !slices.Contains(not, h.pid) {
+				pid = h.pid
+				return true
+			}
+		}
+		return false
+	})
+	return pid
+}
+
+// Promise (Hooks.OnContention): it "is called when an acquire finds a key
+// held: ... a blocking acquire that starts to wait". A Client that reports
+// contention keeps the try before the wait for a key contended a moment
+// ago, so its event comes while it waits, and also when its ctx ends the
+// wait. Promise (Lock, RELIABILITY): an acquire cancelled mid-wait leaves
+// no lock behind, on that path and on the one statement that tries and
+// waits (a Client without OnContention), and once the holder unlocks, the
+// key is free. Read back from pg_locks.
+func TestContendedDirectWaitReportedAndCancelled(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	var rec recorder
+	holder := newTestClient(t, dsn)
+	c := newTestClient(t, dsn, WithHooks(rec.hooks()))
+	c.contention.memory = time.Hour // the test's pace does not matter
+	k := Int64Key(7301)
+	c.contention.note(k) // found held elsewhere a moment ago
+
+	h, err := holder.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Control: a shared acquire of the same key (not the one-statement
+	// path) reports its contention while it waits.
+	var ctl recorder
+	cc := newTestClient(t, dsn, WithHooks(ctl.hooks()))
+	cc.contention.memory = time.Hour
+	cc.contention.note(k)
+	rctx, rcancel := context.WithCancel(ctx)
+	rch := goLock(func() (*Lock, error) { return cc.RLock(rctx, k) })
+	if !pgtest.Poll(testTimeout, func() bool { return ctl.contentionCount() == 1 }) {
+		t.Fatalf("control: OnContention: %d events while an RLock waits, want 1", ctl.contentionCount())
+	}
+	stillWaiting(t, rch)
+	rcancel()
+	if r := receive(t, rch); !errors.Is(r.err, context.Canceled) {
+		t.Fatalf("control: RLock cancelled mid-wait = %v, %v", r.l, r.err)
+	}
+
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	ch := goLock(func() (*Lock, error) { return c.Lock(wctx, k) })
+	if q := waitingQuery(t, dsn, k); strings.Contains(q, "CASE WHEN") {
+		t.Fatalf("the contended Lock of a Client with OnContention waits in %q, want the wait after a try", q)
+	}
+	stillWaiting(t, ch)
+	if !pgtest.Poll(5*time.Second, func() bool { return rec.contentionCount() >= 1 }) {
+		t.Errorf("OnContention: no event in 5s while the blocking Lock of %v waits on the server (pg_locks shows it waiting); want one when it starts to wait", k)
+	}
+	cancel()
+	r := receive(t, ch)
+	if !errors.Is(r.err, context.Canceled) {
+		t.Fatalf("Lock cancelled mid-wait = %v, %v; want context.Canceled", r.l, r.err)
+	}
+	// Nothing of c's stays on the key: only the holder.
+	heldOnlyBy(t, dsn, k, h.s.PID())
+	if n := waitingOn(t, dsn, k); n != 0 {
+		t.Fatalf("pg_locks: %d backends still wait for %v after the cancelled Lock returned", n, k)
+	}
+	if !pgtest.Poll(5*time.Second, func() bool { return rec.contentionCount() == 1 }) {
+		t.Errorf("OnContention: %d events after a blocking Lock that waited and was cancelled, want 1", rec.contentionCount())
+	}
+
+	// The one statement that tries and waits, cancelled mid-wait.
+	d := newTestClient(t, dsn)
+	d.contention.memory = time.Hour
+	d.contention.note(k)
+	dctx, dcancel := context.WithCancel(ctx)
+	defer dcancel()
+	dch := goLock(func() (*Lock, error) { return d.Lock(dctx, k) })
+	if q := waitingQuery(t, dsn, k); !strings.Contains(q, "CASE WHEN pg_try_advisory_lock(") {
+		t.Fatalf("the contended Lock waits in %q, want the statement that tries and waits", q)
+	}
+	stillWaiting(t, dch)
+	dcancel()
+	if r := receive(t, dch); !errors.Is(r.err, context.Canceled) {
+		t.Fatalf("Lock cancelled mid-wait in the one statement = %v, %v; want context.Canceled", r.l, r.err)
+	}
+	heldOnlyBy(t, dsn, k, h.s.PID())
+	if n := waitingOn(t, dsn, k); n != 0 {
+		t.Fatalf("pg_locks: %d backends still wait for %v after the cancelled Lock returned", n, k)
+	}
+
+	mustUnlock(t, h)
+	notHeld(t, dsn, k)
+	l, err := c.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	heldOnlyBy(t, dsn, k, l.s.PID())
+	mustUnlock(t, l)
+	notHeld(t, dsn, k)
+}
+
+// Promise (Client.take, RELIABILITY): a blocking acquire whose backend is
+// lost while it waits tries again until it gets the key; (OnContention) an
+// acquire that waited is reported, once. The backend that waits in the
+// statement that tries and waits is terminated mid-wait.
+func TestContendedDirectWaitBackendTerminated(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	var rec recorder
+	holder := newTestClient(t, dsn)
+	c := newTestClient(t, dsn, WithHooks(rec.hooks()))
+	c.contention.memory = time.Hour
+	k := Int64Key(7302)
+	c.contention.note(k)
+
+	h, err := holder.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch := goLock(func() (*Lock, error) { return c.Lock(ctx, k) })
+	first := waiterPID(t, dsn, k)
+	pgtest.Terminate(t, dsn, first)
+	// It waits again, on another backend.
+	second := waiterPID(t, dsn, k, first)
+	stillWaiting(t, ch)
+	mustUnlock(t, h)
+	r := receive(t, ch)
+	if r.err != nil {
+		t.Fatalf("Lock after its waiting backend %d was terminated: %v", first, r.err)
+	}
+	heldOnlyBy(t, dsn, k, r.l.s.PID())
+	if r.l.s.PID() != second {
+		t.Logf("granted on backend %d, which waited second was %d", r.l.s.PID(), second)
+	}
+	if !pgtest.Poll(5*time.Second, func() bool { return rec.contentionCount() == 1 }) {
+		t.Errorf("OnContention: %d events for one blocking Lock that waited (twice, on backends %d and %d), want 1", rec.contentionCount(), first, second)
+	}
+	mustUnlock(t, r.l)
+	notHeld(t, dsn, k)
+
+	// The same on the one statement that tries and waits (a Client
+	// without OnContention).
+	d := newTestClient(t, dsn)
+	d.contention.memory = time.Hour
+	d.contention.note(k)
+	if h, err = holder.Lock(ctx, k); err != nil {
+		t.Fatal(err)
+	}
+	dch := goLock(func() (*Lock, error) { return d.Lock(ctx, k) })
+	if q := waitingQuery(t, dsn, k); !strings.Contains(q, "CASE WHEN pg_try_advisory_lock(") {
+		t.Fatalf("the contended Lock waits in %q, want the statement that tries and waits", q)
+	}
+	first = waiterPID(t, dsn, k)
+	pgtest.Terminate(t, dsn, first)
+	waiterPID(t, dsn, k, first)
+	stillWaiting(t, dch)
+	mustUnlock(t, h)
+	r = receive(t, dch)
+	if r.err != nil {
+		t.Fatalf("Lock after its waiting backend %d was terminated: %v", first, r.err)
+	}
+	heldOnlyBy(t, dsn, k, r.l.s.PID())
+	mustUnlock(t, r.l)
+	notHeld(t, dsn, k)
+}
+
+// Promise (PairKey): pair keys never conflict with bigint keys; (contention)
+// a key that shares a slot of the contention table with a contended one
+// "only takes that path too, which costs it nothing". A pair key and the
+// bigint key with the same 64 bits share the slot and its remembered value:
+// each must be taken at once while the other is held elsewhere, and
+// pg_locks must show exactly the key asked for. WithFence on the contended path: the fence of a handoff
+// grows. (A Client without OnContention, which takes that path.)
+func TestContendedPairKeysAndFence(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	if err := Migrate(ctx, pgtest.Pool(t, dsn)); err != nil {
+		t.Fatal(err)
+	}
+	holder := newTestClient(t, dsn)
+	c := newTestClient(t, dsn)
+	c.contention.memory = time.Hour
+	p := PairKey(12, 34)
+	i := Int64Key(p.v)
+	if c.contention.slot(p) != c.contention.slot(i) {
+		t.Fatal("the pair key and the bigint key of the same bits do not share a slot")
+	}
+
+	// The pair key is contended.
+	c.contention.note(p)
+	hp, err := holder.Lock(ctx, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The bigint key is free, though its slot says contended.
+	li, err := c.Lock(ctx, i)
+	if err != nil {
+		t.Fatal(err)
+	}
+	heldOnlyBy(t, dsn, i, li.s.PID())
+	heldOnlyBy(t, dsn, p, hp.s.PID())
+	mustUnlock(t, li)
+	mustUnlock(t, hp)
+
+	// The bigint key is contended; the pair key is free.
+	c.contention.note(i)
+	hi, err := holder.Lock(ctx, i)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lp, err := c.Lock(ctx, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	heldOnlyBy(t, dsn, p, lp.s.PID())
+	heldOnlyBy(t, dsn, i, hi.s.PID())
+	mustUnlock(t, lp)
+
+	// A fenced Lock of the contended bigint key waits in the statement
+	// that tries and waits, and gets a larger fence than the holder's.
+	mustUnlock(t, hi)
+	hf, err := holder.Lock(ctx, i, WithFence())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.contention.note(i)
+	ch := goLock(func() (*Lock, error) { return c.Lock(ctx, i, WithFence()) })
+	if q := waitingQuery(t, dsn, i); !strings.Contains(q, "CASE WHEN") {
+		t.Fatalf("the contended fenced Lock waits in %q, want the statement that tries and waits", q)
+	}
+	mustUnlock(t, hf)
+	r := receive(t, ch)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if r.l.Fence() <= hf.Fence() {
+		t.Fatalf("fence after the handoff %d, want more than the holder's %d", r.l.Fence(), hf.Fence())
+	}
+	heldOnlyBy(t, dsn, i, r.l.s.PID())
+	mustUnlock(t, r.l)
+	notHeld(t, dsn, i)
+	notHeld(t, dsn, p)
+}
+
+// Promise (backends.go): "A Client uses at most WithSharedBackends +
+// WithMaxWaits connections ... for its locks, whatever the number of keys
+// it holds", and its limits "delay an acquire but never deadlock": with
+// thousands of keys held, spread over backends, blocking acquires of keys
+// held elsewhere still get them once they are free, whether they can wait
+// on a backend or must poll. Connections are counted in pg_stat_activity
+// by application_name; keys in pg_locks.
+func TestManyKeysBoundsAndWaits(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ shared, waits, keys int }{
+		{1, 1, 2*spreadAbove + 10},
+		{1, 2, 3*spreadAbove + 10},
+	} {
+		t.Run(fmt.Sprintf("shared=%d,waits=%d", tc.shared, tc.waits), func(t *testing.T) {
+			t.Parallel()
+			ctx := testCtx(t)
+			dsn := pgtest.DB(t)
+			pool := pgtest.Pool(t, dsn)
+			app := fmt.Sprintf("manykeys-spread-%d-%d", tc.shared, tc.waits)
+			limit := tc.shared + tc.waits
+			other := newTestClient(t, dsn)
+			c := newTestClient(t, dsn, WithSharedBackends(tc.shared), WithMaxWaits(tc.waits), WithApplicationName(app))
+			locks := make([]*Lock, 0, tc.keys)
+			for i := range tc.keys {
+				l, err := c.TryLock(ctx, Int64Key(int64(200_000+i)))
+				if err != nil {
+					t.Fatalf("TryLock %d: %v", i, err)
+				}
+				locks = append(locks, l)
+			}
+			if n := appConnections(t, pool, app); n > limit {
+				t.Fatalf("%d connections with %d keys held, want at most %d", n, tc.keys, limit)
+			}
+			// Blocking acquires of keys held elsewhere, two at a time, more
+			// than the Client has waits: each gets its key once it is free.
+			for round := range 3 {
+				ks := []Key{Int64Key(int64(300_000 + 2*round)), Int64Key(int64(300_001 + 2*round))}
+				var hs []*Lock
+				var chs []<-chan result
+				for _, k := range ks {
+					h, err := other.Lock(ctx, k)
+					if err != nil {
+						t.Fatal(err)
+					}
+					hs = append(hs, h)
+					chs = append(chs, goLock(func() (*Lock, error) { return c.Lock(ctx, k) }))
+				}
+				for _, ch := range chs {
+					stillWaiting(t, ch)
+				}
+				if n := appConnections(t, pool, app); n > limit {
+					t.Fatalf("round %d: %d connections while acquires wait, want at most %d", round, n, limit)
+				}
+				for i, h := range hs {
+					mustUnlock(t, h)
+					r := receive(t, chs[i])
+					if r.err != nil {
+						t.Fatalf("round %d: blocking Lock of %v: %v", round, ks[i], r.err)
+					}
+					heldOnlyBy(t, dsn, ks[i], r.l.s.PID())
+					locks = append(locks, r.l)
+				}
+			}
+			held := 0
+			for _, hs := range lockState(t, dsn) {
+				for _, h := range hs {
+					if h.granted {
+						held++
+					}
+				}
+			}
+			if held != len(locks) {
+				t.Fatalf("pg_locks: %d keys held, want %d", held, len(locks))
+			}
+			if n, st := appConnections(t, pool, app), c.Stat(); n > limit || st.Backends > limit {
+				t.Fatalf("%d connections (Stat: %+v), want at most %d", n, st, limit)
+			}
+			for _, l := range locks {
+				mustUnlock(t, l)
+			}
+			if n := len(lockState(t, dsn)); n != 0 {
+				t.Fatalf("%d keys still locked after unlocking all", n)
+			}
+		})
+	}
 }

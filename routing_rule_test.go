@@ -1,7 +1,15 @@
 package pgcoord
 
+// Tests of the rule that keeps a Client's shared backends free of spurious
+// deadlocks (backends.go): a fence, a term or a semaphore's grant never joins
+// a row's queue on a backend that holds other keys, and a wait never takes a
+// backend the rule reserves, so no goroutine sees ErrDeadlock unless its
+// application has a lock cycle. Each test reads the outcome back from
+// pg_locks.
+
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -663,4 +671,145 @@ func TestQueueHeadAwaitTakesTheOnlyWait(t *testing.T) {
 	mustUnlock(t, r.l)
 	mustUnlock(t, zl)
 	notHeld(t, dsn, sem.queueKey())
+}
+
+// Promise (doc.go, "Locks that live as long as a connection"; backends.go):
+// no goroutine sees ErrDeadlock unless its application has a lock cycle.
+//
+// Here there is none: goroutine A holds X; the application's write
+// transaction T checked Y's fence (it holds the fence row) and then wants X,
+// so it waits for A; goroutine C takes Y with WithFence, so its fence waits
+// for T. A waits for nothing, so everybody gets through once A unlocks. But
+// C's fence runs on the shared backend that holds A's X, and to PostgreSQL
+// that backend holds X and waits for T, which waits for X: a cycle.
+func TestFenceWaitSeesNoDeadlockWithoutCycle(t *testing.T) {
+	ctx := testCtx(t)
+	dsn, pool := migratedPool(t, ctx, DefaultSchema)
+	c := newTestClientOn(t, pool, WithSharedBackends(1))
+	x, y := Int64Key(7001), Int64Key(7002)
+
+	// A fence exists for Y: an earlier holder took it with a fence.
+	first, err := c.Lock(ctx, y, WithFence())
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldFence := first.Fence()
+	mustUnlock(t, first)
+
+	// Goroutine A holds X.
+	lx, err := c.Lock(ctx, x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b1 := lx.s.PID()
+
+	// The application's write transaction checks Y's fence.
+	obs := pgtest.Conn(t, dsn)
+	tconn := pgtest.Conn(t, dsn)
+	tx, err := tconn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// T's statements run on one goroutine at a time: the cleanup lets A's
+	// X go, waits for T's XactLock to return, then rolls T back.
+	tch := make(chan errResult, 1)
+	tStarted := false
+	t.Cleanup(func() {
+		if tStarted {
+			if lx.Err() == nil {
+				_ = lx.Unlock(context.Background())
+			}
+			select {
+			case r := <-tch:
+				tch <- r
+			case <-time.After(testTimeout):
+			}
+		}
+		_ = tx.Rollback(context.Background())
+	})
+	if err := CheckFence(ctx, tx, y, oldFence); err != nil {
+		t.Fatal(err)
+	}
+
+	// Goroutine C takes Y with a fence: the fence waits for T.
+	cch := make(chan result, 1)
+	go func() {
+		l, err := c.Lock(ctx, y, WithFence())
+		cch <- result{l, err}
+	}()
+	// The fence waits for T's row: first on the shared backend, then, if
+	// T has not ended within a glance, on a backend of C's Client that
+	// holds nothing. Either way a backend of the Client waits for a lock.
+	pgtest.Eventually(t, 10*time.Second, "C's fence to wait for T", func() bool {
+		var n int
+		err := obs.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND application_name = 'pgcoord' AND wait_event_type = 'Lock'`).Scan(&n)
+		if err != nil {
+			t.Fatalf("read pg_stat_activity: %v", err)
+		}
+		return n > 0
+	})
+
+	// T now wants X, which A holds: T waits for A.
+	tStarted = true
+	go func() {
+		err := XactLock(ctx, tx, x)
+		tch <- errResult{err, time.Now()}
+	}()
+	pgtest.Eventually(t, 10*time.Second, "T to wait for X", func() bool {
+		return waitingOn(t, dsn, x) == 1
+	})
+
+	// Nobody may see a deadlock. Wait three deadlock_timeouts (1s each by
+	// default) for an error that must not come.
+	var cRes *result
+	var tRes *errResult
+	select {
+	case r := <-cch:
+		cRes = &r
+	case r := <-tch:
+		tRes = &r
+	case <-time.After(3 * time.Second):
+	}
+	if cRes != nil && cRes.err != nil {
+		t.Fatalf("broken promise: goroutine C's Lock(Y, WithFence) failed with %v (ErrDeadlock: %v) although no goroutine or transaction has a lock cycle: "+
+			"C waits for T, T waits for A, A waits for nothing. C's fence ran on the shared backend %d that holds A's X, so the server saw that backend hold X and wait for T, and T wait for X",
+			cRes.err, errors.Is(cRes.err, ErrDeadlock), b1)
+	}
+	if tRes != nil && tRes.err != nil {
+		t.Fatalf("broken promise: the application's XactLock(X) in T failed with %v (ErrDeadlock: %v) although nobody has a lock cycle: "+
+			"C's fence ran on the shared backend %d that holds A's X, so the server saw that backend hold X and wait for T",
+			tRes.err, errors.Is(tRes.err, ErrDeadlock), b1)
+	}
+	if cRes != nil {
+		t.Fatalf("C got Y before T ended: %+v", cRes)
+	}
+
+	// No deadlock: A unlocks, T gets X and commits, C gets its fence.
+	mustUnlock(t, lx)
+	var tr errResult
+	if tRes != nil {
+		tr = *tRes
+	} else {
+		select {
+		case tr = <-tch:
+		case <-time.After(testTimeout):
+			t.Fatal("T did not get X after A unlocked it")
+		}
+	}
+	tStarted = false // T's XactLock has returned: nothing for the cleanup to wait for
+	if tr.err != nil {
+		t.Fatalf("T's XactLock: %v", tr.err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	cr := receive(t, cch)
+	if cr.err != nil {
+		t.Fatalf("C's Lock: %v", cr.err)
+	}
+	if cr.l.Fence() <= oldFence {
+		t.Fatalf("C's fence %d is not newer than %d", cr.l.Fence(), oldFence)
+	}
+	mustUnlock(t, cr.l)
 }

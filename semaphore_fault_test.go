@@ -964,3 +964,38 @@ func TestSemaphoreFaultFailover(t *testing.T) {
 	}
 	mustRelease(t, r.p)
 }
+
+// A permit whose backend was terminated, released before its session has
+// noticed: Release says the permit was lost (ErrLockLost), as documented.
+// Permit.Err must then say so too ("an error wrapping ErrLockLost ... if
+// the permit was lost"), not that it was released.
+func TestSemaphoreLostPermitReleasedReportsLoss(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	c := newTestClient(t, dsn, WithHeartbeat(5*time.Second), WithLossDeadline(15*time.Second))
+	s := c.Semaphore("lost-then-released", 1)
+	p, err := s.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := p.l.s.PID()
+	pgtest.Terminate(t, dsn, pid)
+	// Whether or not the session has noticed the termination yet (with
+	// H = 5 s it rarely has), Release and Err must both report the loss.
+	rerr := p.Release(ctx)
+	if !errors.Is(rerr, ErrLockLost) {
+		t.Fatalf("Release of a permit whose backend was terminated = %v, want ErrLockLost", rerr)
+	}
+	select {
+	case <-p.Done():
+	default:
+		t.Fatal("Done is not closed after Release returned")
+	}
+	if hs, err := s.Holders(ctx); err != nil || len(hs) != 0 {
+		t.Fatalf("Holders = %+v, %v; want none", hs, err)
+	}
+	if err := p.Err(); !errors.Is(err, ErrLockLost) {
+		t.Errorf("Permit.Err() = %v after its backend was terminated and Release returned %q; want an error wrapping ErrLockLost (the permit was lost, not released)", err, rerr)
+	}
+}

@@ -1,5 +1,10 @@
 package pgcoord
 
+// Tests of semaphores (Client.Semaphore, Acquire, TryAcquire, Release,
+// Holders, SetLimit): permits, rows and pg_locks agree, the limit holds,
+// waiters are served in line order and fairly, and an Acquire that fails or
+// is cancelled leaves nothing behind.
+
 import (
 	"context"
 	"errors"
@@ -959,4 +964,81 @@ func TestSemaphoreServesInLineOrder(t *testing.T) {
 		}
 	}
 	mustRelease(t, p)
+}
+
+// An Acquire at the head of the queue whose grant statement waits for the
+// semaphore's row, which an uncommitted raise of the limit holds, has its
+// ctx cancelled during that wait; the raise then commits. "If Acquire
+// returns an error it holds nothing": no slot, no queue key, no row; and
+// the raised limit is there for the next acquire.
+func TestSemaphoreCancelWhileRowLockedLeavesNothing(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, pool := semaphoreDB(t)
+	const name = "cancel-row-locked"
+	a := newTestClient(t, dsn).Semaphore(name, 1)
+	b := newTestClient(t, dsn).Semaphore(name, 1)
+	held := mustAcquire(t, a, true)
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		p, err := b.Acquire(wctx)
+		if p != nil {
+			_ = p.Release(ctx)
+		}
+		done <- err
+	}()
+	pgtest.Eventually(t, testTimeout, "the Acquire heads the queue", func() bool {
+		_, queued := slotLocks(t, dsn, a)
+		return queued
+	})
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	if _, err := tx.Exec(ctx, `UPDATE pgcoord.semaphores SET "limit" = 2 WHERE name = $1`, name); err != nil {
+		t.Fatal(err)
+	}
+	// The head of a semaphore of limit 1 waits for slot 0 on the server
+	// and looks at the row again only when told the limit changed, which
+	// the raise will tell at its commit: tell it now, as often as it takes
+	// (the wait may start just after a notice), and its grant waits for
+	// the row.
+	pgtest.Eventually(t, testTimeout, "the head's grant waits for the semaphore's row", func() bool {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND wait_event IN ('transactionid', 'tuple') AND query LIKE '%semaphore_acquire%'`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n == 0 {
+			if _, err := pool.Exec(ctx, "SELECT pg_notify($1, $2)", semaphoreChannel, a.payload+"limit"); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return n >= 1
+	})
+	cancel()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("Acquire = %v, want context.Canceled", err)
+		}
+	case <-time.After(testTimeout):
+		t.Fatal("Acquire did not return after its ctx was cancelled")
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	slots, queued := slotLocks(t, dsn, a)
+	if len(slots) != 1 || slots[held.Slot()] != held.l.s.pid || queued {
+		t.Fatalf("pg_locks after a cancelled Acquire: slots %v, queue %v; want only the holder's", slots, queued)
+	}
+	if n := holderRows(t, pool, name); n != 1 {
+		t.Fatalf("%d holder rows, want the holder's only", n)
+	}
+	p := mustAcquire(t, b, true)
+	mustRelease(t, p)
+	mustRelease(t, held)
 }
