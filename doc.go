@@ -82,11 +82,23 @@
 //
 // # Errors
 //
-// Every error that pgcoord makes starts with "pgcoord: " once (Do and InTx
-// return the callback's own error as it is). Test for the sentinels
-// ([ErrLocked], [ErrLockLost], [ErrClosed], ...) with errors.Is; errors
-// that came from PostgreSQL keep the *pgconn.PgError reachable with
-// errors.As.
+// Every error that pgcoord makes reads, on one line,
+//
+//	pgcoord: <operation> <subject>: <cause>
+//
+// for example "pgcoord: try lock int64:42: key is locked by another
+// holder", "pgcoord: campaign election "jobs": context deadline exceeded".
+// The operation is what was asked, in lower-case words (lock, try lock,
+// unlock, xact lock, campaign, acquire, release, check fence, ...); the
+// subject is what it was asked of: the keys as [Key.String] writes them
+// (a list in brackets), election "name", semaphore "name", or backend N;
+// the cause is the sentinel's text, then what PostgreSQL or the network
+// said. When the caller's ctx ended a wait, the cause is ctx's error (or
+// the cause given to its cancel), not the statement pgcoord cancelled to
+// honour it. Do and InTx return the callback's own error as it is. Test
+// for the sentinels ([ErrLocked], [ErrLockLost], [ErrClosed], ...) with
+// errors.Is; errors that came from PostgreSQL keep the *pgconn.PgError
+// reachable with errors.As.
 //
 // # Locks that live as long as a transaction
 //
