@@ -3,12 +3,15 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"reflect"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/puddle/v2"
 )
 
 // A Client takes locks on behalf of one process. Locks are held on
@@ -55,13 +58,38 @@ type Client struct {
 }
 
 // New returns a Client that uses pool's connection settings. The pool stays
-// the caller's: Close does not close it. New does not touch the network.
-// It returns an error for a nil pool or for invalid or conflicting options.
+// the caller's: Close does not close it, and the Client needs it open. New
+// does not touch the network. It returns an error for a nil pool, one
+// wrapping [ErrClosed] for a pool that was closed, and one for invalid or
+// conflicting options.
 func New(pool *pgxpool.Pool, opts ...Option) (*Client, error) {
 	if pool == nil {
-		return nil, errors.New("pgcoord: New: pool is nil")
+		return nil, errors.New("pgcoord: new client: pool is nil")
+	}
+	if poolClosed(pool) {
+		return nil, errorf("new client: the pool was closed: %w", ErrClosed)
 	}
 	return newClient(pool, false, opts)
+}
+
+// poolClosed reports whether pool was closed. pgxpool has no method that
+// tells, and asking it for a connection would open one on an open pool, so
+// poolClosed reads the channel that pgxpool's Close closes. Should a later
+// pgx name it otherwise, poolClosed reports false and the pool's first use
+// reports the closed pool instead (onPool); TestNewRefusesClosedPool fails
+// then, so the change does not go unseen.
+func poolClosed(pool *pgxpool.Pool) bool {
+	f := reflect.ValueOf(pool).Elem().FieldByName("closeChan")
+	if !f.IsValid() || f.Type() != reflect.TypeFor[chan struct{}]() {
+		return false
+	}
+	closed := *(*chan struct{})(unsafe.Pointer(f.UnsafeAddr()))
+	select {
+	case <-closed:
+		return true
+	default:
+		return false
+	}
 }
 
 // Open makes a pool for connString and returns a Client that owns it:
@@ -170,6 +198,17 @@ func (c *Client) Close(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
+// refuseClosed returns ErrClosed once Close has begun, for calls that need
+// no tracking while they run (they hold nothing of the Client's).
+func (c *Client) refuseClosed() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return ErrClosed
+	}
+	return nil
+}
+
 // enter registers a call in flight, or returns ErrClosed.
 func (c *Client) enter() error {
 	c.mu.Lock()
@@ -211,7 +250,7 @@ func (c *Client) handoff(l *Lock) bool {
 		if _, ok := s.locks[l]; !ok || s.err != nil {
 			return nil
 		}
-		next := &Lock{s: s, keys: l.keys, gated: true, done: make(chan struct{})}
+		next := &Lock{s: s, keys: l.keys, done: make(chan struct{})} // claimed by its acquire
 		if s.c.observed() {
 			next.since = time.Now()
 		}
@@ -248,6 +287,9 @@ func (x closingContext) Value(key any) any {
 // batch.
 func (c *Client) onPool(ctx context.Context, queue func(b *pgx.Batch)) error {
 	conn, err := c.pool.Acquire(ctx)
+	if errors.Is(err, puddle.ErrClosedPool) {
+		return errorf("the pool was closed: %w", ErrClosed)
+	}
 	if err != nil {
 		return err
 	}

@@ -49,8 +49,10 @@ var (
 	// there; use XactLock, XactRLock or InTx instead.
 	ErrTransactionPooling = errors.New("pgcoord: backend changed between statements (transaction pooling?); use the Xact* functions")
 
-	// ErrClosed is returned by every method of a Client or Session after
-	// Close, and by acquires that were waiting when Close was called.
+	// ErrClosed is returned, wrapped, by every method of a Client, Session,
+	// Election or Semaphore that returns an error, once the Client's Close
+	// has begun (Close itself, called again, returns nil), by acquires that
+	// were waiting when Close was called, and by New for a closed pool.
 	ErrClosed = errors.New("pgcoord: closed")
 
 	// ErrStaleFence is returned by CheckFence when a newer fence has been

@@ -211,8 +211,12 @@ func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term, opts ...Fen
 // CheckFence is [CheckFence] in the Client's schema ([WithSchema]): it
 // returns nil if fence is the newest fence issued for key, inside tx, and
 // keeps the fence's row share-locked until tx ends. ctx bounds the query;
-// the errors are those of [CheckFence].
+// the errors are those of [CheckFence], and one wrapping [ErrClosed] after
+// Close.
 func (c *Client) CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term) error {
+	if err := c.refuseClosed(); err != nil {
+		return errorf("check fence %s: %w", key, err)
+	}
 	return checkFencePgx(ctx, c.cfg, tx, key, fence)
 }
 

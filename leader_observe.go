@@ -30,10 +30,14 @@ import (
 // be live until then. To route work to a leader, have the leader itself
 // announce when it is ready, or expect it to refuse work until its fn
 // runs. ctx bounds the query, which runs on the Client's pool. Other
-// errors: ErrNotMigrated without the tables of Migrate, and query errors.
+// errors: ErrClosed after Close, ErrNotMigrated without the tables of
+// Migrate, and query errors.
 func (e *Election) Leader(ctx context.Context) (LeaderInfo, error) {
 	if e.err != nil {
 		return LeaderInfo{}, e.err
+	}
+	if err := e.c.refuseClosed(); err != nil {
+		return LeaderInfo{}, errorf("election %q: %w", e.name, err)
 	}
 	classid, objid, _ := e.key.lockColumns()
 	var info LeaderInfo

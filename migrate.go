@@ -165,8 +165,11 @@ func Migrate(ctx context.Context, db TxBeginner, opts ...MigrateOption) error {
 
 // Migrate is [Migrate] on the Client's pool, in the Client's schema
 // ([WithSchema]) and with its logger ([WithLogger]). ctx and the errors
-// are as for [Migrate].
+// are as for [Migrate]; after Close it returns an error wrapping [ErrClosed].
 func (c *Client) Migrate(ctx context.Context) error {
+	if err := c.refuseClosed(); err != nil {
+		return errorf("migrate schema %q: %w", c.cfg.schema, err)
+	}
 	return migrate(ctx, c.cfg, c.pool)
 }
 
