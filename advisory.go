@@ -271,21 +271,26 @@ func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, tr
 	}
 	defer c.wg.Done()
 	if !c.observed() || r.internal {
-		l, _, err := c.acquireGated(ctx, s, r, false)
-		return l, err
+		return c.acquireGated(ctx, s, r, time.Time{})
 	}
 	start := time.Now()
-	l, handoff, err := c.acquireGated(ctx, s, r, true)
-	c.acquired(start, r, l, handoff, err)
+	l, err := c.acquireGated(ctx, s, r, start)
+	if err != nil {
+		c.acquired(start, r, nil, false, err) // a lock taken is reported by its claim
+	}
 	return l, err
 }
 
-// acquireGated is acquire after the checks. It reports whether the lock
-// was handed over by a releasing goroutine; observed reports contention
-// to the hooks and the logger.
-func (c *Client) acquireGated(ctx context.Context, s *Session, r request, observed bool) (*Lock, bool, error) {
+// acquireGated is acquire after the checks. A non-zero start, when the
+// acquire began, makes it report contention and the lock it takes to the
+// hooks and the logger: the lock's claim (Lock.claim) reports it while
+// the acquire owns the keys' gates, so that the hooks see the end of the
+// previous holder of a key before this acquire, and this acquire before
+// the lock's end.
+func (c *Client) acquireGated(ctx context.Context, s *Session, r request, start time.Time) (*Lock, error) {
 	ctx, cancel := c.acquireCtx(ctx)
 	defer cancel()
+	observed := !start.IsZero()
 	shared, try := r.shared, r.try
 	var queued func()
 	if observed {
@@ -312,7 +317,7 @@ func (c *Client) acquireGated(ctx context.Context, s *Session, r request, observ
 			for _, k := range r.keys[:i] {
 				c.gates.leave(k, shared)
 			}
-			return nil, false, c.acquireErr(ctx, r, err)
+			return nil, c.acquireErr(ctx, r, err)
 		}
 		if handed == nil {
 			continue
@@ -327,18 +332,24 @@ func (c *Client) acquireGated(ctx context.Context, s *Session, r request, observ
 			}
 			if err != nil {
 				handed.unreported.Store(true) // the acquire fails: no release to report
-				_ = handed.Unlock(ctx)
+				if handed.claim(time.Time{}, r, true) {
+					_ = handed.Unlock(ctx) // leaves the key's gate, or hands the lock on
+				} else {
+					c.gates.leave(k, shared) // it ended before the claim
+				}
 				if errorIsLoss(err) && ctx.Err() == nil {
-					// The backend was lost with the lock handed over, which
-					// left the key's gate: queue for the key again, and take
-					// it on another backend.
+					// The backend was lost with the lock handed over: queue
+					// for the key again, and take it on another backend.
 					i--
 					continue
 				}
-				return nil, false, c.acquireErr(ctx, r, err)
+				return nil, c.acquireErr(ctx, r, err)
 			}
 		}
-		return handed, true, nil
+		if !handed.claim(start, r, true) {
+			c.gates.leave(k, shared) // it ended before the claim
+		}
+		return handed, nil
 	}
 	var l *Lock
 	var err error
@@ -347,16 +358,16 @@ func (c *Client) acquireGated(ctx context.Context, s *Session, r request, observ
 	} else {
 		l, err = c.take(ctx, r)
 	}
-	if err != nil || !l.claimGates() {
+	if err != nil || !l.claim(start, r, false) {
 		c.leaveAll(r)
 	}
 	if err != nil {
 		if observed && try && errors.Is(err, ErrLocked) {
 			c.contended(r, false)
 		}
-		return nil, false, c.acquireErr(ctx, r, err)
+		return nil, c.acquireErr(ctx, r, err)
 	}
-	return l, false, nil
+	return l, nil
 }
 
 func (c *Client) leaveAll(r request) {

@@ -17,7 +17,8 @@ import (
 // Handoff: when an exclusive holder releases a key and the first goroutine
 // waiting at the gate wants it exclusively on a backend that can take it
 // over, the lock is passed on without a round trip: the backend keeps the
-// key, the old handle ends, then the new one is delivered. At most
+// key, the old handle ends and its release is reported, then the new one
+// is delivered, and its acquire claims it (see Lock.claim). At most
 // maxHandoffs consecutive handoffs, within handoffWindow of the key being
 // taken from the server, are allowed; after that the key is released on
 // the server, so that waiters in other processes get their turn.
@@ -46,9 +47,11 @@ type gateWaiter struct {
 
 // enter waits until the gate of k admits a reader (shared) or a writer,
 // or until ctx is done. try makes it return false at once instead of
-// waiting. queued, if not nil, is called when enter starts to wait. It returns a non-nil lock when a holder handed one over (then
-// the caller owns that lock instead of the gate). The caller must call
-// leave(k, shared) once admitted without a lock.
+// waiting. queued, if not nil, is called when enter starts to wait. It
+// returns a non-nil lock when a holder handed one over: the caller still
+// owns the gate until its claim of the lock (Lock.claim) passes the gate
+// to the lock, and leaves the gate itself if the claim fails. The caller
+// must call leave(k, shared) once admitted without a lock.
 func (g *gates) enter(ctx context.Context, k Key, shared, try bool, accept func(*Lock) bool, queued func()) (*Lock, bool, error) {
 	g.mu.Lock()
 	if g.m == nil {
@@ -115,29 +118,36 @@ func (g *gates) leave(k Key, shared bool) {
 
 // handoff passes l, an exclusive single-key lock being released, to the
 // first waiter at its gate if that is allowed, and reports whether it did.
+// l's release is reported to the hooks before the waiter gets the lock, so
+// that it comes before the waiter's acquire.
 func (g *gates) handoff(l *Lock, transfer func() *Lock) bool {
 	if l.shared || len(l.keys) != 1 || g.maxHandoffs == 0 {
 		return false
 	}
 	k := l.keys[0]
 	g.mu.Lock()
-	defer g.mu.Unlock()
 	e := g.m[k]
 	if e == nil || len(e.queue) == 0 || !e.writer {
+		g.mu.Unlock()
 		return false
 	}
 	w := e.queue[0]
 	if w.shared || w.accept == nil || !w.accept(l) ||
 		e.handoffs >= g.maxHandoffs || time.Since(e.since) >= g.handoffWindow {
+		g.mu.Unlock()
 		return false
 	}
 	next := transfer()
 	if next == nil {
+		g.mu.Unlock()
 		return false
 	}
 	e.handoffs++
 	e.queue = e.queue[1:]
+	// Admitted: a waiter whose ctx ends now waits for the send below.
 	w.admitted = true
+	g.mu.Unlock()
+	l.released(true, nil)
 	w.ready <- next
 	return true
 }

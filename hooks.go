@@ -430,6 +430,16 @@ func (l *Lock) released(handoff bool, err error) {
 	}
 }
 
+// reportEnd reports the end of l with its session: a release when the
+// session was closed, else a loss.
+func (l *Lock) reportEnd(why error) {
+	if errors.Is(why, ErrClosed) {
+		l.released(false, why)
+	} else {
+		l.lost(why)
+	}
+}
+
 // lost reports a lock that ended with its session's loss. The session's
 // loss is logged once, at Warn, by the session.
 func (l *Lock) lost(err error) {

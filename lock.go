@@ -22,7 +22,8 @@ type Lock struct {
 	mu        sync.Mutex
 	err       error // nil while held
 	releasing bool  // Unlock has begun
-	gated     bool  // the lock, not its acquire, owns its keys' in-process gates
+	gated     bool  // claimed: the lock, not its acquire, owns its keys' in-process gates (see claim)
+	endUntold bool  // it ended before its claim, which reports the end after the acquire
 	done      chan struct{}
 }
 
@@ -60,14 +61,16 @@ func (l *Lock) Err() error {
 	return l.err
 }
 
-// finish records why the lock ended and closes Done. It reports whether
-// this call ended the lock.
-func (l *Lock) finish(why error) bool { return l.finishThen(why, nil) }
+// finish records why the lock ended and closes Done; it neither leaves
+// the keys' gates nor reports to the hooks. It reports whether this call
+// ended the lock.
+func (l *Lock) finish(why error) bool { return l.finishThen(why, false, nil) }
 
 // finishThen is finish that runs then, if this call ends the lock, before
-// Done closes; then learns whether the lock owned its keys' gates when it
-// ended (see claimGates).
-func (l *Lock) finishThen(why error, then func(gated bool)) bool {
+// Done closes; then learns whether the lock was claimed when it ended
+// (see claim). With report, an end before the claim is left for the claim
+// to report, after the acquire.
+func (l *Lock) finishThen(why error, report bool, then func(gated bool)) bool {
 	l.mu.Lock()
 	if l.err != nil {
 		l.mu.Unlock()
@@ -75,6 +78,7 @@ func (l *Lock) finishThen(why error, then func(gated bool)) bool {
 	}
 	l.err = why
 	gated := l.gated
+	l.endUntold = report && !gated
 	l.mu.Unlock()
 	if then != nil {
 		then(gated)
@@ -86,27 +90,58 @@ func (l *Lock) finishThen(why error, then func(gated bool)) bool {
 // end finishes the lock and lets the next goroutine of this Client at its
 // keys. The keys' gates are left before Done closes, so a caller that sees
 // Done closed can take the keys again in this process at once. A lock that
-// ends before its acquire has handed it over (claimGates) leaves the gates
-// to the acquire.
-func (l *Lock) end(why error) {
-	l.finishThen(why, func(gated bool) {
+// ends before its acquire has claimed it leaves the gates to the acquire.
+// end reports nothing to the hooks; see endReported.
+func (l *Lock) end(why error) { l.endThen(why, false) }
+
+// endReported is end for a lock that ends with its session: when report
+// is set, its end is reported to the hooks (a release for ErrClosed, else
+// a loss) before its gates let the next goroutine in, so that no acquire
+// of the keys is reported before it; a lock not claimed yet is reported
+// by its claim, after its acquire.
+func (l *Lock) endReported(why error, report bool) { l.endThen(why, report) }
+
+func (l *Lock) endThen(why error, report bool) {
+	l.finishThen(why, report, func(gated bool) {
 		if !gated {
 			return
 		}
-		for _, k := range l.keys {
-			l.s.c.gates.leave(k, l.shared)
+		if report {
+			l.reportEnd(why)
 		}
+		l.leaveGates()
 	})
 }
 
-// claimGates makes l, about to be returned by its acquire, the owner of its
-// keys' gates. It reports false if l has ended already: the gates are
-// still the acquire's to leave.
-func (l *Lock) claimGates() bool {
+func (l *Lock) leaveGates() {
+	for _, k := range l.keys {
+		l.s.c.gates.leave(k, l.shared)
+	}
+}
+
+// claim makes l, about to be returned by its acquire, the owner of its
+// keys' gates, and reports the acquire to the hooks unless start is zero
+// (the acquire is not observed): under l.mu, so that l's end is never
+// reported before its acquire, and while the acquire still owns the keys'
+// gates, so that the previous holder's end, reported before it left them,
+// comes first. It reports false if l has ended already: the gates are
+// still the acquire's to leave, and l's end is reported here, right after
+// the acquire.
+func (l *Lock) claim(start time.Time, r request, handoff bool) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.gated = l.err == nil
-	return l.gated
+	if !start.IsZero() {
+		l.s.c.acquired(start, r, l, handoff, nil)
+	}
+	if l.err != nil {
+		if l.endUntold {
+			l.endUntold = false
+			l.reportEnd(l.err)
+		}
+		return false
+	}
+	l.gated = true
+	return true
 }
 
 // Unlock releases the lock. It works even if ctx is already cancelled: the
@@ -143,8 +178,7 @@ func (l *Lock) Unlock(ctx context.Context) error {
 
 	s := l.s
 	if s.c.handoff(l) {
-		l.released(true, nil)
-		return nil
+		return nil // the release was reported before the handoff completed
 	}
 	s.state.Lock()
 	_, mine := s.locks[l]
@@ -172,8 +206,14 @@ func (l *Lock) Unlock(ctx context.Context) error {
 			}
 		}
 	}
-	l.end(ErrNotHeld)
-	l.released(false, err)
+	// The release is reported before the gates let the next goroutine of
+	// this Client in, so the hooks see it before that one's acquire.
+	l.finishThen(ErrNotHeld, false, func(gated bool) {
+		l.released(false, err)
+		if gated {
+			l.leaveGates()
+		}
+	})
 	if err != nil {
 		return errorf("unlock %s: %w", keyList(l.keys), err)
 	}

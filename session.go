@@ -223,14 +223,7 @@ func (s *Session) end(why error) bool {
 	}
 	observed := s.c.observed()
 	for l := range locks {
-		l.end(why)
-		switch {
-		case !observed:
-		case errors.Is(why, ErrClosed):
-			l.released(false, why)
-		default:
-			l.lost(why)
-		}
+		l.endReported(why, observed)
 	}
 	s.c.retire(s)
 	return true
