@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"slices"
 	"strconv"
 	"time"
 
@@ -111,12 +112,17 @@ SELECT l.classid::int8, l.objid::int8, l.objsubid, l.mode = 'ShareLock', l.grant
 FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 WHERE l.locktype = 'advisory'
 	AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, 9, l.pid`
+ORDER BY l.granted DESC, 9, l.pid`
 
 // Locks returns every advisory lock in the Client's database, held or
-// awaited, by any process: ordered by key, then holders before waiters,
-// then by Since. It reads pg_locks and pg_stat_activity in one query on a
-// connection of the Client's pool; ctx bounds it. Keys that
+// awaited, by any process. They are ordered by key, in the one order of
+// keys that [Client.LockAll] and [XactLock] take them in: bigint keys
+// ([Int64Key], [HashKey]) first, by their signed value, then pair keys
+// ([PairKey]) by a, then b, both signed; so int64:-5 comes before int64:3,
+// and every bigint key before pair:-1,0. The rows of one key come holders
+// first, then waiters, each by Since (oldest first, an unknown Since
+// last), then by PID. It reads pg_locks and pg_stat_activity in one query
+// on a connection of the Client's pool; ctx bounds it. Keys that
 // [WithKeyNames] names carry their Name. Errors: [ErrClosed] after Close,
 // and the server's error, wrapped.
 func (c *Client) Locks(ctx context.Context) ([]LockInfo, error) {
@@ -153,6 +159,9 @@ func (c *Client) Locks(ctx context.Context) ([]LockInfo, error) {
 	if err != nil {
 		return nil, pgError("list locks", err)
 	}
+	// The query orders the rows of a key; the keys' order is Go's, since
+	// pg_locks splits a key over columns that do not sort as the key does.
+	slices.SortStableFunc(locks, func(a, b LockInfo) int { return compareKeys(a.Key, b.Key) })
 	return locks, nil
 }
 

@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"testing"
@@ -123,6 +124,95 @@ func TestLocks(t *testing.T) {
 	}
 	if _, err := New(pgtest.Pool(t, dsn), WithKeyNames(map[Key]string{{}: "zero"})); !errors.Is(err, ErrInvalidKey) {
 		t.Errorf("WithKeyNames with the zero Key: %v", err)
+	}
+}
+
+// Locks lists keys in the order a reader expects and LockAll takes them:
+// bigint keys by signed value, negative first, then pair keys by (a, b),
+// signed. pg_locks splits a key over classid, objid and objsubid, whose
+// order puts a negative key after every positive one and interleaves the
+// two key spaces. Within a key, holders come before the waiter.
+func TestLocksOrderedByKey(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	a := newTestClient(t, dsn)
+	b := newTestClient(t, dsn)
+	w := newTestClient(t, dsn)
+	x := newTestClient(t, dsn)
+	// The order Locks must return, written out by hand.
+	want := []Key{
+		Int64Key(math.MinInt64),
+		Int64Key(-1 << 40),
+		Int64Key(-5),
+		Int64Key(0),
+		Int64Key(3),
+		Int64Key(1<<32 | 2), // pg_locks: classid 1, objid 2, like PairKey(1, 2)
+		Int64Key(1 << 40),
+		Int64Key(math.MaxInt64),
+		PairKey(math.MinInt32, 5),
+		PairKey(-2, 1),
+		PairKey(-1, -7),
+		PairKey(-1, 0),
+		PairKey(0, 0),
+		PairKey(1, -1),
+		PairKey(1, 2),
+		PairKey(math.MaxInt32, math.MinInt32),
+	}
+	// Taken in a scrambled order, over two Clients.
+	held := make(map[Key]*Lock)
+	for i, j := range []int{5, 12, 0, 9, 3, 15, 7, 1, 14, 10, 4, 8, 13, 2, 11, 6} {
+		c := a
+		if i%2 == 1 {
+			c = b
+		}
+		l, err := c.TryLock(ctx, want[j])
+		if err != nil {
+			t.Fatalf("TryLock %v: %v", want[j], err)
+		}
+		held[want[j]] = l
+	}
+	contended := PairKey(-1, -7)
+	waiting := goLock(func() (*Lock, error) { return w.Lock(ctx, contended) })
+	pgtest.Eventually(t, testTimeout, "the waiter to show in pg_locks", func() bool { return waitingOn(t, dsn, contended) == 1 })
+
+	got, err := x.Locks(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var keys []Key
+	for _, li := range got {
+		if slices.Contains(want, li.Key) {
+			keys = append(keys, li.Key)
+		}
+	}
+	wantRows := slices.Clone(want)
+	wantRows = slices.Insert(wantRows, slices.Index(want, contended)+1, contended)
+	if !slices.Equal(keys, wantRows) {
+		t.Fatalf("Locks listed the keys in the order\n%v\nwant\n%v", keys, wantRows)
+	}
+	if len(got) != len(wantRows) {
+		t.Errorf("Locks returned %d rows, want %d: %+v", len(got), len(wantRows), got)
+	}
+	i := slices.IndexFunc(got, func(li LockInfo) bool { return li.Key == contended })
+	if i < 0 || i+1 >= len(got) || !got[i].Granted || got[i+1].Key != contended || got[i+1].Granted {
+		t.Errorf("the rows of %v are not its holder, then its waiter: %+v", contended, got)
+	}
+	// The same rows as pg_locks, read separately.
+	for _, li := range got {
+		if grantedTo(t, dsn, li.Key) == nil {
+			t.Errorf("Locks lists %v, which pg_locks shows held by nobody", li.Key)
+		}
+	}
+
+	if err := held[contended].Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := receive(t, waiting)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if err := r.l.Unlock(ctx); err != nil {
+		t.Fatal(err)
 	}
 }
 
