@@ -4,7 +4,7 @@ import (
 	"cmp"
 	"context"
 	"embed"
-	"errors"
+	"fmt"
 	"io/fs"
 	"path"
 	"regexp"
@@ -143,12 +143,27 @@ func loadMigrations(fsys fs.FS) ([]migration, error) {
 // nothing is applied. The transaction runs at READ COMMITTED whatever the
 // default isolation level of the server, database or role.
 //
-// Privileges: CREATE on the database if the schema does not exist yet;
-// otherwise CREATE and USAGE on the schema while there is something to
-// apply. When the schema is up to date, USAGE on it and SELECT on
-// schema_version are enough, so processes running as a role without CREATE
-// can call Migrate as well. A missing privilege is reported as the server's
-// error (SQLSTATE 42501), wrapped.
+// Privileges, by what Migrate finds:
+//
+//   - No schema: CREATE on the database (it creates the schema, its
+//     tables and functions, which the role then owns).
+//   - A schema without pgcoord's tables: USAGE and CREATE on the schema.
+//   - Older versions applied (an upgrade): a migration may alter tables
+//     that exist (000004 and 000005 add columns to leaders), which
+//     PostgreSQL allows only to a table's owner. So an upgrade must run as
+//     the role that owns pgcoord's tables in the schema, or a member of
+//     it, with USAGE and CREATE on the schema and SELECT and INSERT on
+//     schema_version (the role whose Migrate created the tables has all of
+//     these). CREATE and USAGE alone are not enough.
+//   - Up to date: USAGE on the schema and SELECT on schema_version, so
+//     processes running as a role that may change nothing can call Migrate
+//     at every start.
+//
+// A missing privilege fails the call, with nothing applied, with an error
+// that wraps the server's (SQLSTATE 42501) and names the step and what it
+// needs, such as:
+//
+//	pgcoord: migrate schema "pgcoord": apply 000004_resign_requests: ERROR: must be owner of table leaders (SQLSTATE 42501) (an upgrade needs the role that owns pgcoord's tables in the schema, or a member of it)
 //
 // ctx governs the whole call, including the wait for other Migrate calls to
 // finish; if it ends first, the transaction is rolled back. Options:
@@ -156,6 +171,9 @@ func loadMigrations(fsys fs.FS) ([]migration, error) {
 // Errors from PostgreSQL are wrapped, so *pgconn.PgError stays reachable with
 // errors.As.
 func Migrate(ctx context.Context, db TxBeginner, opts ...MigrateOption) error {
+	if ctx == nil {
+		return errorf("migrate: ctx is nil")
+	}
 	c, err := newMigrateConfig(opts)
 	if err != nil {
 		return err
@@ -167,6 +185,9 @@ func Migrate(ctx context.Context, db TxBeginner, opts ...MigrateOption) error {
 // ([WithSchema]) and with its logger ([WithLogger]). ctx and the errors
 // are as for [Migrate]; after Close it returns an error wrapping [ErrClosed].
 func (c *Client) Migrate(ctx context.Context) error {
+	if ctx == nil {
+		return errorf("migrate schema %q: ctx is nil", c.cfg.schema)
+	}
 	if err := c.refuseClosed(); err != nil {
 		return errorf("migrate schema %q: %w", c.cfg.schema, err)
 	}
@@ -174,22 +195,23 @@ func (c *Client) Migrate(ctx context.Context) error {
 }
 
 func migrate(ctx context.Context, c *config, db TxBeginner) error {
+	op := fmt.Sprintf("migrate schema %q", c.schema)
 	if db == nil {
-		return errors.New("pgcoord: Migrate: db is nil")
+		return errorf("%s: db is nil", op)
 	}
 	migs, err := loadMigrations(Migrations())
 	if err != nil {
 		return err
 	}
-	return c.inMigrationTx(ctx, db, func(tx pgx.Tx) error {
+	return c.inMigrationTx(ctx, db, op, func(tx pgx.Tx) error {
 		var have int64
 		var exists bool
 		if err := tx.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", c.table("schema_version")).Scan(&exists); err != nil {
-			return pgError("Migrate: look for version table", err)
+			return pgError(op+": look for schema_version", err)
 		}
 		if exists {
 			if err := tx.QueryRow(ctx, "SELECT coalesce(max(version), 0) FROM "+c.table("schema_version")).Scan(&have); err != nil {
-				return pgError("Migrate: read version", err)
+				return privilegeError(op+": read schema_version", err, "reading the version needs USAGE on the schema and SELECT on schema_version")
 			}
 		}
 		latest := migs[len(migs)-1].version
@@ -204,21 +226,28 @@ func migrate(ctx context.Context, c *config, db TxBeginner) error {
 				version    bigint      PRIMARY KEY CHECK (version > 0),
 				name       text        NOT NULL,
 				applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
-				return pgError("Migrate: create version table", err)
+				return privilegeError(op+": create schema_version", err, "creating pgcoord's tables needs USAGE and CREATE on the schema")
 			}
 			if _, err := tx.Exec(ctx, "COMMENT ON TABLE "+c.table("schema_version")+" IS 'pgcoord migrations applied by pgcoord.Migrate to this schema: one row per version.'"); err != nil {
-				return pgError("Migrate: comment version table", err)
+				return pgError(op+": comment on schema_version", err)
 			}
+		}
+		// A role that may create but does not own the tables fails at
+		// the first migration that alters one.
+		need := "an upgrade needs the role that owns pgcoord's tables in the schema, or a member of it"
+		if have == 0 {
+			need = "creating pgcoord's tables needs USAGE and CREATE on the schema"
 		}
 		for _, m := range migs {
 			if m.version <= have {
 				continue
 			}
+			step := fmt.Sprintf("%s: apply %06d_%s", op, m.version, m.name)
 			if err := c.runMigrationSQL(ctx, tx, m.up); err != nil {
-				return errorf("Migrate: apply %06d_%s.up.sql to schema %s: %w", m.version, m.name, c.quotedSchema(), err)
+				return privilegeError(step, err, need)
 			}
 			if _, err := tx.Exec(ctx, "INSERT INTO "+c.table("schema_version")+" (version, name) VALUES ($1, $2)", m.version, m.name); err != nil {
-				return pgError("Migrate: record version", err)
+				return privilegeError(fmt.Sprintf("%s: record version %d", op, m.version), err, "recording a version needs INSERT on schema_version")
 			}
 			c.infoLogger().InfoContext(ctx, "pgcoord: applied migration", "schema", c.schema, "version", m.version, "name", m.name)
 		}
@@ -236,36 +265,37 @@ func migrateDown(ctx context.Context, db TxBeginner, target int64, opts ...Migra
 	if err != nil {
 		return err
 	}
+	op := fmt.Sprintf("migrate down schema %q", c.schema)
 	if db == nil {
-		return errors.New("pgcoord: migrate down: db is nil")
+		return errorf("%s: db is nil", op)
 	}
 	if target < 0 {
-		return errorf("migrate down: target version %d is negative", target)
+		return errorf("%s: target version %d is negative", op, target)
 	}
 	migs, err := loadMigrations(Migrations())
 	if err != nil {
 		return err
 	}
-	return c.inMigrationTx(ctx, db, func(tx pgx.Tx) error {
+	return c.inMigrationTx(ctx, db, op, func(tx pgx.Tx) error {
 		var have int64
 		if err := tx.QueryRow(ctx, "SELECT coalesce(max(version), 0) FROM "+c.table("schema_version")).Scan(&have); err != nil {
-			return notMigrated(c, "migrate down: read version", err)
+			return notMigrated(c, op+": read schema_version", err)
 		}
 		if have > int64(len(migs)) {
-			return errorf("migrate down: schema %s is at version %d, newer than the %d migrations known", c.quotedSchema(), have, len(migs))
+			return errorf("%s: the schema is at version %d, newer than the %d migrations known", op, have, len(migs))
 		}
 		for i := have; i > target; i-- {
 			m := migs[i-1]
 			if err := c.runMigrationSQL(ctx, tx, m.down); err != nil {
-				return errorf("migrate down: apply %06d_%s.down.sql to schema %s: %w", m.version, m.name, c.quotedSchema(), err)
+				return pgError(fmt.Sprintf("%s: revert %06d_%s", op, m.version, m.name), err)
 			}
 			if _, err := tx.Exec(ctx, "DELETE FROM "+c.table("schema_version")+" WHERE version = $1", m.version); err != nil {
-				return pgError("migrate down: record version", err)
+				return pgError(fmt.Sprintf("%s: unrecord version %d", op, m.version), err)
 			}
 		}
 		if target == 0 {
 			if _, err := tx.Exec(ctx, "DROP TABLE "+c.table("schema_version")); err != nil {
-				return pgError("migrate down: drop version table", err)
+				return pgError(op+": drop schema_version", err)
 			}
 		}
 		return nil
@@ -274,11 +304,12 @@ func migrateDown(ctx context.Context, db TxBeginner, target int64, opts ...Migra
 
 // inMigrationTx runs fn in a READ COMMITTED transaction on db that holds the
 // migration advisory lock and in which the schema exists. The transaction is
-// committed if fn returns nil and rolled back otherwise.
-func (c *config) inMigrationTx(ctx context.Context, db TxBeginner, fn func(pgx.Tx) error) (err error) {
+// committed if fn returns nil and rolled back otherwise. op starts the
+// messages of its errors.
+func (c *config) inMigrationTx(ctx context.Context, db TxBeginner, op string, fn func(pgx.Tx) error) (err error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
-		return pgError("Migrate: begin", err)
+		return pgError(op+": begin", err)
 	}
 	defer func() {
 		if err != nil {
@@ -288,29 +319,38 @@ func (c *config) inMigrationTx(ctx context.Context, db TxBeginner, fn func(pgx.T
 	// A later snapshot must see what the previous lock holder committed, so
 	// the version read after the lock wait must not reuse an older snapshot.
 	if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"); err != nil {
-		return pgError("Migrate: needs READ COMMITTED", err)
+		return pgError(op+": set READ COMMITTED", err)
 	}
 	// The lock comes before any catalog change, so concurrent calls do not
 	// race on CREATE SCHEMA or CREATE TABLE.
 	if err := XactLock(ctx, tx, migrateKey); err != nil {
-		return errorf("Migrate: wait for other migrations: %w", err)
+		return errorf("%s: wait for other migrations: %w", op, err)
 	}
 	var exists bool
 	if err := tx.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname = $1)", c.schema).Scan(&exists); err != nil {
-		return pgError("Migrate: look for schema", err)
+		return pgError(op+": look for the schema", err)
 	}
 	if !exists {
 		if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+c.quotedSchema()); err != nil {
-			return pgError("Migrate: create schema "+c.quotedSchema(), err)
+			return privilegeError(op+": create the schema", err, "creating the schema needs CREATE on the database")
 		}
 	}
 	if err := fn(tx); err != nil {
 		return err
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return pgError("Migrate: commit", err)
+		return pgError(op+": commit", err)
 	}
 	return nil
+}
+
+// privilegeError is pgError(step, err), saying after a missing privilege
+// (SQLSTATE 42501) what the step needs.
+func privilegeError(step string, err error, need string) error {
+	if sqlState(err) == "42501" {
+		return errorf("%s: %w (%s)", step, err, need)
+	}
+	return pgError(step, err)
 }
 
 // runMigrationSQL runs the statements of one migration file with

@@ -525,3 +525,96 @@ func TestMigratePrivileges(t *testing.T) {
 		t.Fatalf("Migrate of an up-to-date schema with USAGE and SELECT only: %v", err)
 	}
 }
+
+// An upgrade alters tables that exist, which PostgreSQL allows only to
+// their owner: a role with USAGE and CREATE on the schema (and SELECT on
+// schema_version) that does not own them gets an error naming the step and
+// what it needs, and nothing is applied; recording a version needs INSERT
+// on schema_version; the role that owns the tables upgrades.
+func TestMigrateUpgradeNeedsTableOwner(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	admin := pgtest.Conn(t, dsn)
+	owner, ownerDSN := newTestRole(t, dsn, "pgcoord_owner")
+	app, appDSN := newTestRole(t, dsn, "pgcoord_app")
+	t.Cleanup(func() {
+		cctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		defer cancel()
+		if _, err := admin.Exec(cctx, "DROP SCHEMA IF EXISTS coord CASCADE; DROP OWNED BY "+owner+", "+app); err != nil {
+			t.Errorf("drop owned: %v", err)
+		}
+	})
+	var db string
+	if err := admin.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, "GRANT CREATE ON DATABASE "+pgx.Identifier{db}.Sanitize()+" TO "+owner); err != nil {
+		t.Fatal(err)
+	}
+	ownerPool, appPool := pgtest.Pool(t, ownerDSN), pgtest.Pool(t, appDSN)
+	const schema = "coord"
+	if err := Migrate(ctx, ownerPool, WithSchema(schema)); err != nil {
+		t.Fatal(err)
+	}
+	if err := migrateDown(ctx, ownerPool, 3, WithSchema(schema)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, "GRANT USAGE, CREATE ON SCHEMA coord TO "+app+"; GRANT SELECT ON coord.schema_version TO "+app); err != nil {
+		t.Fatal(err)
+	}
+	// atVersion3 checks, as the admin, that nothing of a later version
+	// is there.
+	atVersion3 := func(after string) {
+		t.Helper()
+		if vs := readVersions(t, ctx, admin, schema); len(vs) != 3 || vs[2].Version != 3 {
+			t.Fatalf("after %s schema_version holds %+v, want versions 1 to 3", after, vs)
+		}
+		var cols int
+		if err := admin.QueryRow(ctx, `SELECT count(*) FROM information_schema.columns
+			WHERE table_schema = $1 AND table_name = 'leaders' AND column_name IN ('resign_term', 'guarded')`, schema).Scan(&cols); err != nil {
+			t.Fatal(err)
+		}
+		if cols != 0 {
+			t.Fatalf("after %s leaders has %d columns of versions 4 and 5, want none", after, cols)
+		}
+	}
+
+	err := Migrate(ctx, appPool, WithSchema(schema))
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || pe.Code != "42501" {
+		t.Fatalf("Migrate by a role that does not own the tables = %v, want a wrapped 42501 error", err)
+	}
+	for _, want := range []string{`pgcoord: migrate schema "coord": apply 000004_resign_requests: `, "must be owner of table leaders", "the role that owns pgcoord's tables"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("Migrate by a role that does not own the tables = %q, want it to say %q", err, want)
+		}
+	}
+	atVersion3("a failed upgrade")
+
+	// The owner, without INSERT on schema_version.
+	if _, err := admin.Exec(ctx, "ALTER TABLE coord.schema_version OWNER TO CURRENT_USER; GRANT SELECT ON coord.schema_version TO "+owner); err != nil {
+		t.Fatal(err)
+	}
+	err = Migrate(ctx, ownerPool, WithSchema(schema))
+	if !errors.As(err, &pe) || pe.Code != "42501" {
+		t.Fatalf("Migrate without INSERT on schema_version = %v, want a wrapped 42501 error", err)
+	}
+	for _, want := range []string{`pgcoord: migrate schema "coord": record version 4: `, "INSERT on schema_version"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("Migrate without INSERT on schema_version = %q, want it to say %q", err, want)
+		}
+	}
+	atVersion3("an upgrade that could not record its version")
+
+	if _, err := admin.Exec(ctx, "GRANT INSERT ON coord.schema_version TO "+owner); err != nil {
+		t.Fatal(err)
+	}
+	if err := Migrate(ctx, ownerPool, WithSchema(schema)); err != nil {
+		t.Fatalf("Migrate by the tables' owner: %v", err)
+	}
+	wantMigrated(t, ctx, pgtest.Pool(t, dsn), schema)
+	// Up to date, the other role needs only USAGE and SELECT.
+	if err := Migrate(ctx, appPool, WithSchema(schema)); err != nil {
+		t.Fatalf("Migrate of an up-to-date schema by another role: %v", err)
+	}
+}
