@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prints the directories of the repository's modules other than the root
 # (integrations, the examples that use them, test-only modules), one per
-# line: each has a go.mod that replaces the root with its own checkout.
+# line. Each requires the others at the version being released; go.work
+# (which uses every one of them) resolves that version to the checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 git ls-files --cached --others --exclude-standard '*/go.mod' | xargs -r -n1 dirname | sort

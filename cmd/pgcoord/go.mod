@@ -2,12 +2,10 @@ module github.com/pgcoord/pgcoord/cmd/pgcoord
 
 go 1.25.0
 
-replace github.com/pgcoord/pgcoord => ../..
-
 require (
 	github.com/chromedp/chromedp v0.23.0
 	github.com/jackc/pgx/v5 v5.12.0
-	github.com/pgcoord/pgcoord v0.0.0-00010101000000-000000000000
+	github.com/pgcoord/pgcoord v0.1.0
 )
 
 require (

@@ -4,7 +4,7 @@ go 1.26.0
 
 require (
 	github.com/jackc/pgx/v5 v5.12.0
-	github.com/pgcoord/pgcoord v0.0.0
+	github.com/pgcoord/pgcoord v0.1.0
 	github.com/prometheus/client_golang v1.25.0
 )
 
@@ -23,5 +23,3 @@ require (
 	golang.org/x/text v0.42.0 // indirect
 	google.golang.org/protobuf v1.36.12 // indirect
 )
-
-replace github.com/pgcoord/pgcoord => ../..

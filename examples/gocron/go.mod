@@ -2,16 +2,11 @@ module github.com/pgcoord/pgcoord/examples/gocron
 
 go 1.25.0
 
-replace (
-	github.com/pgcoord/pgcoord => ../..
-	github.com/pgcoord/pgcoord/contrib/gocron => ../../contrib/gocron
-)
-
 require (
 	github.com/go-co-op/gocron/v2 v2.21.2
 	github.com/jackc/pgx/v5 v5.12.0
-	github.com/pgcoord/pgcoord v0.0.0-00010101000000-000000000000
-	github.com/pgcoord/pgcoord/contrib/gocron v0.0.0-00010101000000-000000000000
+	github.com/pgcoord/pgcoord v0.1.0
+	github.com/pgcoord/pgcoord/contrib/gocron v0.1.0
 )
 
 require (

@@ -4,9 +4,9 @@ go 1.26.0
 
 require (
 	github.com/jackc/pgx/v5 v5.12.0
-	github.com/pgcoord/pgcoord v0.0.0
-	github.com/pgcoord/pgcoord/contrib/otel v0.0.0
-	github.com/pgcoord/pgcoord/contrib/prometheus v0.0.0
+	github.com/pgcoord/pgcoord v0.1.0
+	github.com/pgcoord/pgcoord/contrib/otel v0.1.0
+	github.com/pgcoord/pgcoord/contrib/prometheus v0.1.0
 	github.com/prometheus/client_golang v1.25.0
 	go.opentelemetry.io/otel/exporters/prometheus v0.69.0
 	go.opentelemetry.io/otel/sdk/metric v1.47.0
@@ -36,10 +36,4 @@ require (
 	golang.org/x/sys v0.48.0 // indirect
 	golang.org/x/text v0.42.0 // indirect
 	google.golang.org/protobuf v1.36.12 // indirect
-)
-
-replace (
-	github.com/pgcoord/pgcoord => ../..
-	github.com/pgcoord/pgcoord/contrib/otel => ../../contrib/otel
-	github.com/pgcoord/pgcoord/contrib/prometheus => ../../contrib/prometheus
 )

@@ -5,7 +5,7 @@ go 1.25.0
 require (
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/lib/pq v1.12.3
-	github.com/pgcoord/pgcoord v0.0.0
+	github.com/pgcoord/pgcoord v0.1.0
 )
 
 require (
@@ -16,5 +16,3 @@ require (
 	golang.org/x/sync v0.22.0 // indirect
 	golang.org/x/text v0.41.0 // indirect
 )
-
-replace github.com/pgcoord/pgcoord => ../..
