@@ -116,8 +116,14 @@ func newRequest(keys []Key, shared, try bool, opts []LockOption) (request, error
 // happens to ctx. If the wait fails or is cancelled, nothing stays locked.
 // Lock rides through a lost connection, a server restart or a failover: it
 // keeps trying to reach a writable server, backing off, until ctx ends.
+// A connection error that no retry can cure it returns at once, naming
+// the step ("open connection: ..."): a pgx config that cannot run its
+// statements (a query mode whose cache has no capacity), and the server's
+// refusal of the role or its authentication (SQLSTATE class 28), of the
+// database (3D000), of a privilege (42501) or of a setting (42704, 22023).
 // Errors: ctx's error (or cause) if it ended first, joined with the last
-// connection error if the server could not be reached; [ErrClosed];
+// connection error if the server could not be reached; such a connection
+// error; [ErrClosed];
 // [ErrDeadlock] if the application has a lock cycle; [ErrTooManyLocks];
 // [ErrInvalidKey]; [ErrNotMigrated] (with WithFence); or
 // [ErrTransactionPooling].

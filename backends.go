@@ -102,7 +102,10 @@ import (
 // one. A blocking acquire rides through a lost backend, a server restart or
 // a failover: it keeps trying to reach a writable server, backing off, until
 // its ctx ends, and then returns ctx's error with the last connection error.
-// A try fails fast.
+// An error of opening a connection that no retry can cure (a pgx config
+// that cannot run pgcoord's statements, an unknown database or role, failed
+// authentication, a missing privilege, an unknown or invalid setting: see
+// permanentConnectError) it returns at once. A try fails fast.
 
 // DefaultMaxWaits is how many blocking acquires of one Client wait on the
 // server at once unless WithMaxWaits says otherwise; DefaultSharedBackends
@@ -247,9 +250,11 @@ var (
 // waiting, then, if the keys are held elsewhere, a wait on a backend that
 // holds nothing. A blocking acquire that finds no such backend tries again
 // when one frees up, or after a while; one that cannot reach the server, or
-// whose backend is lost, tries again with backoff until ctx ends. A try
-// goes on once on another backend if its backend was lost, and otherwise
-// fails fast.
+// whose backend is lost, tries again with backoff until ctx ends, unless
+// the connection failed for a reason no retry can cure (connectFailed
+// leaves such an error unmarked, and it is returned at once). A try goes on
+// once on another backend if its backend was lost, and otherwise fails
+// fast.
 func (c *Client) take(ctx context.Context, r request) (*Lock, error) {
 	poll, retry := minPollInterval, minRetryInterval
 	var last error  // the last connection error, for a blocking acquire
@@ -303,7 +308,9 @@ func (c *Client) take(ctx context.Context, r request) (*Lock, error) {
 }
 
 // connectionTrouble reports whether err means the server could not be
-// reached or a backend was lost, which a blocking acquire rides through.
+// reached or a backend was lost, which a blocking acquire rides through:
+// a lost lock (ErrLockLost) or a connectFailure, which excludes the errors
+// that permanentConnectError finds.
 func connectionTrouble(err error) bool {
 	return errors.Is(err, ErrLockLost) || errors.Is(err, errConnect)
 }

@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"time"
 
@@ -164,9 +165,11 @@ func (c *Client) startConnect() *connectCall {
 // errConnect marks an error of opening a backend (see connectFailure).
 var errConnect = errors.New("pgcoord: open connection")
 
-// connectFailure is an error of opening a backend: the server could not be
-// reached, refused the connection, had no slot for it, or was a standby.
-// A blocking acquire tries again (see Client.take).
+// connectFailure is an error of opening a backend that may pass with
+// time: the server could not be reached, was starting or shutting down,
+// had no slot for the connection, or was a standby; the connection broke
+// or timed out; a BeforeConnect or AfterConnect hook failed for any other
+// reason. A blocking acquire tries again (see Client.take).
 type connectFailure struct{ err error }
 
 func (e *connectFailure) Error() string        { return e.err.Error() }
@@ -174,16 +177,63 @@ func (e *connectFailure) Unwrap() error        { return e.err }
 func (e *connectFailure) Is(target error) bool { return target == errConnect }
 
 // connectFailed marks err, an error of opening a dedicated connection, as
-// a connectFailure, unless it is one that trying again cannot cure (a
-// transaction pooler in between). Every connection of a Client is opened
-// through it, so a blocking call rides through the same errors whichever
+// a connectFailure, unless it is one that trying again cannot cure (see
+// permanentConnectError). Every connection of a Client is opened through
+// it, so a blocking call rides through the same errors whichever
 // connection it needed: its shared backends, a Session, the election
-// guard's session.
+// guard's session; and returns the same errors at once.
 func connectFailed(err error) error {
-	if errors.Is(err, ErrTransactionPooling) || errors.Is(err, errConnect) {
+	if permanentConnectError(err) || errors.Is(err, errConnect) {
 		return err
 	}
 	return &connectFailure{err}
+}
+
+// permanentConnectError reports whether err, an error of opening a
+// dedicated connection, is one that no retry can cure, which a blocking
+// acquire returns at once instead of trying again until its ctx ends:
+//
+//   - a transaction pooler between pgcoord and the server
+//     (ErrTransactionPooling);
+//   - a pgx connection config that cannot run pgcoord's statements
+//     (errConnConfig: a query mode whose cache has no capacity);
+//   - the server's refusal of the configuration: the role or its
+//     authentication (SQLSTATE class 28: an unknown role, a wrong
+//     password, no pg_hba.conf entry, a role that may not log in), an
+//     unknown database (3D000), a missing privilege (42501: CONNECT on the
+//     database, or a setting the role may not change), an unknown setting
+//     (42704) or an invalid value (22023), from the connection's runtime
+//     parameters or options, a hook, or pgcoord's session settings.
+//
+// A wrong password is among them: credentials that rotate are read anew
+// for each connection by a BeforeConnect hook, so a failed one is not
+// cured by trying again with the same; a caller that expects rotation
+// retries the call. Everything else (a server down, starting up, shutting
+// down or in recovery, no free connection slot, a network error or
+// timeout, a hook's other errors) may pass with time and is retried.
+func permanentConnectError(err error) bool {
+	if errors.Is(err, ErrTransactionPooling) || errors.Is(err, errConnConfig) {
+		return true
+	}
+	code := pgCode(err)
+	return strings.HasPrefix(code, "28") || code == "3D000" || code == "42501" || code == "42704" || code == "22023"
+}
+
+// errConnConfig marks a connection config that cannot run pgcoord's
+// statements (see checkConnConfig).
+var errConnConfig = errors.New("pgcoord: unusable connection config")
+
+// checkConnConfig refuses a config whose default query mode needs a cache
+// that it gives no capacity: pgx would fail every statement with
+// arguments on such a connection.
+func checkConnConfig(cc *pgx.ConnConfig) error {
+	switch {
+	case cc.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement && cc.StatementCacheCapacity <= 0:
+		return errorf("open connection: %w: statement_cache_capacity is 0 with default_query_exec_mode cache_statement, which pgx refuses for every statement with arguments (cannot use QueryExecModeCacheStatement with disabled statement cache); give the statement cache a capacity, or set default_query_exec_mode to describe_exec or exec", errConnConfig)
+	case cc.DefaultQueryExecMode == pgx.QueryExecModeCacheDescribe && cc.DescriptionCacheCapacity <= 0:
+		return errorf("open connection: %w: description_cache_capacity is 0 with default_query_exec_mode cache_describe, which pgx refuses for every statement with arguments (cannot use QueryExecModeCacheDescribe with disabled description cache); give the description cache a capacity, or set default_query_exec_mode to describe_exec or exec", errConnConfig)
+	}
+	return nil
 }
 
 // anyConnect returns a connection being opened, or starts one. The caller
@@ -256,6 +306,9 @@ func (c *Client) dial(ctx context.Context) (*pgx.Conn, error) {
 		if err := c.beforeConnect(ctx, cc); err != nil {
 			return nil, errorf("open connection: BeforeConnect: %w", err)
 		}
+	}
+	if err := checkConnConfig(cc); err != nil {
+		return nil, err
 	}
 	conn, err := pgx.ConnectConfig(ctx, cc)
 	if err != nil {
