@@ -211,6 +211,8 @@ func run(repo, out, src string) error {
 			switch {
 			case m == nil:
 				problems = append(problems, fmt.Sprintf("go.work replaces %s, not a module of the repository", r.Old.Path))
+			case version == "":
+				// The requirements disagree: reported above.
 			case r.Old.Version != version:
 				problems = append(problems, fmt.Sprintf("go.work replaces %s at %q, not at the release version %s", r.Old.Path, r.Old.Version, version))
 			case r.New.Version != "" || path.Clean(r.New.Path) != path.Clean("./"+m.dir):
