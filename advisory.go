@@ -88,6 +88,22 @@ type request struct {
 	internal bool
 }
 
+// op names the acquire in errors: lock, try lock, read lock, try read
+// lock, or lock all.
+func (r request) op() string {
+	switch {
+	case len(r.keys) > 1:
+		return "lock all"
+	case r.try && r.shared:
+		return "try read lock"
+	case r.try:
+		return "try lock"
+	case r.shared:
+		return "read lock"
+	}
+	return "lock"
+}
+
 func newRequest(keys []Key, shared, try bool, opts []LockOption) (request, error) {
 	ks, err := canonicalKeys(keys)
 	if err != nil {
@@ -97,14 +113,14 @@ func newRequest(keys []Key, shared, try bool, opts []LockOption) (request, error
 	var lc lockConfig
 	for _, o := range opts {
 		if o == nil {
-			return r, errors.New("pgcoord: nil LockOption")
+			return r, errorf("nil LockOption")
 		}
 		if err := o.applyLock(&lc); err != nil {
 			return r, err
 		}
 	}
 	if lc.fence && (shared || len(ks) > 1) {
-		return r, errors.New("pgcoord: WithFence applies only to exclusive single-key locks (Lock, TryLock)")
+		return r, errorf("WithFence applies only to exclusive single-key locks (Lock, TryLock)")
 	}
 	r.fence, r.prepare, r.internal = lc.fence, lc.prepare, lc.internal
 	return r, nil
@@ -186,6 +202,9 @@ func (c *Client) LockAll(ctx context.Context, keys ...Key) (*Lock, error) {
 //		return write(ctx, l.Fence())
 //	}, pgcoord.WithFence())
 func (c *Client) Do(ctx context.Context, key Key, fn func(ctx context.Context) error, opts ...LockOption) error {
+	if fn == nil {
+		return errorf("do %s: fn is nil", keyList([]Key{key}))
+	}
 	l, err := c.Lock(ctx, key, opts...)
 	if err != nil {
 		return err
@@ -222,9 +241,9 @@ func (l *Lock) do(ctx context.Context, fn func(ctx context.Context) error) error
 	close(fnDone)
 	<-watched
 	if lost := l.Err(); lost != nil {
-		return errors.Join(err, errorf("Do %s: lock ended while fn ran: %w", keyList(l.keys), lost))
+		return joinErrors(err, errorf("do %s: the lock ended while fn ran: %w", keyList(l.keys), lost))
 	}
-	return errors.Join(err, l.Unlock(ctx))
+	return joinErrors(err, l.Unlock(ctx))
 }
 
 // Lock is [Client.Lock] on this session's connection.
@@ -268,9 +287,12 @@ func (s *Session) LockAll(ctx context.Context, keys ...Key) (*Lock, error) {
 // key; a single-key exclusive waiter may instead be handed the lock by its
 // releasing holder.
 func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, try bool, opts []LockOption) (*Lock, error) {
+	if ctx == nil {
+		return nil, errorf("%s %s: ctx is nil", request{keys: keys, shared: shared, try: try}.op(), keyList(keys))
+	}
 	r, err := newRequest(keys, shared, try, opts)
 	if err != nil {
-		return nil, err
+		return nil, errorf("%s %s: %w", request{keys: keys, shared: shared, try: try}.op(), keyList(keys), err)
 	}
 	if err := c.enter(); err != nil {
 		return nil, err
@@ -391,10 +413,13 @@ func (c *Client) acquireErr(ctx context.Context, r request, err error) error {
 		// itself noticed.
 		cause = context.DeadlineExceeded
 	}
-	if cause != nil && !errors.Is(err, cause) {
-		err = errorf("%w: %w", cause, err)
+	if cause != nil {
+		err = ctxEnded(cause, err)
 	}
-	return errorf("lock %s: %w", keyList(r.keys), err)
+	if r.internal {
+		return err // the election's or semaphore's error names what failed
+	}
+	return errorf("%s %s: %w", r.op(), keyList(r.keys), err)
 }
 
 // acquireCtx derives the context of an acquire: it ends with ctx or when

@@ -183,6 +183,9 @@ func (c *Client) Warm(ctx context.Context) error { return c.warm(ctx, c.cfg.shar
 // warm opens shared backends until n are open or opening, and waits for
 // the ones it started, bounded by ctx.
 func (c *Client) warm(ctx context.Context, n int) error {
+	if ctx == nil {
+		return errorf("warm: ctx is nil")
+	}
 	if err := c.enter(); err != nil {
 		return err
 	}
@@ -274,7 +277,7 @@ func (c *Client) take(ctx context.Context, r request) (*Lock, error) {
 			return l, nil
 		case ctx.Err() != nil:
 			if last != nil && !errors.Is(err, last) {
-				err = errorf("%w (last connection error: %w)", err, last)
+				err = withLastConnErr(err, last)
 			}
 			return nil, err
 		case errors.Is(err, errRoute) && routed < maxRoutes:
@@ -300,7 +303,7 @@ func (c *Client) take(ctx context.Context, r request) (*Lock, error) {
 		}
 		if err := c.pause(ctx, wait); err != nil {
 			if last != nil {
-				err = errorf("%w (last connection error: %w)", err, last)
+				err = withLastConnErr(err, last)
 			}
 			return nil, err
 		}

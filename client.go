@@ -163,6 +163,9 @@ func newClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
 // It returns every release error, joined (with ctx's error when ctx ended
 // first); calling it again returns nil.
 func (c *Client) Close(ctx context.Context) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
 	c.mu.Lock()
 	if c.closed {
 		c.mu.Unlock()

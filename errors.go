@@ -1,6 +1,7 @@
 package pgcoord
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -98,6 +99,70 @@ func pgError(op string, err error) error {
 		return errorf("%s: %w (raise max_locks_per_transaction, or hold fewer keys): %w", op, ErrTooManyLocks, err)
 	}
 	return errorf("%s: %w", op, err)
+}
+
+// joinErrors is errors.Join on one line: it returns nil if every err is
+// nil, the one error that is not nil as it is, and otherwise an error whose
+// message is theirs separated by "; ", with each reachable by errors.Is
+// and errors.As.
+func joinErrors(errs ...error) error {
+	var j lineJoin
+	for _, err := range errs {
+		if err != nil {
+			j = append(j, err)
+		}
+	}
+	switch len(j) {
+	case 0:
+		return nil
+	case 1:
+		return j[0]
+	}
+	return j
+}
+
+// lineJoin is the error of joinErrors.
+type lineJoin []error
+
+func (j lineJoin) Error() string {
+	msgs := make([]string, len(j))
+	for i, err := range j {
+		msgs[i] = strings.ReplaceAll(err.Error(), "\n", "; ")
+	}
+	return strings.Join(msgs, "; ")
+}
+
+// Unwrap returns the joined errors.
+func (j lineJoin) Unwrap() []error { return j }
+
+// lastConnError is ctx's error (or cause) with the last connection error
+// that a blocking call met before ctx ended: the server was down, a
+// standby, or out of connection slots.
+type lastConnError struct{ error }
+
+func (e *lastConnError) Unwrap() error { return e.error }
+
+// withLastConnErr joins err, ctx's error, with last, the last connection
+// error, as "<err> (last connection error: <last>)".
+func withLastConnErr(err, last error) error {
+	return &lastConnError{errorf("%w (last connection error: %w)", err, last)}
+}
+
+// ctxEnded returns err, from a call whose ctx ended with cause, as its
+// caller should see it: err as it is when it carries the last connection
+// error, cause alone when err only says that ctx ended or that a statement
+// was cut short to honour it (the lock_timeout or cancel request pgcoord
+// set for it), and cause in front of err otherwise.
+func ctxEnded(cause, err error) error {
+	var last *lastConnError
+	switch code := sqlState(err); {
+	case errors.As(err, &last):
+		return err
+	case errors.Is(err, cause), code == "55P03", code == "57014", errors.Is(err, errSliceOver),
+		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		return cause
+	}
+	return errorf("%w: %w", cause, err)
 }
 
 // sqlState returns the SQLSTATE of the server error in err's chain, or ""

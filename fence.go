@@ -214,6 +214,9 @@ func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term, opts ...Fen
 // the errors are those of [CheckFence], and one wrapping [ErrClosed] after
 // Close.
 func (c *Client) CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term) error {
+	if ctx == nil {
+		return errorf("check fence %s: ctx is nil", key)
+	}
 	if err := c.refuseClosed(); err != nil {
 		return errorf("check fence %s: %w", key, err)
 	}

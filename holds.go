@@ -630,13 +630,19 @@ func unlockFunc(shared bool) string {
 }
 
 func keyList(keys []Key) string {
+	name := func(k Key) string {
+		if k.check() != nil {
+			return "Key{}" // the zero Key, whose String is "invalid"
+		}
+		return k.String()
+	}
 	if len(keys) == 1 {
-		return keys[0].String()
+		return name(keys[0])
 	}
 	const shown = 4
 	s := make([]string, 0, shown+1)
 	for _, k := range keys[:min(len(keys), shown)] {
-		s = append(s, k.String())
+		s = append(s, name(k))
 	}
 	if len(keys) > shown {
 		s = append(s, fmt.Sprintf("and %d more", len(keys)-shown))

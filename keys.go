@@ -203,8 +203,10 @@ func canonicalKeys(keys []Key) ([]Key, error) {
 		return nil, errorf("%w: no keys given", ErrInvalidKey)
 	}
 	for i, k := range keys {
-		if err := k.check(); err != nil {
-			return nil, errorf("key %d: %w", i, err)
+		if err := k.check(); err != nil && len(keys) > 1 {
+			return nil, errorf("key %d of %d: %w", i+1, len(keys), err)
+		} else if err != nil {
+			return nil, err
 		}
 	}
 	out := slices.Clone(keys)

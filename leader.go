@@ -3,7 +3,6 @@ package pgcoord
 import (
 	"context"
 	"errors"
-	"fmt"
 	"os"
 	"strconv"
 	"sync"
@@ -187,18 +186,18 @@ func (c *Client) Election(name string, opts ...ElectionOption) *Election {
 	k, _ := e.key.Int64()
 	e.prefix = strconv.FormatInt(k, 10) + ":"
 	if err := checkText("election name", name, maxElectionName); err != nil {
-		e.err = errorf("election: %w", err)
+		e.err = err
 		return e
 	}
 	host, _ := os.Hostname()
 	e.identity = host + ":" + strconv.Itoa(os.Getpid())
 	for _, o := range opts {
 		if o == nil {
-			e.err = errorf("election %q: nil option", name)
+			e.err = errorf("nil option")
 			return e
 		}
 		if err := o.applyElection(e); err != nil {
-			e.err = errorf("election %q: %w", name, err)
+			e.err = err
 			return e
 		}
 	}
@@ -322,7 +321,7 @@ func (ld *Leadership) Valid() error {
 		}
 	}
 	if age := time.Since(oldest); age >= ld.e.c.cfg.lossDeadline {
-		return errorf("election %q: term %d: %w: no answer from the server for %v (loss deadline %v)",
+		return errorf("lead election %q: term %d: %w: no answer from the server for %v (loss deadline %v)",
 			ld.e.name, ld.term, ErrLockLost, age.Round(time.Millisecond), ld.e.c.cfg.lossDeadline)
 	}
 	return nil
@@ -352,12 +351,15 @@ func (ld *Leadership) Err() error {
 // loss deadline. It returns nil once the leadership has ended, whatever
 // ended it, or ctx's error.
 func (ld *Leadership) Resign(ctx context.Context) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
 	ld.once.Do(func() { close(ld.resign) })
 	select {
 	case <-ld.done:
 		return nil
 	case <-ctx.Done():
-		return errorf("election %q: resign: %w", ld.e.name, context.Cause(ctx))
+		return errorf("resign election %q: %w", ld.e.name, context.Cause(ctx))
 	}
 }
 
@@ -384,19 +386,31 @@ func (e *Election) campaignRound() time.Duration { return e.c.cfg.lossDeadline }
 // if any), ErrClosed after Close, an error wrapping ErrNotMigrated without
 // the tables of Migrate, and the server's other errors.
 func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
+	if ctx == nil {
+		return nil, errorf("campaign election %q: ctx is nil", e.name)
+	}
+	ld, err := e.campaign(ctx)
+	if err != nil {
+		return nil, errorf("campaign election %q: %w", e.name, err)
+	}
+	return ld, nil
+}
+
+// campaign is Campaign, its errors not yet naming the election.
+func (e *Election) campaign(ctx context.Context) (*Leadership, error) {
 	if e.err != nil {
 		return nil, e.err
 	}
 	c := e.c
 	if err := c.enter(); err != nil {
-		return nil, errorf("election %q: %w", e.name, err)
+		return nil, err
 	}
 	defer c.wg.Done()
 	// Listen before winning, so a RequestResign right after the win is
 	// heard.
 	sub, err := c.subscribe(leaderChannel, e.prefix+"resign:")
 	if err != nil {
-		return nil, errorf("election %q: %w", e.name, err)
+		return nil, err
 	}
 	// Open the guard session now, while following, so that a takeover
 	// does not wait for a connection. The guard's wait, a bigint key's
@@ -406,7 +420,7 @@ func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 	// takeover opens the session.
 	if _, err := e.c.guardSession(ctx); err != nil && (!connectionTrouble(err) || ctx.Err() != nil) {
 		sub.close()
-		return nil, errorf("election %q: open guard session: %w", e.name, err)
+		return nil, errorf("open guard session: %w", err)
 	}
 	for {
 		l, err := e.wait(ctx)
@@ -448,9 +462,12 @@ func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 // nothing closed, is noticed only by TCP keepalives; the leader reads its
 // row every loss deadline in any case.)
 func (e *Election) RequestResign(ctx context.Context) error {
-	info, err := e.Leader(ctx)
+	if ctx == nil {
+		return errorf("request resign election %q: ctx is nil", e.name)
+	}
+	info, err := e.leader(ctx)
 	if err != nil {
-		return err
+		return errorf("request resign election %q: %w", e.name, err)
 	}
 	err = e.c.onPool(ctx, func(b *pgx.Batch) {
 		b.Queue(`WITH asked AS (
@@ -459,7 +476,7 @@ func (e *Election) RequestResign(ctx context.Context) error {
 			e.name, int64(info.Term), leaderChannel, e.prefix+"resign:"+strconv.FormatInt(int64(info.Term), 10))
 	})
 	if err != nil {
-		return notMigrated(e.c.cfg, fmt.Sprintf("election %q: request resign", e.name), err)
+		return errorf("request resign election %q: %w", e.name, notMigrated(e.c.cfg, "record the request", err))
 	}
 	return nil
 }
@@ -497,10 +514,16 @@ func (e *Election) resignRecorded(l *Lock, term Term) bool {
 // waits, like Campaign, through the time no primary can be reached. Run
 // returns ctx's error when ctx ends, and the errors of Campaign.
 func (e *Election) Run(ctx context.Context, fn func(ctx context.Context, term Term) error) error {
+	if ctx == nil {
+		return errorf("run election %q: ctx is nil", e.name)
+	}
+	if fn == nil {
+		return errorf("run election %q: fn is nil", e.name)
+	}
 	for {
-		ld, err := e.Campaign(ctx)
+		ld, err := e.campaign(ctx)
 		if err != nil {
-			return err
+			return errorf("run election %q: %w", e.name, err)
 		}
 		// Run's ctx ending ends the leadership, which cancels fn's ctx.
 		stop := context.AfterFunc(ctx, func() { ld.once.Do(func() { close(ld.resign) }) })
@@ -512,9 +535,9 @@ func (e *Election) Run(ctx context.Context, fn func(ctx context.Context, term Te
 		cancel()
 		switch {
 		case ctx.Err() != nil:
-			return errorf("election %q: %w", e.name, context.Cause(ctx))
+			return errorf("run election %q: %w", e.name, context.Cause(ctx))
 		case ferr != nil && leading:
-			return errorf("election %q: term %d: %w", e.name, ld.term, ferr)
+			return errorf("run election %q: term %d: %w", e.name, ld.term, ferr)
 		case errors.Is(context.Cause(ld.ctx), errResignRequested):
 			e.yield(ctx, ld.term)
 		}

@@ -3,7 +3,6 @@ package pgcoord
 import (
 	"context"
 	"errors"
-	"fmt"
 	"strconv"
 	"strings"
 	"time"
@@ -33,11 +32,23 @@ import (
 // errors: ErrClosed after Close, ErrNotMigrated without the tables of
 // Migrate, and query errors.
 func (e *Election) Leader(ctx context.Context) (LeaderInfo, error) {
+	if ctx == nil {
+		return LeaderInfo{}, errorf("leader election %q: ctx is nil", e.name)
+	}
+	info, err := e.leader(ctx)
+	if err != nil {
+		return LeaderInfo{}, errorf("leader election %q: %w", e.name, err)
+	}
+	return info, nil
+}
+
+// leader is Leader, its errors not yet naming the election.
+func (e *Election) leader(ctx context.Context) (LeaderInfo, error) {
 	if e.err != nil {
 		return LeaderInfo{}, e.err
 	}
 	if err := e.c.refuseClosed(); err != nil {
-		return LeaderInfo{}, errorf("election %q: %w", e.name, err)
+		return LeaderInfo{}, err
 	}
 	classid, objid, _ := e.key.lockColumns()
 	var info LeaderInfo
@@ -55,9 +66,9 @@ func (e *Election) Leader(ctx context.Context) (LeaderInfo, error) {
 	info.Term = Term(term)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		return LeaderInfo{}, errorf("election %q: %w", e.name, ErrNoLeader)
+		return LeaderInfo{}, ErrNoLeader
 	case err != nil:
-		return LeaderInfo{}, notMigrated(e.c.cfg, fmt.Sprintf("election %q: read leader", e.name), err)
+		return LeaderInfo{}, notMigrated(e.c.cfg, "read the leaders row", err)
 	}
 	return info, nil
 }
@@ -85,12 +96,14 @@ func (e *Election) Leader(ctx context.Context) (LeaderInfo, error) {
 // LeaderInfo, then the channel is closed.
 func (e *Election) Observe(ctx context.Context) <-chan LeaderInfo {
 	err := e.err
+	if err == nil && ctx == nil {
+		err = errorf("ctx is nil")
+	}
 	if err == nil {
-		if err = e.c.enter(); err != nil {
-			err = errorf("election %q: observe: %w", e.name, err)
-		}
+		err = e.c.enter()
 	}
 	if err != nil {
+		err = errorf("observe election %q: %w", e.name, err)
 		out := make(chan LeaderInfo, 1)
 		out <- LeaderInfo{Err: err}
 		close(out)
@@ -100,7 +113,7 @@ func (e *Election) Observe(ctx context.Context) <-chan LeaderInfo {
 	if err != nil {
 		e.c.wg.Done()
 		out := make(chan LeaderInfo, 1)
-		out <- LeaderInfo{Err: errorf("election %q: observe: %w", e.name, err)}
+		out <- LeaderInfo{Err: errorf("observe election %q: %w", e.name, err)}
 		close(out)
 		return out
 	}

@@ -77,13 +77,13 @@ func (e *Election) wait(ctx context.Context) (*Lock, error) {
 		case err == nil:
 			return l, nil
 		case ctx.Err() != nil && last != nil:
-			return nil, errorf("election %q: campaign: %w (last connection error: %w)", e.name, context.Cause(ctx), last)
+			return nil, withLastConnErr(context.Cause(ctx), last)
 		case ctx.Err() != nil:
-			return nil, errorf("election %q: campaign: %w", e.name, context.Cause(ctx))
+			return nil, context.Cause(ctx)
 		case ended && !errors.Is(err, ErrClosed):
 			continue // the round ended: wait again
 		default:
-			return nil, errorf("election %q: campaign: %w", e.name, err)
+			return nil, err
 		}
 	}
 }
@@ -124,11 +124,11 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 	}
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		return fail(g, errorf("election %q: term %d is not newer than the recorded leader's: the fences table was reset or restored while the leaders table was not; delete the election's row in leaders to continue", e.name, term))
+		return fail(g, errorf("term %d is not newer than the recorded leader's: the fences table was reset or restored while the leaders table was not; delete the election's row in leaders to continue", term))
 	case err != nil && l.Err() != nil:
 		return fail(g, errLostWhileWinning)
 	case err != nil:
-		return fail(g, notMigrated(c.cfg, fmt.Sprintf("election %q: record leader", e.name), err))
+		return fail(g, notMigrated(c.cfg, "record leader", err))
 	}
 	if g == nil {
 		// The guard wait covered this Client's loss deadline since the
@@ -145,7 +145,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 			if l.Err() != nil {
 				return fail(g, errLostWhileWinning)
 			}
-			return fail(g, notMigrated(c.cfg, fmt.Sprintf("election %q: record leading without the guard", e.name), err))
+			return fail(g, notMigrated(c.cfg, "record leading without the guard", err))
 		}
 	}
 	if wait := time.Until(until); wait > 0 {
@@ -174,7 +174,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 			case <-guardDone:
 				return fail(g, errLostWhileWinning)
 			case <-ctx.Done():
-				return fail(g, errorf("election %q: campaign: %w", e.name, context.Cause(ctx)))
+				return fail(g, context.Cause(ctx))
 			case <-sub.kick:
 				for _, p := range sub.take() {
 					if p == requested || p == "" && e.resignRecorded(l, term) {
@@ -413,9 +413,9 @@ func (e *Election) takeGuard(ctx context.Context, lockLost <-chan struct{}) (*Lo
 		case err == nil:
 			return g, nil
 		case ctx.Err() != nil:
-			return nil, errorf("election %q: take guard: %w", e.name, context.Cause(ctx))
+			return nil, errorf("take guard: %w", context.Cause(ctx))
 		case !connectionTrouble(err) || errors.Is(err, ErrClosed):
-			return nil, errorf("election %q: take guard: %w", e.name, err)
+			return nil, errorf("take guard: %w", err)
 		}
 		// The guard session was lost (a new one is opened at once, the
 		// first time), or cannot be opened now: open another, at growing
@@ -438,7 +438,7 @@ func (e *Election) takeGuard(ctx context.Context, lockLost <-chan struct{}) (*Lo
 			return nil, errLostWhileWinning
 		case <-ctx.Done():
 			t.Stop()
-			return nil, errorf("election %q: take guard: %w", e.name, context.Cause(ctx))
+			return nil, errorf("take guard: %w", context.Cause(ctx))
 		}
 		retry = min(2*retry, maxRetryInterval)
 	}
@@ -605,7 +605,7 @@ func (ld *Leadership) end(why error, settle func()) {
 	}
 	_ = ld.lock.Unlock(ctx)
 	ld.mu.Lock()
-	ld.err = errorf("election %q: term %d ended: %w", ld.e.name, ld.term, why)
+	ld.err = errorf("lead election %q: term %d ended: %w", ld.e.name, ld.term, why)
 	ld.mu.Unlock()
 	c := ld.e.c
 	ev := LeadershipEvent{Election: ld.e.name, Identity: ld.e.identity, Term: ld.term}

@@ -164,6 +164,9 @@ func (l *Lock) claim(start time.Time, r request, handoff bool) bool {
 // connection has been closed, so the server frees the keys as soon as it
 // notices.
 func (l *Lock) Unlock(ctx context.Context) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
 	l.mu.Lock()
 	if l.err != nil || l.releasing {
 		err := l.err

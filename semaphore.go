@@ -210,10 +210,10 @@ func (c *Client) Semaphore(name string, limit int, opts ...SemaphoreOption) *Sem
 
 func (s *Semaphore) init(opts []SemaphoreOption) error {
 	if err := checkText("name", s.name, MaxSemaphoreName); err != nil {
-		return errorf("Semaphore: %w", err)
+		return err
 	}
 	if s.limit < 1 || s.limit > MaxSemaphoreLimit {
-		return errorf("semaphore %s: limit %d is out of range: it must be 1 to %d (how many holders may hold a permit at once)", quoteName(s.name), s.limit, MaxSemaphoreLimit)
+		return errorf("limit %d is out of range: it must be 1 to %d (how many holders may hold a permit at once)", s.limit, MaxSemaphoreLimit)
 	}
 	host, _ := os.Hostname()
 	s.identity = fmt.Sprintf("%s@%s pid %d", s.c.cfg.appName, host, os.Getpid())
@@ -222,10 +222,10 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 	}
 	for _, o := range opts {
 		if o == nil {
-			return errorf("semaphore %s: nil SemaphoreOption", quoteName(s.name))
+			return errorf("nil SemaphoreOption")
 		}
 		if err := o.applySemaphore(s); err != nil {
-			return errorf("semaphore %s: %w", quoteName(s.name), err)
+			return err
 		}
 	}
 	s.key = semaphoreKey(s.c.cfg.schema, s.name)
@@ -368,6 +368,9 @@ func (s *Semaphore) TryAcquire(ctx context.Context) (*Permit, error) {
 // connection has then been closed, so the server frees the slot as soon
 // as it notices.
 func (p *Permit) Release(ctx context.Context) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
 	l, s := p.l, p.sem
 	l.mu.Lock()
 	if l.err != nil || l.releasing {
@@ -443,8 +446,11 @@ type Holder struct {
 // an error wrapping [ErrNotMigrated] if the tables are missing, the error
 // of an invalid name, limit or option, or the server's error.
 func (s *Semaphore) Holders(ctx context.Context) ([]Holder, error) {
+	if ctx == nil {
+		return nil, errorf("holders semaphore %s: ctx is nil", quoteName(s.name))
+	}
 	if s.err != nil {
-		return nil, s.err
+		return nil, s.fail(ctx, "holders", s.err)
 	}
 	if err := s.c.enter(); err != nil {
 		return nil, s.fail(ctx, "holders", err)
@@ -486,8 +492,11 @@ func (s *Semaphore) Holders(ctx context.Context) ([]Holder, error) {
 // which the first acquire will create it. ctx bounds the query, which runs
 // on the Client's pool. Errors are as for Holders.
 func (s *Semaphore) Limit(ctx context.Context) (int, error) {
+	if ctx == nil {
+		return 0, errorf("limit semaphore %s: ctx is nil", quoteName(s.name))
+	}
 	if s.err != nil {
-		return 0, s.err
+		return 0, s.fail(ctx, "limit", s.err)
 	}
 	if err := s.c.enter(); err != nil {
 		return 0, s.fail(ctx, "limit", err)
@@ -518,11 +527,14 @@ func (s *Semaphore) Limit(ctx context.Context) (int, error) {
 // a grant in progress to commit. Errors: n outside 1 to
 // [MaxSemaphoreLimit], and as for Holders.
 func (s *Semaphore) SetLimit(ctx context.Context, n int) error {
+	if ctx == nil {
+		return errorf("set limit semaphore %s: ctx is nil", quoteName(s.name))
+	}
 	if s.err != nil {
-		return s.err
+		return s.fail(ctx, "set limit", s.err)
 	}
 	if n < 1 || n > MaxSemaphoreLimit {
-		return errorf("semaphore %s: SetLimit: limit %d is out of range: it must be 1 to %d", quoteName(s.name), n, MaxSemaphoreLimit)
+		return s.fail(ctx, "set limit", errorf("limit %d is out of range: it must be 1 to %d", n, MaxSemaphoreLimit))
 	}
 	if err := s.c.enter(); err != nil {
 		return s.fail(ctx, "set limit", err)
@@ -543,10 +555,10 @@ func (s *Semaphore) SetLimit(ctx context.Context, n int) error {
 // fail describes an error of the semaphore, with the cause of ctx's end
 // (ErrClosed when the Client closed) in front.
 func (s *Semaphore) fail(ctx context.Context, op string, err error) error {
-	if cause := context.Cause(ctx); cause != nil && !errors.Is(err, cause) {
-		err = fmt.Errorf("%w: %w", cause, err)
+	if cause := context.Cause(ctx); cause != nil {
+		err = ctxEnded(cause, err)
 	}
-	return errorf("semaphore %s: %s: %w", quoteName(s.name), op, err)
+	return errorf("%s semaphore %s: %w", op, quoteName(s.name), err)
 }
 
 // notMigratedSemaphore wraps ErrNotMigrated around the server's error when

@@ -28,8 +28,19 @@ type admission struct {
 
 // acquire is Acquire or TryAcquire, reported to OnPermit.
 func (s *Semaphore) acquire(ctx context.Context, try bool) (*Permit, error) {
+	if ctx == nil {
+		op := "acquire"
+		if try {
+			op = "try acquire"
+		}
+		return nil, errorf("%s semaphore %s: ctx is nil", op, quoteName(s.name))
+	}
 	if s.err != nil {
-		return nil, s.err
+		op := "acquire"
+		if try {
+			op = "try acquire"
+		}
+		return nil, s.fail(ctx, op, s.err)
 	}
 	q := s.c.hooks
 	if q == nil || q.h.OnPermit == nil {
@@ -49,8 +60,12 @@ func (s *Semaphore) acquire(ctx context.Context, try bool) (*Permit, error) {
 
 func (s *Semaphore) take(ctx context.Context, try bool) (*Permit, error) {
 	c := s.c
+	op := "acquire"
+	if try {
+		op = "try acquire"
+	}
 	if err := c.enter(); err != nil {
-		return nil, s.fail(ctx, "acquire", err)
+		return nil, s.fail(ctx, op, err)
 	}
 	defer c.wg.Done()
 	ctx, cancel := c.acquireCtx(ctx)
@@ -59,7 +74,7 @@ func (s *Semaphore) take(ctx context.Context, try bool) (*Permit, error) {
 	p, adm, err := s.admitRiding(ctx, try)
 	switch {
 	case err != nil && (try || !lockTimedOut(err)):
-		return nil, s.fail(ctx, "acquire", err)
+		return nil, s.fail(ctx, op, err)
 	case p != nil:
 		return p, nil
 	case try && adm.queued:
@@ -70,7 +85,7 @@ func (s *Semaphore) take(ctx context.Context, try bool) (*Permit, error) {
 	for {
 		q, err := c.Lock(ctx, s.queueKey(), withoutHooks())
 		if err != nil {
-			return nil, s.fail(ctx, "wait in queue", err)
+			return nil, s.fail(ctx, op, err)
 		}
 		p, err := s.lead(ctx, q)
 		if p != nil {
@@ -80,7 +95,7 @@ func (s *Semaphore) take(ctx context.Context, try bool) (*Permit, error) {
 			err = fmt.Errorf("leave queue: %w", uerr)
 		}
 		if err != nil {
-			return nil, s.fail(ctx, "acquire", err)
+			return nil, s.fail(ctx, op, err)
 		}
 		// The queue key was lost with its backend: line up again.
 	}
@@ -128,7 +143,7 @@ func (s *Semaphore) admitRiding(ctx context.Context, try bool) (*Permit, admissi
 			fallthrough
 		default:
 			if last != nil && !errors.Is(err, last) {
-				err = errorf("%w (last connection error: %w)", err, last)
+				err = withLastConnErr(err, last)
 			}
 		}
 		return p, adm, err

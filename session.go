@@ -87,6 +87,9 @@ var errYield = errors.New("pgcoord: yield the connection")
 // [ErrTooManyConnections] if the server has no free connection slot, or the
 // connection error.
 func (c *Client) NewSession(ctx context.Context) (*Session, error) {
+	if ctx == nil {
+		return nil, errorf("new session: ctx is nil")
+	}
 	if err := c.enter(); err != nil {
 		return nil, err
 	}
@@ -124,6 +127,9 @@ func (s *Session) PID() int32 { return s.pid }
 func (s *Session) Close(ctx context.Context) error { return s.close(ctx) }
 
 func (s *Session) close(ctx context.Context) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
 	if !s.end(ErrClosed) {
 		return nil // ended before: whoever ended it closes the connection
 	}
