@@ -126,8 +126,11 @@ ORDER BY l.granted DESC, 9, l.pid`
 // [WithKeyNames] names carry their Name. Errors: [ErrClosed] after Close,
 // and the server's error, wrapped.
 func (c *Client) Locks(ctx context.Context) ([]LockInfo, error) {
+	if ctx == nil {
+		return nil, errorf("locks: ctx is nil")
+	}
 	if err := c.enter(); err != nil {
-		return nil, err
+		return nil, errorf("locks: %w", err)
 	}
 	defer c.wg.Done()
 	rows, err := c.pool.Query(ctx, locksSQL)
@@ -203,8 +206,11 @@ func (c *Client) TerminateAny(ctx context.Context, pid int32) error {
 }
 
 func (c *Client) terminate(ctx context.Context, pid int32, force bool) error {
+	if ctx == nil {
+		return errorf("terminate backend %d: ctx is nil", pid)
+	}
 	if err := c.enter(); err != nil {
-		return err
+		return errorf("terminate backend %d: %w", pid, err)
 	}
 	defer c.wg.Done()
 	if _, ok := ctx.Deadline(); !ok {
