@@ -25,6 +25,7 @@ func (l leakChecked) Run() int {
 	setExampleDB()
 	code := l.m.Run()
 	runExampleCleanups()
+	pgtest.ReportSkips() // the tests that skipped, and why, even without -v
 	if code != 0 {
 		return code
 	}

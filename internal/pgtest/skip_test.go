@@ -15,7 +15,8 @@ type recordingT struct {
 	msg             string
 }
 
-func (r *recordingT) Helper() {}
+func (r *recordingT) Helper()      {}
+func (r *recordingT) Name() string { return "TestRecorded" }
 func (r *recordingT) Skipf(format string, args ...any) {
 	r.skipped, r.msg = true, fmt.Sprintf(format, args...)
 	runtime.Goexit()
@@ -32,6 +33,9 @@ func TestSkipOrFail(t *testing.T) {
 		fail bool
 	}{{"", false}, {"false", false}, {"true", true}, {"1", true}} {
 		t.Setenv("CI", tc.ci)
+		skips.Lock()
+		skips.why = nil
+		skips.Unlock()
 		r := &recordingT{}
 		done := make(chan struct{})
 		go func() {
@@ -41,6 +45,10 @@ func TestSkipOrFail(t *testing.T) {
 		<-done
 		if r.failed != tc.fail || r.skipped == tc.fail || !strings.Contains(r.msg, "needs a tool") {
 			t.Errorf("CI=%q: skipped %v, failed %v, message %q; want failed = %v, with the reason", tc.ci, r.skipped, r.failed, r.msg, tc.fail)
+		}
+		// A skip is in the summary that TestMain prints, with its reason.
+		if got := SkipSummary(); r.skipped != strings.Contains(got, "  TestRecorded: needs a tool\n") {
+			t.Errorf("CI=%q: skipped %v, but the summary is %q", tc.ci, r.skipped, got)
 		}
 	}
 }
