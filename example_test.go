@@ -108,7 +108,7 @@ func ExampleClient_TryLock() {
 	fmt.Println("worker2 after the unlock:", err)
 	_ = l2.Unlock(ctx)
 	// Output:
-	// worker2: true pgcoord: lock int64:8563826410180472450: key is locked by another holder
+	// worker2: true pgcoord: try lock int64:8563826410180472450: key is locked by another holder
 	// worker2 after the unlock: <nil>
 }
 
@@ -365,7 +365,7 @@ func ExampleElection_Run() {
 	// Output:
 	// pod-a leads with term 1
 	// Run returned: true
-	// leader after Run: pgcoord: election "scheduler": no leader
+	// leader after Run: pgcoord: leader election "scheduler": no leader
 }
 
 // Open makes the pool itself, from a connection string, and checks that
@@ -492,7 +492,7 @@ func ExampleSemaphore() {
 	}
 	defer c.Close(context.Background())
 
-	sem := c.Semaphore("exports", 2, pgcoord.WithHolderIdentity("worker-1"))
+	sem := c.Semaphore("exports", 2, pgcoord.WithIdentity("worker-1"))
 	p1, err := sem.Acquire(ctx) // waits in line while 2 permits are held
 	if err != nil {
 		panic(err)

@@ -84,9 +84,10 @@ func PairKey(a, b int32) Key {
 	return Key{kind: kindPair, v: int64(uint64(uint32(a))<<32 | uint64(uint32(b)))}
 }
 
-// Valid reports whether k was built by [HashKey] (with at least one part),
-// [Int64Key] or [PairKey].
-func (k Key) Valid() bool { return k.kind == kindInt64 || k.kind == kindPair }
+// IsZero reports whether k is the zero Key, which names no lock: a Key not
+// built by [HashKey] (with at least one part), [Int64Key] or [PairKey].
+// Every call given the zero Key returns an error wrapping [ErrInvalidKey].
+func (k Key) IsZero() bool { return k.kind != kindInt64 && k.kind != kindPair }
 
 // Int64 returns the bigint value of a key from [Int64Key] or [HashKey]; ok is
 // false for pair keys and the zero Key.
@@ -171,7 +172,7 @@ func (k Key) lockColumns() (classid, objid uint32, objsubid int16) {
 
 // check returns an error wrapping ErrInvalidKey for the zero Key.
 func (k Key) check() error {
-	if !k.Valid() {
+	if k.IsZero() {
 		return errorf("%w: the zero Key (or HashKey with no parts); build keys with HashKey, Int64Key or PairKey", ErrInvalidKey)
 	}
 	return nil
@@ -220,7 +221,7 @@ func canonicalKeys(keys []Key) ([]Key, error) {
 // UnmarshalText reads back as the zero Key (still rejected by every lock
 // function). It never returns an error.
 func (k Key) MarshalText() ([]byte, error) {
-	if !k.Valid() {
+	if k.IsZero() {
 		return []byte{}, nil
 	}
 	return []byte(k.String()), nil

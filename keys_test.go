@@ -52,7 +52,7 @@ func TestHashKeyGoldenVectors(t *testing.T) {
 
 func TestKeyBasics(t *testing.T) {
 	t.Parallel()
-	if HashKey().Valid() || (Key{}).Valid() {
+	if !HashKey().IsZero() || !(Key{}).IsZero() {
 		t.Fatal("HashKey() and the zero Key must be invalid")
 	}
 	if err := (Key{}).check(); !errors.Is(err, ErrInvalidKey) {
@@ -261,7 +261,7 @@ func TestHashKeyHostileParts(t *testing.T) {
 	seen := make(map[Key][]string)
 	for _, p := range parts {
 		k := HashKey(p...)
-		if !k.Valid() {
+		if k.IsZero() {
 			t.Fatalf("HashKey(%.20q...) is invalid", p)
 		}
 		if prev, dup := seen[k]; dup {
@@ -304,7 +304,7 @@ func TestKeyJSON(t *testing.T) {
 		t.Fatal(err)
 	}
 	if out.Key != in.Key || len(out.Keys) != 2 || out.Keys[0] != in.Keys[0] || out.Keys[1] != in.Keys[1] ||
-		len(out.Owners) != 2 || out.Owners[PairKey(1, 2)] != "a" || out.Owners[Int64Key(5)] != "b" || out.None.Valid() {
+		len(out.Owners) != 2 || out.Owners[PairKey(1, 2)] != "a" || out.Owners[Int64Key(5)] != "b" || !out.None.IsZero() {
 		t.Errorf("round trip: got %+v, want %+v", out, in)
 	}
 	for _, bad := range []string{`{"Key":"42"}`, `{"Key":"pair:1"}`, `{"Key":7}`} {

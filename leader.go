@@ -3,10 +3,12 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"strconv"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -60,17 +62,52 @@ const (
 	maxIdentity     = 1024
 )
 
-// WithIdentity sets the identity a candidate leads under, as Leader and
-// Observe report it (default: host name and process id, "host:pid"). It
-// must be 1 to 1024 bytes of UTF-8 without NUL.
-func WithIdentity(identity string) ElectionOption {
-	return electionOptionFunc(func(e *Election) error {
-		if err := checkText("identity", identity, maxIdentity); err != nil {
-			return err
-		}
-		e.identity = identity
-		return nil
-	})
+// IdentityOption is an option of both [Client.Election] and
+// [Client.Semaphore]: [WithIdentity].
+type IdentityOption interface {
+	ElectionOption
+	SemaphoreOption
+}
+
+// WithIdentity sets the identity under which a candidate leads, as
+// [Election.Leader] and [Election.Observe] report it, or under which a
+// Semaphore's permits name their holder, in semaphore_holders and
+// [Semaphore.Holders]. The default, for both, is the Client's application
+// name, the host name and the process id, as "pgcoord@host pid 1234". It
+// must be 1 to 1024 bytes of UTF-8 without NUL; the Election or Semaphore
+// reports a bad one from every method.
+func WithIdentity(identity string) IdentityOption { return identityOption(identity) }
+
+type identityOption string
+
+func (o identityOption) check() error { return checkText("identity", string(o), maxIdentity) }
+
+func (o identityOption) applyElection(e *Election) error {
+	if err := o.check(); err != nil {
+		return err
+	}
+	e.identity = string(o)
+	return nil
+}
+
+func (o identityOption) applySemaphore(s *Semaphore) error {
+	if err := o.check(); err != nil {
+		return err
+	}
+	s.identity = string(o)
+	return nil
+}
+
+// defaultIdentity is the identity of a candidate or a permit's holder
+// without WithIdentity: the application name, the host name and the
+// process id, shortened to the process id should that be too long.
+func defaultIdentity(appName string) string {
+	host, _ := os.Hostname()
+	id := fmt.Sprintf("%s@%s pid %d", appName, host, os.Getpid())
+	if len(id) > maxIdentity || !utf8.ValidString(id) {
+		id = fmt.Sprintf("%s pid %d", appName, os.Getpid())
+	}
+	return id
 }
 
 // An Election is a named leader election in the Client's database. Many
@@ -189,8 +226,7 @@ func (c *Client) Election(name string, opts ...ElectionOption) *Election {
 		e.err = err
 		return e
 	}
-	host, _ := os.Hostname()
-	e.identity = host + ":" + strconv.Itoa(os.Getpid())
+	e.identity = defaultIdentity(c.cfg.appName)
 	for _, o := range opts {
 		if o == nil {
 			e.err = errorf("nil option")

@@ -4,10 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"strconv"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -46,21 +44,6 @@ type SemaphoreOption interface {
 type semaphoreOptionFunc func(*Semaphore) error
 
 func (f semaphoreOptionFunc) applySemaphore(s *Semaphore) error { return f(s) }
-
-// WithHolderIdentity sets how the Semaphore's permits name their holder in
-// semaphore_holders and [Semaphore.Holders] (default: the Client's
-// application name, the host name and the process id, as
-// "pgcoord@host pid 1234"). It must be 1 to [MaxSemaphoreName] bytes of
-// valid UTF-8 without NUL.
-func WithHolderIdentity(identity string) SemaphoreOption {
-	return semaphoreOptionFunc(func(s *Semaphore) error {
-		if err := checkText("holder identity", identity, MaxSemaphoreName); err != nil {
-			return err
-		}
-		s.identity = identity
-		return nil
-	})
-}
 
 // A Semaphore hands out at most a limit of permits at once, across every
 // process that uses the same name on the same database and schema. Its
@@ -215,11 +198,7 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 	if s.limit < 1 || s.limit > MaxSemaphoreLimit {
 		return errorf("limit %d is out of range: it must be 1 to %d (how many holders may hold a permit at once)", s.limit, MaxSemaphoreLimit)
 	}
-	host, _ := os.Hostname()
-	s.identity = fmt.Sprintf("%s@%s pid %d", s.c.cfg.appName, host, os.Getpid())
-	if len(s.identity) > MaxSemaphoreName || !utf8.ValidString(s.identity) {
-		s.identity = fmt.Sprintf("%s pid %d", s.c.cfg.appName, os.Getpid())
-	}
+	s.identity = defaultIdentity(s.c.cfg.appName)
 	for _, o := range opts {
 		if o == nil {
 			return errorf("nil SemaphoreOption")
@@ -434,7 +413,7 @@ func (p *Permit) Release(ctx context.Context) error {
 // A Holder is one live holder of a semaphore's permit.
 type Holder struct {
 	Slot     int       // the permit's slot
-	Identity string    // who holds it (see WithHolderIdentity); "" if its row is missing
+	Identity string    // who holds it (see WithIdentity); "" if its row is missing
 	Since    time.Time // when it was granted; zero if its row is missing
 	PID      int32     // server backend that holds it; pg_terminate_backend(PID) frees it, with every other lock of that backend
 }

@@ -24,7 +24,7 @@ func TestSemaphoreTryAcquireDoesNotJumpTheQueue(t *testing.T) {
 	b := mustAcquire(t, newTestClient(t, dsn).Semaphore(name, 2), true)
 	hc := newTestClient(t, dsn)
 	hc.semaphoreRecheck = testTimeout // only the release's notification wakes the head
-	head := hc.Semaphore(name, 2, WithHolderIdentity("head"))
+	head := hc.Semaphore(name, 2, WithIdentity("head"))
 	waiter := goAcquire(ctx, head)
 	awaitHead(t, dsn, head)
 	// The head's first look for a permit, right after it took the queue
@@ -57,7 +57,7 @@ func TestSemaphoreTryAcquireDoesNotJumpTheQueue(t *testing.T) {
 		return n
 	}
 
-	newcomer := newTestClient(t, dsn).Semaphore(name, 2, WithHolderIdentity("newcomer"))
+	newcomer := newTestClient(t, dsn).Semaphore(name, 2, WithIdentity("newcomer"))
 	tried := make(chan permitResult, 1)
 	go func() {
 		p, err := newcomer.TryAcquire(ctx)

@@ -28,7 +28,7 @@ func TestSemaphoreHeadGetsPermitOfDeadHolderAfterLongWait(t *testing.T) {
 				s := newTestClient(t, dsn, quiet...).Semaphore("recheck", limit)
 				held = append(held, mustAcquire(t, s, true))
 			}
-			head := newTestClient(t, dsn).Semaphore("recheck", limit, WithHolderIdentity("head"))
+			head := newTestClient(t, dsn).Semaphore("recheck", limit, WithIdentity("head"))
 			waiter := goAcquire(ctx, head)
 			awaitHead(t, dsn, head)
 

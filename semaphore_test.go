@@ -221,7 +221,7 @@ func TestSemaphoreHolders(t *testing.T) {
 	a := newTestClient(t, dsn, WithApplicationName("sem-a"))
 	b := newTestClient(t, dsn)
 	semA := a.Semaphore("reports", 3)
-	semB := b.Semaphore("reports", 3, WithHolderIdentity("worker b"))
+	semB := b.Semaphore("reports", 3, WithIdentity("worker b"))
 
 	before := time.Now()
 	pa := mustAcquire(t, semA, true)
@@ -333,8 +333,8 @@ func TestSemaphoreNeverOverLimit(t *testing.T) {
 func TestSemaphoreHolderBackendTerminated(t *testing.T) {
 	ctx := testCtx(t)
 	dsn, _ := semaphoreDB(t)
-	a := newTestClient(t, dsn).Semaphore("jobs", 1, WithHolderIdentity("a"))
-	b := newTestClient(t, dsn).Semaphore("jobs", 1, WithHolderIdentity("b"))
+	a := newTestClient(t, dsn).Semaphore("jobs", 1, WithIdentity("a"))
+	b := newTestClient(t, dsn).Semaphore("jobs", 1, WithIdentity("b"))
 	pa := mustAcquire(t, a, true)
 	waiter := goAcquire(ctx, b)
 	awaitHead(t, dsn, b)
@@ -377,7 +377,7 @@ func TestSemaphoreHolderProcessKilled(t *testing.T) {
 	child := startFaultChild(t, "holder", dsn, target, "")
 	_, childPid := child.held(t)
 
-	sem := newTestClient(t, dsn).Semaphore(target.name, 1, WithHolderIdentity("parent"))
+	sem := newTestClient(t, dsn).Semaphore(target.name, 1, WithIdentity("parent"))
 	hs, err := sem.Holders(ctx)
 	if err != nil || len(hs) != 1 || hs[0].Identity == "parent" || hs[0].PID != childPid {
 		t.Fatalf("Holders = %+v, %v; want the child on backend %d", hs, err, childPid)
@@ -716,8 +716,8 @@ func TestSemaphoreBadInput(t *testing.T) {
 		{"ok", -1, nil, "limit -1 is out of range"},
 		{"ok", MaxSemaphoreLimit + 1, nil, "limit 65536 is out of range"},
 		{"ok", 1, []SemaphoreOption{nil}, "nil SemaphoreOption"},
-		{"ok", 1, []SemaphoreOption{WithHolderIdentity("")}, "holder identity is empty"},
-		{"ok", 1, []SemaphoreOption{WithHolderIdentity("x\x00")}, "holder identity \"x\\x00\" contains a NUL byte"},
+		{"ok", 1, []SemaphoreOption{WithIdentity("")}, "identity is empty"},
+		{"ok", 1, []SemaphoreOption{WithIdentity("x\x00")}, "identity \"x\\x00\" contains a NUL byte"},
 	} {
 		sem := c.Semaphore(tc.name, tc.limit, tc.opts...)
 		_, err1 := sem.Acquire(ctx)
@@ -752,7 +752,7 @@ func TestSemaphoreHostileNames(t *testing.T) {
 	}
 	var ps []*Permit
 	for _, name := range names {
-		sem := c.Semaphore(name, 1, WithHolderIdentity(`identity '); DROP TABLE x; --`))
+		sem := c.Semaphore(name, 1, WithIdentity(`identity '); DROP TABLE x; --`))
 		p := mustAcquire(t, sem, true)
 		ps = append(ps, p)
 		if _, err := sem.TryAcquire(ctx); !errors.Is(err, ErrNoPermit) {

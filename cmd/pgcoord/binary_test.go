@@ -237,7 +237,7 @@ func TestBinary(t *testing.T) {
 		ctx := context.Background()
 		c := newClient(t, db)
 		campaign(t, c, "jsonlines", "pod-j")
-		p, err := c.Semaphore("jsonlines", 2, pgcoord.WithHolderIdentity("w-1")).Acquire(ctx)
+		p, err := c.Semaphore("jsonlines", 2, pgcoord.WithIdentity("w-1")).Acquire(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -641,7 +641,7 @@ func TestBinaryOutputIsConsistent(t *testing.T) {
 	c := newClient(t, db)
 	campaign(t, c, "scheduler", "pod-1")
 	for _, identity := range []string{"w-1", "a much longer holder identity"} {
-		p, err := c.Semaphore("exports", 3, pgcoord.WithHolderIdentity(identity)).Acquire(ctx)
+		p, err := c.Semaphore("exports", 3, pgcoord.WithIdentity(identity)).Acquire(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}

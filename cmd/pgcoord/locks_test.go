@@ -60,7 +60,7 @@ func newScenario(t *testing.T, db string) *scenario {
 	// waits for it on the server.
 	holders := newClient(t, db)
 	for i := range 2 {
-		p, err := holders.Semaphore(s.semaName, 2, pgcoord.WithHolderIdentity(fmt.Sprintf("worker-%d", i+1))).Acquire(ctx)
+		p, err := holders.Semaphore(s.semaName, 2, pgcoord.WithIdentity(fmt.Sprintf("worker-%d", i+1))).Acquire(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -79,7 +79,7 @@ func newScenario(t *testing.T, db string) *scenario {
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
-			if p, err := waiter.Semaphore(s.semaName, 2, pgcoord.WithHolderIdentity(fmt.Sprintf("queued-%d", i+1))).Acquire(wctx); err == nil {
+			if p, err := waiter.Semaphore(s.semaName, 2, pgcoord.WithIdentity(fmt.Sprintf("queued-%d", i+1))).Acquire(wctx); err == nil {
 				_ = p.Release(context.Background())
 			}
 		}()

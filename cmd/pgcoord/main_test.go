@@ -253,7 +253,7 @@ func TestLocksCommand(t *testing.T) {
 		if err := dec.Decode(&j); err != nil {
 			t.Fatal(err)
 		}
-		if !j.Key.Valid() || j.PID == 0 || (j.Name == "" && j.Key != pgcoord.Int64Key(42)) {
+		if j.Key.IsZero() || j.PID == 0 || (j.Name == "" && j.Key != pgcoord.Int64Key(42)) {
 			t.Errorf("--json: %+v", j)
 		}
 		n++
@@ -417,7 +417,7 @@ func TestSemaphoresCommand(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close(context.Background())
-	sem := c.Semaphore("exports", 2, pgcoord.WithHolderIdentity("worker-1"))
+	sem := c.Semaphore("exports", 2, pgcoord.WithIdentity("worker-1"))
 	p1, err := sem.Acquire(ctx)
 	if err != nil {
 		t.Fatal(err)

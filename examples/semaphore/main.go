@@ -182,7 +182,7 @@ func worker(name string) error {
 	}
 	defer c.Close(context.Background())
 	host, _ := os.Hostname()
-	sem := c.Semaphore(semName, limit, pgcoord.WithHolderIdentity(fmt.Sprintf("%s %s pid %d", name, host, os.Getpid())))
+	sem := c.Semaphore(semName, limit, pgcoord.WithIdentity(fmt.Sprintf("%s %s pid %d", name, host, os.Getpid())))
 	var wg sync.WaitGroup
 	errs := make(chan error, goroutines)
 	for g := range goroutines {
