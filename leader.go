@@ -51,10 +51,6 @@ type ElectionOption interface {
 	applyElection(*Election) error
 }
 
-type electionOptionFunc func(*Election) error
-
-func (f electionOptionFunc) applyElection(e *Election) error { return f(e) }
-
 // Limits on election names and identities. Identities travel in NOTIFY
 // payloads, which PostgreSQL limits to 8000 bytes.
 const (

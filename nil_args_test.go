@@ -18,6 +18,9 @@ import (
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
+// nilCtx is the nil ctx the tests pass on purpose.
+var nilCtx context.Context
+
 // releasesWithNilCtx names the methods that take a nil ctx as
 // context.Background: they release what is held, which must not fail for
 // want of a ctx.
@@ -64,16 +67,16 @@ func nilCtxArgs(t *testing.T, m reflect.Method, tx pgx.Tx) []reflect.Value {
 // callNilCtx calls m on recv with a nil ctx and returns the error it
 // reports (through its error result, or the Err of what it delivers), or
 // the panic it raised.
-func callNilCtx(t *testing.T, recv reflect.Value, m reflect.Method, tx pgx.Tx) (err error, panicked any) {
+func callNilCtx(t *testing.T, recv reflect.Value, m reflect.Method, tx pgx.Tx) (panicked any, err error) {
 	defer func() { panicked = recover() }()
 	out := recv.Method(m.Index).Call(nilCtxArgs(t, m, tx))
 	for _, o := range out {
 		switch v := o.Interface().(type) {
 		case error:
-			return v, nil
+			return nil, v
 		case <-chan LeaderInfo:
 			info := <-v
-			return info.Err, nil
+			return nil, info.Err
 		}
 	}
 	return nil, nil
@@ -112,7 +115,7 @@ func TestNilCtxRefused(t *testing.T) {
 				continue
 			}
 			checked++
-			err, p := callNilCtx(t, rv, m, tx)
+			p, err := callNilCtx(t, rv, m, tx)
 			switch {
 			case p != nil:
 				t.Errorf("%s(nil ctx) panicked: %v", name, p)
@@ -131,8 +134,8 @@ func TestNilCtxRefused(t *testing.T) {
 	}
 	// The package functions that take a ctx.
 	for name, call := range map[string]func() error{
-		"Migrate":    func() error { return Migrate(nil, pool) }, //nolint:staticcheck // the nil ctx is the point
-		"CheckFence": func() error { return CheckFence(nil, tx, Int64Key(1), 1) },
+		"Migrate":    func() error { return Migrate(nilCtx, pool) },
+		"CheckFence": func() error { return CheckFence(nilCtx, tx, Int64Key(1), 1) },
 	} {
 		func() {
 			defer func() {
@@ -160,7 +163,7 @@ func TestReleasesTakeNilCtxAsBackground(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := l.Unlock(nil); err != nil { //nolint:staticcheck // the nil ctx is the point
+	if err := l.Unlock(nilCtx); err != nil {
 		t.Errorf("Unlock(nil) = %v, want nil", err)
 	}
 	notHeld(t, dsn, k)
@@ -169,14 +172,14 @@ func TestReleasesTakeNilCtxAsBackground(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Release(nil); err != nil { //nolint:staticcheck // the nil ctx is the point
+	if err := p.Release(nilCtx); err != nil {
 		t.Errorf("Permit.Release(nil) = %v, want nil", err)
 	}
 	ld, err := c.Election("nil-resign").Campaign(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ld.Resign(nil); err != nil { //nolint:staticcheck // the nil ctx is the point
+	if err := ld.Resign(nilCtx); err != nil {
 		t.Errorf("Leadership.Resign(nil) = %v, want nil", err)
 	}
 	s, err := c.NewSession(ctx)
@@ -186,11 +189,11 @@ func TestReleasesTakeNilCtxAsBackground(t *testing.T) {
 	if _, err := s.Lock(ctx, k); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Close(nil); err != nil { //nolint:staticcheck // the nil ctx is the point
+	if err := s.Close(nilCtx); err != nil {
 		t.Errorf("Session.Close(nil) = %v, want nil", err)
 	}
 	notHeld(t, dsn, k)
-	if err := c.Close(nil); err != nil { //nolint:staticcheck // the nil ctx is the point
+	if err := c.Close(nilCtx); err != nil {
 		t.Errorf("Client.Close(nil) = %v, want nil", err)
 	}
 	if n := len(lockState(t, dsn)); n != 0 {

@@ -41,10 +41,6 @@ type SemaphoreOption interface {
 	applySemaphore(*Semaphore) error
 }
 
-type semaphoreOptionFunc func(*Semaphore) error
-
-func (f semaphoreOptionFunc) applySemaphore(s *Semaphore) error { return f(s) }
-
 // A Semaphore hands out at most a limit of permits at once, across every
 // process that uses the same name on the same database and schema. Its
 // methods are safe for concurrent use.
