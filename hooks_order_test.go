@@ -26,6 +26,7 @@ type holdEvent struct {
 	keys    []Key
 	mode    LockMode
 	handoff bool
+	err     error // OnRelease: the Unlock error (one wrapping ErrLockLost for a lock found lost)
 }
 
 // holdLog records the hook events that change who holds a key, in the
@@ -54,7 +55,7 @@ func (g *holdLog) hooks() Hooks {
 			if e.Handoff {
 				g.handoffs++
 			}
-			g.events = append(g.events, holdEvent{keys: e.Keys, mode: e.Mode, handoff: e.Handoff})
+			g.events = append(g.events, holdEvent{keys: e.Keys, mode: e.Mode, handoff: e.Handoff, err: e.Err})
 		},
 		OnLoss: func(e LossEvent) {
 			g.mu.Lock()
@@ -248,7 +249,7 @@ func TestHooksOrderReadersAndWriters(t *testing.T) {
 		return
 	}
 	notHeld(t, dsn, k)
-	closeAndCheck(t, c, g, &n, true)
+	closeAndCheck(t, c, g, &n, false) // handoffs are rare: readers share
 }
 
 // Goroutines on two Sessions of one Client take one key: handoffs within
@@ -293,7 +294,7 @@ func TestHooksOrderOnSessions(t *testing.T) {
 		return
 	}
 	notHeld(t, dsn, k)
-	closeAndCheck(t, c, g, &n, true)
+	closeAndCheck(t, c, g, &n, false) // a handoff needs a waiter on the same session
 }
 
 // Fenced locks handed over in the process get a fresh fence each; the
@@ -350,55 +351,68 @@ func TestHooksOrderOnLoss(t *testing.T) {
 	dsn := pgtest.DB(t)
 	c, g := orderedClient(t, dsn)
 	k := HashKey("hooks-order", "loss")
-	const workers, rounds, kills = 4, 150, 5
+	// At most 1,500 acquires keep the events within MaxPendingHookEvents.
+	const workers, wantLosses, maxAcquires = 4, 3, 1500
 	var n cycles
-	stop := make(chan struct{})
+	var budget atomic.Int64
+	budget.Store(maxAcquires)
+	victims := make(chan *Lock) // a holder offers its lock to be lost
+	stop := make(chan struct{}) // closed once enough locks were lost
 	var wg sync.WaitGroup
 	for w := range workers {
 		wg.Go(func() {
-			for range rounds {
+			for budget.Add(-1) >= 0 {
 				l, err := c.Lock(ctx, k)
 				if err != nil {
-					if errors.Is(err, ErrLockLost) && ctx.Err() == nil {
-						continue // the backend it waited on was terminated
-					}
 					t.Errorf("worker %d: Lock: %v", w, err)
 					return
 				}
 				n.locked.Add(1)
+				last := false
+				select {
+				case victims <- l:
+					// Its backend is being terminated: the session
+					// notices, and the loss goes to OnLoss.
+					select {
+					case <-l.Done():
+					case <-ctx.Done():
+						t.Errorf("worker %d: a lock of a terminated backend did not end", w)
+						return
+					}
+				case <-stop:
+					last = true
+				default:
+				}
 				if err := l.Unlock(ctx); err == nil {
 					n.unlocked.Add(1)
 				} else if !errors.Is(err, ErrLockLost) {
 					t.Errorf("worker %d: Unlock: %v", w, err)
 					return
 				}
+				if last {
+					return
+				}
 			}
 		})
 	}
-	go func() { wg.Wait(); close(stop) }()
-	killed := 0
-	for killed < kills {
-		pids := grantedTo(t, dsn, k)
+	finished := make(chan struct{})
+	go func() { wg.Wait(); close(finished) }()
+	for i := range wantLosses {
 		select {
-		case <-stop:
-		default:
-			if len(pids) == 0 {
-				continue
-			}
-			pgtest.Terminate(t, dsn, pids[0])
-			killed++
-			continue
+		case l := <-victims:
+			pgtest.Terminate(t, dsn, l.s.PID())
+		case <-finished:
+			t.Fatalf("the workers finished after %d terminations", i)
 		}
-		break
 	}
-	<-stop
+	close(stop)
+	<-finished
 	if t.Failed() {
 		return
 	}
-	if killed == 0 {
-		t.Fatal("the workers finished before any backend was terminated")
-	}
+	notHeld(t, dsn, k)
 	closeAndCheck(t, c, g, &n, false)
-	_, _, losses, _ := g.check(true)
-	t.Logf("%d backends terminated, %d loss events", killed, losses)
+	if _, _, lost, _ := g.check(true); lost < wantLosses {
+		t.Errorf("%d OnLoss events after %d holders' backends were terminated", lost, wantLosses)
+	}
 }
