@@ -18,8 +18,23 @@ import (
 //
 // Hooks never run on the goroutine that caused the event and never hold
 // up the library: events are queued, and one goroutine per Client calls
-// the hooks, one at a time, in the order the events happened. A hook that
-// is slow only delays later hooks; when more than [MaxPendingHookEvents]
+// the hooks, one at a time, in the order the events were queued. For the
+// Client's locks that is the order in which they changed hands in the
+// process: a lock's OnAcquire comes before its OnRelease or OnLoss, and
+// the end of a lock comes before the OnAcquire of the next lock of the
+// Client on any of its keys in a mode that excludes it (exclusive excludes
+// both modes), also when the lock is handed over in the process (see
+// [WithHandoff]), lost, or ended by Close. So a count of holders per key
+// built on the hooks never shows two holders of one key that exclude each
+// other. The server's view may run ahead: the key of a lost lock can be
+// free on the server (and taken by another process) before OnLoss. The
+// same holds for permits, with one difference: a semaphore's slot is
+// freed on the server by Release or by the end of its backend before the
+// permit's end is reported, and another acquire of the Client may take
+// it first, so a count of permits built on OnPermit may for a moment show
+// one more holder than the limit; a permit's PermitAcquired still comes
+// before its end. Events of different Clients are not ordered. A hook
+// that is slow only delays later hooks; when more than [MaxPendingHookEvents]
 // events wait, newer ones are dropped and counted in
 // Stat().DroppedHookEvents. A hook that panics is recovered and logged at
 // Error. Hooks may call the Client, except Close, which waits for them.

@@ -63,6 +63,7 @@ concept_files() {
 	"The lock core on shared backends") echo "lockcore_test.go lockcore_*_test.go backends_test.go lockroute_test.go routing_rule_test.go" ;;
 	"Leader election") echo "leader_test.go leader_*_test.go" ;;
 	"Semaphores") echo "semaphore_test.go semaphore_*_test.go" ;;
+	"Hooks") echo "hooks_test.go hooks_*_test.go" ;;
 	"Settings and pools that are not the default") echo "settings_test.go cmd/pgcoord/*_test.go" ;;
 	"Transaction-level locks and fences") echo "xact_test.go xact_*_test.go fence_test.go fence_*_test.go pgcoordsql/*_test.go pgcoordsql/*/*_test.go" ;;
 	*) echo "" ;;
