@@ -32,6 +32,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path"
@@ -280,6 +281,17 @@ func run(repo, out, src string) error {
 		}
 		if err := modzip.Unzip(copyDir, module.Version{Path: m.path, Version: version}, filepath.Join(vdir, version+".zip")); err != nil {
 			return fmt.Errorf("unzip of %s: %w", m.path, err)
+		}
+		// Unzip makes the files read-only, as in the module cache; the
+		// checks write go.sum, and a user who is not root could not.
+		err = filepath.WalkDir(copyDir, func(p string, e fs.DirEntry, err error) error {
+			if err != nil || e.IsDir() {
+				return err
+			}
+			return os.Chmod(p, 0o644)
+		})
+		if err != nil {
+			return err
 		}
 		fmt.Printf("%s %s %s\n", d, m.path, copyName)
 	}
