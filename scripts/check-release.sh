@@ -27,8 +27,8 @@
 # repository's modules skip it (GONOSUMDB), since they are not published yet.
 # A module cache of its own keeps the unpublished zips away from the user's.
 #
-# Usage: scripts/check-release.sh    (needs the Go module proxy; a minute
-# or two with warm caches)
+# Usage: scripts/check-release.sh    (needs the Go module proxy; under a
+# minute with warm caches, a few minutes on the first run)
 set -euo pipefail
 
 # golang.org/x/mod builds release-proxy: its zip package makes the zips.
