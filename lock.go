@@ -78,7 +78,9 @@ func (l *Lock) finishThen(why error, report bool, then func(gated bool)) bool {
 	}
 	l.err = why
 	gated := l.gated
-	l.endUntold = report && !gated
+	// A lock that no acquire reports (a permit's, an election's) has no
+	// claim to wait for: its end goes at once to what reports it.
+	l.endUntold = report && !gated && !l.unreported.Load()
 	l.mu.Unlock()
 	if then != nil {
 		then(gated)
@@ -96,20 +98,19 @@ func (l *Lock) end(why error) { l.endThen(why, false) }
 
 // endReported is end for a lock that ends with its session: when report
 // is set, its end is reported to the hooks (a release for ErrClosed, else
-// a loss) before its gates let the next goroutine in, so that no acquire
-// of the keys is reported before it; a lock not claimed yet is reported
-// by its claim, after its acquire.
+// a loss; a permit's end to OnPermit) before its gates let the next
+// goroutine in, so that no acquire of the keys is reported before it; a
+// lock not claimed yet is reported by its claim, after its acquire.
 func (l *Lock) endReported(why error, report bool) { l.endThen(why, report) }
 
 func (l *Lock) endThen(why error, report bool) {
 	l.finishThen(why, report, func(gated bool) {
-		if !gated {
-			return
-		}
-		if report {
+		if report && (gated || l.unreported.Load()) {
 			l.reportEnd(why)
 		}
-		l.leaveGates()
+		if gated {
+			l.leaveGates()
+		}
 	})
 }
 
