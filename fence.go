@@ -157,10 +157,12 @@ func nextFence(ctx context.Context, q interface {
 // that happens with a wrong key, schema or database, or when a database
 // failover lost recently issued fences, and in every case the write must not
 // happen and retrying cannot make it safe. Other errors: [ErrInvalidKey] for
-// an invalid key, a plain error for a nil tx (a nil *pgxpool.Tx included) or
-// fence <= 0 (fences start at 1), [ErrNotMigrated] when the fences table
-// does not exist in the schema, and the server's error, wrapped, when the
-// query fails. After any error, roll tx back.
+// an invalid key, a plain error for a nil tx (a nil *pgxpool.Tx included), a
+// nil ctx or fence <= 0 (fences start at 1), [ErrNotMigrated] when the
+// fences table does not exist in the schema, and the server's error,
+// wrapped, when the query fails. After any error, roll tx back. Every error
+// reads "pgcoord: check fence <key>: <cause>", for instance "pgcoord: check
+// fence int64:7: stale fence: a newer holder exists (fence 5, latest 6)".
 //
 // Under REPEATABLE READ or SERIALIZABLE, tx reads the fences table as of its
 // snapshot, taken by its first statement. A fence issued after that, over an
@@ -203,7 +205,7 @@ func nextFence(ctx context.Context, q interface {
 func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term, opts ...FenceOption) error {
 	c, err := newFenceConfig(opts)
 	if err != nil {
-		return err
+		return errorf("check fence %s: %w", keyList([]Key{key}), err)
 	}
 	return checkFencePgx(ctx, c, tx, key, fence)
 }
@@ -225,7 +227,7 @@ func (c *Client) CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term)
 
 func checkFencePgx(ctx context.Context, c *config, tx pgx.Tx, key Key, fence Term) error {
 	if isNil(tx) {
-		return errors.New("pgcoord: CheckFence: tx is nil")
+		return errorf("check fence %s: nil pgx.Tx", keyList([]Key{key}))
 	}
 	return checkFence(ctx, c, pgxTx{tx: tx}, key, fence)
 }
@@ -238,11 +240,15 @@ const fenceSnapshotSQLState = "40001"
 
 // checkFence runs CheckFence on tx, for pgx and for package pgcoordsql.
 func checkFence(ctx context.Context, c *config, tx xactsql.Tx, key Key, fence Term) error {
+	op := "check fence " + keyList([]Key{key}) // and its subject, as errors name them
+	if ctx == nil {
+		return errorf("%s: ctx is nil", op)
+	}
 	if err := key.check(); err != nil {
-		return errorf("CheckFence: %w", err)
+		return errorf("%s: %w", op, err)
 	}
 	if fence <= 0 {
-		return errorf("CheckFence: fence %d is not a fence (fences start at 1; was the lock taken with WithFence?)", fence)
+		return errorf("%s: fence %d is not a fence (fences start at 1; was the lock taken with WithFence?)", op, fence)
 	}
 	space, k := fenceRow(key)
 	var stored Term
@@ -255,10 +261,10 @@ func checkFence(ctx context.Context, c *config, tx xactsql.Tx, key Key, fence Te
 		// the server reports no serialization failure; report one.
 		var iso string
 		if err := tx.QueryRow(ctx, "SELECT current_setting('transaction_isolation')", nil, &iso); err != nil {
-			return withCtxErr(ctx, pgError("CheckFence", err))
+			return pgError(op, withCtxErr(ctx, err))
 		}
 		if iso == "repeatable read" || iso == "serializable" {
-			return errorf("CheckFence: fence %d for key %s cannot be checked in this transaction: %w", fence, key, &pgconn.PgError{
+			return errorf("%s: fence %d cannot be checked in this transaction: %w", op, fence, &pgconn.PgError{
 				Severity: "ERROR",
 				Code:     fenceSnapshotSQLState,
 				Message: fmt.Sprintf("could not serialize access: no fence for the key in schema %s is visible to the snapshot of this %s transaction, and it may have been issued after the snapshot was taken (reported by pgcoord, not the server)",
@@ -266,13 +272,13 @@ func checkFence(ctx context.Context, c *config, tx xactsql.Tx, key Key, fence Te
 				Hint: "retry in a new transaction, or check the fence under READ COMMITTED",
 			})
 		}
-		return errorf("CheckFence: %w: fence %d for key %s was never issued: no fence exists for the key in schema %s", ErrStaleFence, fence, key, c.quotedSchema())
+		return errorf("%s: %w: fence %d was never issued: no fence exists for the key in schema %s", op, ErrStaleFence, fence, c.quotedSchema())
 	case err != nil:
-		return withCtxErr(ctx, notMigrated(c, "CheckFence", err))
+		return notMigrated(c, op, withCtxErr(ctx, err))
 	case stored > fence:
-		return errorf("CheckFence: %w: fence %d for key %s is stale: fence %d has been issued", ErrStaleFence, fence, key, stored)
+		return errorf("%s: %w (fence %d, latest %d)", op, ErrStaleFence, fence, stored)
 	case stored < fence:
-		return errorf("CheckFence: %w: fence %d for key %s was never issued: the newest is %d", ErrStaleFence, fence, key, stored)
+		return errorf("%s: %w: fence %d was never issued (latest %d)", op, ErrStaleFence, fence, stored)
 	}
 	return nil
 }
@@ -291,13 +297,25 @@ func notMigrated(c *config, op string, err error) error {
 // and err does not say so already: a statement cut short by a cancel
 // request reports the server's 57014 alone, and a driver that closed the
 // connection its own way ("bad connection"), so that errors.Is with
-// context.Canceled or context.DeadlineExceeded holds, as for the Xact
-// functions.
+// context.Canceled or context.DeadlineExceeded holds, and with the cause
+// given to ctx's cancel. The cause comes first in the message
+// ("context canceled: ERROR: canceling statement ..."), as in every
+// error of pgcoord whose wait ctx ended.
 func withCtxErr(ctx context.Context, err error) error {
-	if cerr := context.Cause(ctx); cerr != nil && !errors.Is(err, cerr) && !errors.Is(err, ctx.Err()) {
-		return fmt.Errorf("%w (%w)", err, cerr)
+	cerr := ctx.Err()
+	if cerr == nil {
+		return err
 	}
-	return err
+	switch cause := context.Cause(ctx); {
+	case errors.Is(err, cause) && errors.Is(err, cerr):
+		return err
+	case errors.Is(err, cause):
+		return errorf("%w (%w)", err, cerr)
+	case errors.Is(err, cerr) || errors.Is(cause, cerr):
+		return errorf("%w: %w", cause, err)
+	default:
+		return errorf("%w (%w): %w", cause, cerr, err)
+	}
 }
 
 // issueFence gives l a new fence for its key. The statement waits while a

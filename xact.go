@@ -142,16 +142,16 @@ type TxBeginner interface {
 
 // xactMode selects the PostgreSQL function a call uses.
 type xactMode struct {
-	op  string // name of the pgcoord function, for errors
+	op  string // the operation, as errors name it ("xact lock")
 	fn  string // PostgreSQL function
 	try bool
 }
 
 var (
-	modeXactLock     = xactMode{"XactLock", "pg_advisory_xact_lock", false}
-	modeXactRLock    = xactMode{"XactRLock", "pg_advisory_xact_lock_shared", false}
-	modeXactTryLock  = xactMode{"XactTryLock", "pg_try_advisory_xact_lock", true}
-	modeXactTryRLock = xactMode{"XactTryRLock", "pg_try_advisory_xact_lock_shared", true}
+	modeXactLock     = xactMode{"xact lock", "pg_advisory_xact_lock", false}
+	modeXactRLock    = xactMode{"xact rlock", "pg_advisory_xact_lock_shared", false}
+	modeXactTryLock  = xactMode{"xact try lock", "pg_try_advisory_xact_lock", true}
+	modeXactTryRLock = xactMode{"xact try rlock", "pg_try_advisory_xact_lock_shared", true}
 )
 
 // xactModes maps the modes that package pgcoordsql names to ours.
@@ -175,10 +175,11 @@ func init() {
 		CheckFence: func(ctx context.Context, tx xactsql.Tx, key Key, fence Term, opts []FenceOption) error {
 			c, err := newFenceConfig(opts)
 			if err != nil {
-				return err
+				return errorf("check fence %s: %w", keyList([]Key{key}), err)
 			}
 			return checkFence(ctx, c, tx, key, fence)
 		},
+		Subject: keysSubject,
 	}
 }
 
@@ -341,7 +342,9 @@ func withPgx(fn func(pgx.Tx) error) func(xactsql.Txn) error {
 // other locks, such as row locks), [ErrTooManyLocks] if the server's lock
 // table is full, and the context's error when ctx ended the wait; other
 // errors are pgx's, wrapped. A nil tx, or a nil pointer in it (a nil
-// *pgxpool.Tx), is an error.
+// *pgxpool.Tx), is an error, and so is a nil ctx; neither panics. Every
+// error reads "pgcoord: xact lock <keys>: <cause>" (xact rlock, xact try
+// lock, xact try rlock for the siblings), the keys in canonical order.
 func XactLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 	return xactAcquirePgx(ctx, modeXactLock, tx, keys)
 }
@@ -391,6 +394,11 @@ func XactTryRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // pgx.BeginFunc, but with the keys held for exactly the life of the
 // transaction.
 //
+// An empty keys (nil or of length 0) takes no lock: InTx then begins, calls
+// fn and commits with the same rollback, isolation and savepoint handling,
+// for a transaction that needs no key of its own, such as one that writes
+// only after [CheckFence] of a fence held elsewhere.
+//
 // When db can begin a transaction with options (it has BeginTx, as
 // *pgxpool.Pool and *pgx.Conn do), InTx begins it with ISOLATION LEVEL READ
 // COMMITTED, whatever the database's or role's default_transaction_isolation:
@@ -439,17 +447,19 @@ func XactTryRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // back (a failed rollback of a transaction of its own closes the
 // connection, which ends the transaction on the server). Other errors: those of XactLock ([ErrInvalidKey], checked before
 // BEGIN; [ErrDeadlock]; [ErrTooManyLocks]; the context's error), and BEGIN or
-// COMMIT errors from pgx, wrapped. A nil db or fn is an error, and so is a
-// nil pointer in db (a nil *pgxpool.Pool, *pgx.Conn or *pgxpool.Tx).
+// COMMIT errors from pgx, wrapped. A nil ctx, db or fn is an error (none of
+// them panics), and so is a nil pointer in db (a nil *pgxpool.Pool,
+// *pgx.Conn or *pgxpool.Tx). InTx's own errors read "pgcoord: in tx
+// <keys>: <cause>" ("in tx []" for no keys).
 //
 // InTx works behind PgBouncer's transaction pooling, since it uses no session
 // state.
 func InTx(ctx context.Context, db TxBeginner, keys []Key, fn func(tx pgx.Tx) error) error {
 	if isNil(db) {
-		return errors.New("pgcoord: InTx: nil TxBeginner")
+		return errorf("in tx %s: nil TxBeginner", keysSubject(keys))
 	}
 	if _, nested := db.(pgx.Tx); nested {
-		return inTx(ctx, "InTx", beginPgx(db.Begin, true), keys, withPgx(fn))
+		return inTx(ctx, "in tx", beginPgx(db.Begin, true), keys, withPgx(fn))
 	}
 	begin := db.Begin
 	if b, ok := db.(TxOptionsBeginner); ok {
@@ -457,7 +467,7 @@ func InTx(ctx context.Context, db TxBeginner, keys []Key, fn func(tx pgx.Tx) err
 			return b.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 		}
 	}
-	return inTx(ctx, "InTx", beginPgx(begin, false), keys, withPgx(fn))
+	return inTx(ctx, "in tx", beginPgx(begin, false), keys, withPgx(fn))
 }
 
 // TxOptionsBeginner starts a transaction with options. *pgxpool.Pool and
@@ -494,31 +504,38 @@ type TxOptionsBeginner interface {
 // time instead of at compile time.
 func InTxOptions(ctx context.Context, db TxOptionsBeginner, txOptions pgx.TxOptions, keys []Key, fn func(tx pgx.Tx) error) error {
 	if isNil(db) {
-		return errors.New("pgcoord: InTxOptions: nil TxOptionsBeginner")
+		return errorf("in tx %s: nil TxOptionsBeginner", keysSubject(keys))
 	}
 	if txOptions.IsoLevel == "" {
 		txOptions.IsoLevel = pgx.ReadCommitted
 	}
 	begin := func(ctx context.Context) (pgx.Tx, error) { return db.BeginTx(ctx, txOptions) }
-	return inTx(ctx, "InTxOptions", beginPgx(begin, false), keys, withPgx(fn))
+	return inTx(ctx, "in tx", beginPgx(begin, false), keys, withPgx(fn))
 }
 
-// inTx runs InTx and InTxOptions, named op in errors, and those of package
-// pgcoordsql.
+// inTx runs InTx and InTxOptions, and those of package pgcoordsql; op is
+// the operation that errors name ("in tx"). An empty keys takes no lock.
 func inTx(ctx context.Context, op string, begin func(context.Context) (xactsql.Txn, error), keys []Key, fn func(tx xactsql.Txn) error) error {
-	if fn == nil {
-		return errorf("%s: nil fn", op)
-	}
-	ks, err := canonicalKeys(keys)
-	if err != nil {
-		return errorf("%s: %w", op, err)
-	}
 	mode := modeXactLock
 	mode.op = op
+	op += " " + keysSubject(keys) // with its subject, as errors name it
+	if ctx == nil {
+		return errorf("%s: ctx is nil", op)
+	}
+	if fn == nil {
+		return errorf("%s: fn is nil", op)
+	}
+	var ks []Key
+	if len(keys) > 0 {
+		var err error
+		if ks, err = canonicalKeys(keys); err != nil {
+			return errorf("%s: %w", op, err)
+		}
+	}
 
 	tx, err := begin(ctx)
 	if err != nil {
-		return errorf("%s: begin: %w", op, err)
+		return errorf("%s: begin: %w", op, withCtxErr(ctx, err))
 	}
 	// Runs with done still false only if fn panicked or called
 	// runtime.Goexit: roll back, and let the panic go on.
@@ -531,11 +548,11 @@ func inTx(ctx context.Context, op string, begin func(context.Context) (xactsql.T
 
 	if err := xactExec(ctx, mode, tx, ks); err != nil {
 		done = true
-		return rolledBack(ctx, tx, err)
+		return rolledBack(ctx, op, tx, err)
 	}
 	if err := fn(tx); err != nil {
 		done = true
-		return rolledBack(ctx, tx, err)
+		return rolledBack(ctx, op, tx, err)
 	}
 	done = true
 	if err := tx.Commit(ctx); err != nil {
@@ -562,11 +579,15 @@ func rollbackTxn(ctx context.Context, tx xactsql.Txn) error {
 // rolledBack rolls tx back after err and returns err. For a savepoint
 // whose rollback failed (the connection broke), the outer transaction is
 // over too, and the error says so: ROLLBACK TO SAVEPOINT could not release
-// the savepoint's keys, and only the outer transaction's end does.
-func rolledBack(ctx context.Context, tx xactsql.Txn, err error) error {
+// the savepoint's keys, and only the outer transaction's end does. op
+// (with its subject) names the call in front of an error of fn's own.
+func rolledBack(ctx context.Context, op string, tx xactsql.Txn, err error) error {
 	rerr := rollbackTxn(ctx, tx)
 	if t, ok := tx.(pgxTx); ok && t.nested && rerr != nil {
-		return errorf("%w; rolling back to the savepoint failed too (roll the outer transaction back): %w", err, rerr)
+		if strings.HasPrefix(err.Error(), prefix) {
+			return errorf("%w; rolling back to the savepoint failed too (roll the outer transaction back): %w", err, rerr)
+		}
+		return errorf("%s: %w; rolling back to the savepoint failed too (roll the outer transaction back): %w", op, err, rerr)
 	}
 	return err
 }
@@ -581,49 +602,66 @@ func isNil(v any) bool {
 	return rv.Kind() == reflect.Pointer && rv.IsNil()
 }
 
+// keysSubject names keys as errors do: the canonical keys as keyList
+// writes them, or keys as given when they are not a valid key list.
+func keysSubject(keys []Key) string {
+	if ks, err := canonicalKeys(keys); err == nil {
+		return keyList(ks)
+	}
+	return keyList(keys)
+}
+
 // xactAcquirePgx validates tx and keys and runs the lock statement.
 func xactAcquirePgx(ctx context.Context, mode xactMode, tx pgx.Tx, keys []Key) error {
 	if isNil(tx) {
-		return errorf("%s: nil pgx.Tx; begin a transaction first, or use InTx", mode.op)
+		return errorf("%s %s: nil pgx.Tx; begin a transaction first, or use InTx", mode.op, keysSubject(keys))
 	}
 	return xactAcquire(ctx, mode, pgxTx{tx: tx}, keys)
 }
 
-// xactAcquire validates keys and runs the lock statement on tx.
+// xactAcquire validates ctx and keys and runs the lock statement on tx.
 func xactAcquire(ctx context.Context, mode xactMode, tx xactsql.Tx, keys []Key) error {
+	if ctx == nil {
+		return errorf("%s %s: ctx is nil", mode.op, keysSubject(keys))
+	}
 	ks, err := canonicalKeys(keys)
 	if err != nil {
-		return errorf("%s: %w", mode.op, err)
+		return errorf("%s %s: %w", mode.op, keyList(keys), err)
 	}
 	return xactExec(ctx, mode, tx, ks)
 }
 
 // xactExec takes the canonical keys ks in tx, in order: one statement for
 // up to maxKeysPerStatement keys, one round trip per chunk beyond that.
+// Errors name mode.op and ks.
 func xactExec(ctx context.Context, mode xactMode, tx xactsql.Tx, ks []Key) error {
+	op := mode.op + " " + keyList(ks)
 	tx = lockTx(tx)
 	for i, chunk := range chunked(ks) {
 		if !mode.try {
 			sql, args := lockSQL(mode.fn, chunk)
 			if err := tx.Exec(ctx, sql, args...); err != nil {
-				return xactError(ctx, mode.op, err)
+				return xactError(ctx, op, err)
 			}
 			continue
 		}
 		sql, args := xactTryStatement(mode.fn, chunk)
 		var failed int
 		if err := tx.QueryRow(ctx, sql, args, &failed); err != nil {
-			return xactError(ctx, mode.op, err)
+			return xactError(ctx, op, err)
 		}
 		if failed == 0 {
 			continue
 		}
 		pos := i*maxKeysPerStatement + failed - 1 // in ks
-		if pos > 0 {
+		switch {
+		case pos > 0:
 			return errorf("%s: %w: %v (the %d key(s) before it in canonical order stay locked by this transaction until it ends; roll back to release them)",
-				mode.op, ErrLocked, ks[pos], pos)
+				op, ErrLocked, ks[pos], pos)
+		case len(ks) > 1:
+			return errorf("%s: %w: %v", op, ErrLocked, ks[pos])
 		}
-		return errorf("%s: %w: %v", mode.op, ErrLocked, ks[pos])
+		return errorf("%s: %w", op, ErrLocked)
 	}
 	return nil
 }
@@ -650,12 +688,9 @@ func xactTryStatement(fn string, ks []Key) (string, []any) {
 	return b.String(), args
 }
 
-// xactError maps err through pgError and, when ctx is done, makes sure the
-// context's error is reachable with errors.Is as well.
+// xactError maps err, a statement's error, through pgError, naming op (the
+// operation and its subject); when ctx is done, the context's cause comes
+// first (see withCtxErr).
 func xactError(ctx context.Context, op string, err error) error {
-	err = pgError(op, err)
-	if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
-		err = errorf("%w (%w)", err, cerr)
-	}
-	return err
+	return pgError(op, withCtxErr(ctx, err))
 }

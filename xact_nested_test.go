@@ -203,7 +203,7 @@ func TestInTxNestedOuterAlreadyFailed(t *testing.T) {
 		t.Fatal("fn was called in a failed transaction")
 	}
 	var pe *pgconn.PgError
-	if !errors.As(err, &pe) || pe.Code != "25P02" || !strings.HasPrefix(err.Error(), "pgcoord: InTx: begin") {
+	if !errors.As(err, &pe) || pe.Code != "25P02" || !strings.HasPrefix(err.Error(), "pgcoord: in tx "+innerKey.String()+": begin: ") {
 		t.Fatalf("InTx on a failed transaction: got %v, want a begin error wrapping SQLSTATE 25P02", err)
 	}
 	xactWantHeld(t, dsn, pid)

@@ -167,7 +167,7 @@ func TestXactTryLockPartial(t *testing.T) {
 
 	tx := xactBegin(t, pool)
 	err := XactTryLock(ctx, tx, k3, k1, k2)
-	if !errors.Is(err, ErrLocked) || !strings.Contains(err.Error(), k2.String()) {
+	if !errors.Is(err, ErrLocked) || !strings.Contains(err.Error(), "holder: "+k2.String()+" ") {
 		t.Fatalf("XactTryLock: got %v, want ErrLocked naming %v", err, k2)
 	}
 	xactWantHeld(t, dsn, xactPID(tx), xactEx(k1))
@@ -841,8 +841,9 @@ func TestInTx(t *testing.T) {
 	called := false
 	fn := func(pgx.Tx) error { called = true; return nil }
 	for name, err := range map[string]error{
-		"no keys":  InTx(ctx, pool, nil, fn),
-		"zero key": InTx(ctx, pool, []Key{k, {}}, fn),
+		"zero key":         InTx(ctx, pool, []Key{k, {}}, fn),
+		"only a zero key":  InTx(ctx, pool, []Key{{}}, fn),
+		"a zero key first": InTx(ctx, pool, []Key{{}, k}, fn),
 	} {
 		if !errors.Is(err, ErrInvalidKey) {
 			t.Errorf("InTx with %s: got %v, want ErrInvalidKey", name, err)
@@ -854,8 +855,89 @@ func TestInTx(t *testing.T) {
 	if err := InTx(ctx, pool, []Key{k}, nil); err == nil {
 		t.Error("InTx with nil fn succeeded")
 	}
+	var nilCtx context.Context
+	if err := xactNoPanic(t, "InTx(nil ctx)", func() error { return InTx(nilCtx, pool, []Key{k}, fn) }); err == nil || !strings.Contains(err.Error(), "ctx is nil") {
+		t.Errorf("InTx with nil ctx: got %v", err)
+	}
 	if called {
 		t.Error("fn was called for invalid arguments")
+	}
+}
+
+// TestInTxNoKeysCheckFence: InTx with no keys runs a transaction that takes
+// no lock: one that checks a fence held elsewhere and writes under it. With
+// the current fence the write commits; with a stale one CheckFence refuses
+// it and nothing is written. pg_locks shows no advisory lock of the
+// transaction's backend while fn runs.
+func TestInTxNoKeysCheckFence(t *testing.T) {
+	ctx := testCtx(t)
+	dsn, pool := migratedPool(t, ctx, DefaultSchema)
+	if _, err := pool.Exec(ctx, "CREATE TABLE ledger (fence bigint)"); err != nil {
+		t.Fatal(err)
+	}
+	c := newTestClientOn(t, pool)
+	k := Int64Key(77)
+	lock := func() *Lock {
+		t.Helper()
+		l, err := c.Lock(ctx, k, WithFence())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	write := func(fence Term) func(pgx.Tx) error {
+		return func(tx pgx.Tx) error {
+			if err := CheckFence(ctx, tx, k, fence); err != nil {
+				return err
+			}
+			if got := xactHeldBy(t, dsn, xactPID(tx)); len(got) != 0 {
+				t.Errorf("InTx with no keys holds %q", got)
+			}
+			_, err := tx.Exec(ctx, "INSERT INTO ledger VALUES ($1)", int64(fence))
+			return err
+		}
+	}
+	rows := func() (out []int64) {
+		t.Helper()
+		r, err := pool.Query(ctx, "SELECT fence FROM ledger ORDER BY fence")
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, err = pgx.CollectRows(r, pgx.RowTo[int64])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+
+	old := lock()
+	if err := InTx(ctx, pool, nil, write(old.Fence())); err != nil {
+		t.Fatalf("InTx with no keys and the current fence: %v", err)
+	}
+	if err := InTx(ctx, pool, []Key{}, write(old.Fence())); err != nil {
+		t.Fatalf("InTx with an empty key list and the current fence: %v", err)
+	}
+	if err := old.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	newer := lock()
+	defer newer.Unlock(ctx)
+	if err := InTx(ctx, pool, nil, write(old.Fence())); !errors.Is(err, ErrStaleFence) {
+		t.Fatalf("InTx with no keys and a stale fence: got %v, want ErrStaleFence", err)
+	}
+	if got, want := rows(), []int64{int64(old.Fence()), int64(old.Fence())}; !slices.Equal(got, want) {
+		t.Fatalf("ledger: got %v, want %v (two writes under the current fence, none under the stale one)", got, want)
+	}
+	// Nested in a transaction of its own: a savepoint, no key either.
+	tx := xactBegin(t, pool)
+	if err := InTx(ctx, tx, nil, write(newer.Fence())); err != nil {
+		t.Fatalf("nested InTx with no keys: %v", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := rows(); len(got) != 3 || got[2] != int64(newer.Fence()) {
+		t.Fatalf("ledger after the nested InTx: %v, want the newer fence %d last", got, newer.Fence())
 	}
 }
 
@@ -865,11 +947,15 @@ func TestXactInvalidArguments(t *testing.T) {
 	dsn, pool := xactPool(t)
 	ctx := t.Context()
 	tx := xactBegin(t, pool)
+	var nilCtx context.Context
 	for name, f := range map[string]func(context.Context, pgx.Tx, ...Key) error{
-		"XactLock": XactLock, "XactRLock": XactRLock, "XactTryLock": XactTryLock, "XactTryRLock": XactTryRLock,
+		"xact lock": XactLock, "xact rlock": XactRLock, "xact try lock": XactTryLock, "xact try rlock": XactTryRLock,
 	} {
-		if err := f(ctx, nil, Int64Key(1)); err == nil || !strings.Contains(err.Error(), "nil pgx.Tx") || !strings.HasPrefix(err.Error(), "pgcoord: "+name) {
+		if err := f(ctx, nil, Int64Key(1)); err == nil || !strings.Contains(err.Error(), "nil pgx.Tx") || !strings.HasPrefix(err.Error(), "pgcoord: "+name+" int64:1: ") {
 			t.Errorf("%s(nil tx): got %v", name, err)
+		}
+		if err := xactNoPanic(t, name+"(nil ctx)", func() error { return f(nilCtx, tx, Int64Key(1)) }); err == nil || err.Error() != "pgcoord: "+name+" int64:1: ctx is nil" {
+			t.Errorf("%s(nil ctx): got %v", name, err)
 		}
 		if err := f(ctx, tx); !errors.Is(err, ErrInvalidKey) {
 			t.Errorf("%s with no keys: got %v, want ErrInvalidKey", name, err)
@@ -1128,10 +1214,10 @@ func TestInTxOptions(t *testing.T) {
 	if err := InTxOptions(ctx, pool, pgx.TxOptions{}, []Key{k}, func(pgx.Tx) error { return errFn }); err != errFn {
 		t.Fatalf("InTxOptions: got %v, want fn's error unchanged", err)
 	}
-	if err := InTxOptions(ctx, nil, opts, []Key{k}, func(pgx.Tx) error { return nil }); err == nil || !strings.HasPrefix(err.Error(), "pgcoord: InTxOptions") {
+	if err := InTxOptions(ctx, nil, opts, []Key{k}, func(pgx.Tx) error { return nil }); err == nil || !strings.HasPrefix(err.Error(), "pgcoord: in tx "+k.String()+": nil TxOptionsBeginner") {
 		t.Fatalf("nil db: %v", err)
 	}
-	if err := InTxOptions(ctx, pool, opts, nil, func(pgx.Tx) error { return nil }); !errors.Is(err, ErrInvalidKey) {
-		t.Fatalf("no keys: %v", err)
+	if err := InTxOptions(ctx, pool, opts, []Key{{}}, func(pgx.Tx) error { return nil }); !errors.Is(err, ErrInvalidKey) {
+		t.Fatalf("zero key: %v", err)
 	}
 }

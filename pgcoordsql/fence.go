@@ -31,8 +31,8 @@ import (
 // issued or when fence was never issued for key (a wrong key, schema or
 // database, or fences lost in a failover): the write must not happen, and
 // retrying cannot make it safe. Other errors: [pgcoord.ErrInvalidKey] for an
-// invalid key, a plain error for a nil tx or fence <= 0 (fences start at
-// 1), [pgcoord.ErrNotMigrated] when the fences table does not exist in the
+// invalid key, a plain error for a nil tx, a nil ctx or fence <= 0 (fences
+// start at 1), [pgcoord.ErrNotMigrated] when the fences table does not exist in the
 // schema, and the driver's error, wrapped, when the query fails. After any
 // error, roll tx back.
 //
@@ -53,7 +53,7 @@ import (
 // [pgcoord.Migrate] and the Client.
 func CheckFence(ctx context.Context, tx *sql.Tx, key pgcoord.Key, fence pgcoord.Term, opts ...pgcoord.FenceOption) error {
 	if tx == nil {
-		return errors.New("pgcoord: CheckFence: tx is nil")
+		return errors.New("pgcoord: check fence " + impl.Subject([]pgcoord.Key{key}) + ": nil *sql.Tx")
 	}
 	return impl.CheckFence(ctx, sqlTx{tx}, key, fence, opts)
 }

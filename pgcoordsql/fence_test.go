@@ -3,6 +3,7 @@ package pgcoordsql_test
 import (
 	"database/sql"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 
@@ -170,5 +171,78 @@ func TestCheckFenceFirstFenceAfterSnapshot(t *testing.T) {
 				t.Fatalf("retried CheckFence(%d) = %v, want nil", fence, err)
 			}
 		})
+	}
+}
+
+// TestInTxNoKeysCheckFence: InTx with no keys runs a transaction that takes
+// no lock, such as one that checks a fence held elsewhere and writes under
+// it: with the current fence the write commits, with a stale one CheckFence
+// refuses it and nothing is written. pg_locks shows no advisory lock while
+// fn runs.
+func TestInTxNoKeysCheckFence(t *testing.T) {
+	ctx := t.Context()
+	dsn := pgtest.DB(t)
+	pool := pgtest.Pool(t, dsn)
+	if err := pgcoord.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	c, err := pgcoord.New(pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close(ctx) })
+	db := openDB(t, dsn)
+	if _, err := db.ExecContext(ctx, "CREATE TABLE ledger (fence bigint)"); err != nil {
+		t.Fatal(err)
+	}
+	key := pgcoord.Int64Key(77)
+	write := func(fence pgcoord.Term) func(*sql.Tx) error {
+		return func(tx *sql.Tx) error {
+			if err := pgcoordsql.CheckFence(ctx, tx, key, fence); err != nil {
+				return err
+			}
+			var n int
+			if err := tx.QueryRowContext(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()").Scan(&n); err != nil {
+				return err
+			}
+			if n != 0 {
+				t.Errorf("InTx with no keys holds %d advisory locks", n)
+			}
+			_, err := tx.ExecContext(ctx, "INSERT INTO ledger VALUES ($1)", int64(fence))
+			return err
+		}
+	}
+	old := fencedLock(t, c, key)
+	if err := pgcoordsql.InTx(ctx, db, nil, write(old)); err != nil {
+		t.Fatalf("InTx with no keys and the current fence: %v", err)
+	}
+	if err := pgcoordsql.InTxOptions(ctx, db, nil, []pgcoord.Key{}, write(old)); err != nil {
+		t.Fatalf("InTxOptions with an empty key list and the current fence: %v", err)
+	}
+	newer := fencedLock(t, c, key)
+	if err := pgcoordsql.InTx(ctx, db, nil, write(old)); !errors.Is(err, pgcoord.ErrStaleFence) {
+		t.Fatalf("InTx with no keys and a stale fence: got %v, want ErrStaleFence", err)
+	}
+	if err := pgcoordsql.InTx(ctx, db, nil, write(newer)); err != nil {
+		t.Fatalf("InTx with no keys and the newer fence: %v", err)
+	}
+	var got []int64
+	rs, err := db.QueryContext(ctx, "SELECT fence FROM ledger ORDER BY fence")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rs.Close()
+	for rs.Next() {
+		var f int64
+		if err := rs.Scan(&f); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, f)
+	}
+	if err := rs.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if want := []int64{int64(old), int64(old), int64(newer)}; !slices.Equal(got, want) {
+		t.Fatalf("ledger: got %v, want %v (none written under the stale fence)", got, want)
 	}
 }

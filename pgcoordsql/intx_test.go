@@ -216,15 +216,12 @@ func TestInTxCancelledWait(t *testing.T) {
 	idle(t, db)
 }
 
-// TestInTxBadInput: invalid keys, a nil db and a nil fn are reported before
-// BEGIN.
+// TestInTxBadInput: invalid keys, a nil db, a nil fn and a nil ctx are
+// reported before BEGIN, as errors, not panics.
 func TestInTxBadInput(t *testing.T) {
 	ctx := t.Context()
 	_, db := inTxDB(t)
 	fn := func(*sql.Tx) error { t.Error("fn called"); return nil }
-	if err := pgcoordsql.InTx(ctx, db, nil, fn); !errors.Is(err, pgcoord.ErrInvalidKey) {
-		t.Errorf("no keys: got %v, want ErrInvalidKey", err)
-	}
 	if err := pgcoordsql.InTx(ctx, db, []pgcoord.Key{{}}, fn); !errors.Is(err, pgcoord.ErrInvalidKey) {
 		t.Errorf("zero key: got %v, want ErrInvalidKey", err)
 	}
@@ -237,6 +234,10 @@ func TestInTxBadInput(t *testing.T) {
 	}
 	if err := pgcoordsql.InTx(ctx, db, []pgcoord.Key{pgcoord.Int64Key(1)}, nil); err == nil {
 		t.Error("nil fn: no error")
+	}
+	var nilCtx context.Context
+	if err := noPanic(t, "InTx(nil ctx)", func() error { return pgcoordsql.InTx(nilCtx, db, []pgcoord.Key{pgcoord.Int64Key(1)}, fn) }); err == nil || err.Error() != "pgcoord: in tx int64:1: ctx is nil" {
+		t.Errorf("nil ctx: got %v", err)
 	}
 	if n := db.Stats().OpenConnections; n != 1 { // the one inTxDB used
 		t.Errorf("%d connections open, want 1: bad input began a transaction", n)

@@ -39,16 +39,20 @@ func TestTypedNilArguments(t *testing.T) {
 		"XactLock(nil *sql.Tx, done ctx)": func() error { c, cancel := context.WithCancel(ctx); cancel(); return pgcoordsql.XactLock(c, nilTx, k) },
 	}
 	for name, call := range calls {
-		err := func() (err error) {
-			defer func() {
-				if p := recover(); p != nil {
-					t.Errorf("%s panicked: %v", name, p)
-				}
-			}()
-			return call()
-		}()
+		err := noPanic(t, name, call)
 		if err == nil || !strings.HasPrefix(err.Error(), "pgcoord: ") || !strings.Contains(err.Error(), "nil") {
 			t.Errorf("%s: got %v, want a pgcoord error about the nil argument", name, err)
 		}
 	}
+}
+
+// noPanic runs f and returns its error, or fails the test if f panics.
+func noPanic(t *testing.T, what string, f func() error) (err error) {
+	t.Helper()
+	defer func() {
+		if p := recover(); p != nil {
+			t.Errorf("%s panicked: %v", what, p)
+		}
+	}()
+	return f()
 }

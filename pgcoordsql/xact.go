@@ -56,14 +56,14 @@ var impl = xactsql.Registered.(xactsql.Impl[pgcoord.Key, pgcoord.Term, pgcoord.F
 // as [InTx] does.
 //
 // XactLock returns an error wrapping [pgcoord.ErrInvalidKey] for an empty
-// or invalid key list and a plain error for a nil tx (before sending
-// anything), [pgcoord.ErrDeadlock] if PostgreSQL chose tx as a deadlock
+// or invalid key list and a plain error for a nil tx or a nil ctx (before
+// sending anything; neither panics), [pgcoord.ErrDeadlock] if PostgreSQL chose tx as a deadlock
 // victim (possible only with keys taken by other calls or with other locks,
 // such as row locks), [pgcoord.ErrTooManyLocks] if the server's lock table
 // is full, and the context's error when ctx ended the wait; other errors
 // are the driver's, wrapped.
 func XactLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
-	return acquire(ctx, "XactLock", xactsql.Lock, tx, keys)
+	return acquire(ctx, "xact lock", xactsql.Lock, tx, keys)
 }
 
 // XactRLock is [XactLock] for shared locks: any number of transactions can
@@ -72,7 +72,7 @@ func XactLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
 // are not starved. Everything XactLock says about order, ctx, release and
 // errors applies.
 func XactRLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
-	return acquire(ctx, "XactRLock", xactsql.RLock, tx, keys)
+	return acquire(ctx, "xact rlock", xactsql.RLock, tx, keys)
 }
 
 // XactTryLock is [XactLock] without waiting: it tries the keys in canonical
@@ -91,7 +91,7 @@ func XactRLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
 // succeeded, as XactLock does: roll tx back. Other errors are those of
 // XactLock, and abort tx as they do there.
 func XactTryLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
-	return acquire(ctx, "XactTryLock", xactsql.TryLock, tx, keys)
+	return acquire(ctx, "xact try lock", xactsql.TryLock, tx, keys)
 }
 
 // XactTryRLock is [XactTryLock] for shared locks: it fails with an error
@@ -100,12 +100,14 @@ func XactTryLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
 // overtake a waiting exclusive request). What XactTryLock says about
 // partial success applies.
 func XactTryRLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
-	return acquire(ctx, "XactTryRLock", xactsql.TryRLock, tx, keys)
+	return acquire(ctx, "xact try rlock", xactsql.TryRLock, tx, keys)
 }
 
+// acquire runs XactLock and its siblings; op is the operation that errors
+// name ("xact lock").
 func acquire(ctx context.Context, op string, mode xactsql.Mode, tx *sql.Tx, keys []pgcoord.Key) error {
 	if tx == nil {
-		return errors.New("pgcoord: " + op + ": nil *sql.Tx; begin a transaction first, or use pgcoordsql.InTx")
+		return errors.New("pgcoord: " + op + " " + impl.Subject(keys) + ": nil *sql.Tx; begin a transaction first, or use pgcoordsql.InTx")
 	}
 	return impl.Acquire(ctx, op, mode, sqlTx{tx}, keys)
 }
@@ -152,9 +154,15 @@ type TxBeginner interface {
 // transaction on the server). Other errors: those of XactLock
 // ([pgcoord.ErrInvalidKey], checked before BEGIN; [pgcoord.ErrDeadlock];
 // [pgcoord.ErrTooManyLocks]; the context's error), and BEGIN or COMMIT
-// errors from the driver, wrapped. A nil db or fn is an error.
+// errors from the driver, wrapped. A nil ctx, db or fn is an error (none of
+// them panics).
+//
+// An empty keys (nil or of length 0) takes no lock: InTx then begins, calls
+// fn and commits with the same rollback and isolation handling, for a
+// transaction that needs no key of its own, such as one that writes only
+// after [CheckFence] of a fence held elsewhere.
 func InTx(ctx context.Context, db TxBeginner, keys []pgcoord.Key, fn func(tx *sql.Tx) error) error {
-	return inTx(ctx, "InTx", db, &sql.TxOptions{Isolation: sql.LevelReadCommitted}, keys, fn)
+	return inTx(ctx, "in tx", db, &sql.TxOptions{Isolation: sql.LevelReadCommitted}, keys, fn)
 }
 
 // InTxOptions is [InTx] with a transaction begun with opts (isolation level,
@@ -182,12 +190,12 @@ func InTxOptions(ctx context.Context, db TxBeginner, opts *sql.TxOptions, keys [
 			o.Isolation = opts.Isolation
 		}
 	}
-	return inTx(ctx, "InTxOptions", db, &o, keys, fn)
+	return inTx(ctx, "in tx", db, &o, keys, fn)
 }
 
 func inTx(ctx context.Context, op string, db TxBeginner, opts *sql.TxOptions, keys []pgcoord.Key, fn func(tx *sql.Tx) error) error {
 	if isNil(db) {
-		return errors.New("pgcoord: " + op + ": nil TxBeginner (*sql.DB or *sql.Conn)")
+		return errors.New("pgcoord: " + op + " " + impl.Subject(keys) + ": nil TxBeginner (*sql.DB or *sql.Conn)")
 	}
 	var run func(xactsql.Txn) error // nil for a nil fn, which impl.InTx reports
 	if fn != nil {
@@ -246,7 +254,7 @@ func endedDuring(ctx context.Context, err error) error {
 		return err
 	}
 	if cerr := ctx.Err(); cerr != nil {
-		return fmt.Errorf("the statement completed, but ctx ended by then and the driver may be closing the connection, which ends the transaction: %w", cerr)
+		return fmt.Errorf("%w (the statement completed, but ctx ended by then and the driver may be closing the connection, which ends the transaction)", cerr)
 	}
 	return nil
 }

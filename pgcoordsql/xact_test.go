@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -197,7 +198,7 @@ func TestXactTryLocked(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			tx, pid := begin(t, db)
 			err := tc.try(ctx, tx, k3, k2, k1)
-			if !errors.Is(err, pgcoord.ErrLocked) || !strings.Contains(err.Error(), k2.String()) {
+			if !errors.Is(err, pgcoord.ErrLocked) || !strings.Contains(err.Error(), "holder: "+k2.String()+" ") {
 				t.Fatalf("got %v, want ErrLocked naming %v", err, k2)
 			}
 			waitLocks(t, dsn, pid, want(tc.mode, "granted", k1))
@@ -368,10 +369,141 @@ func TestXactBadInput(t *testing.T) {
 	if err := pgcoordsql.XactTryLock(ctx, nil, pgcoord.Int64Key(1)); err == nil || !strings.Contains(err.Error(), "nil *sql.Tx") {
 		t.Errorf("XactTryLock(nil tx): got %v, want an error about the nil *sql.Tx", err)
 	}
+	var nilCtx context.Context
+	for name, f := range map[string]func(context.Context, *sql.Tx, ...pgcoord.Key) error{
+		"xact lock": pgcoordsql.XactLock, "xact rlock": pgcoordsql.XactRLock,
+		"xact try lock": pgcoordsql.XactTryLock, "xact try rlock": pgcoordsql.XactTryRLock,
+	} {
+		if err := noPanic(t, name+"(nil ctx)", func() error { return f(nilCtx, tx, pgcoord.Int64Key(1)) }); err == nil || err.Error() != "pgcoord: "+name+" int64:1: ctx is nil" {
+			t.Errorf("%s(nil ctx): got %v", name, err)
+		}
+	}
+	if err := noPanic(t, "CheckFence(nil ctx)", func() error { return pgcoordsql.CheckFence(nilCtx, tx, pgcoord.Int64Key(1), 1) }); err == nil || err.Error() != "pgcoord: check fence int64:1: ctx is nil" {
+		t.Errorf("CheckFence(nil ctx): got %v", err)
+	}
 	if got := locksOf(t, dsn, pid); len(got) != 0 {
 		t.Errorf("locks after bad input: %q", got)
 	}
 	if err := tx.Commit(); err != nil {
 		t.Fatalf("bad input aborted the transaction: %v", err)
+	}
+}
+
+// errorShape is the one shape of pgcoord's errors (see package pgcoord's
+// documentation): "pgcoord: <operation> <subject>: <cause>", on one line.
+var errorShape = regexp.MustCompile(`^pgcoord: [a-z][a-z ]* (\S+|\[[^]]+\]|(election|semaphore) "[^"]*"): \S.*$`)
+
+// TestErrorShapeXact: every kind of error of XactLock, XactRLock,
+// XactTryLock, XactTryRLock, InTx, InTxOptions and CheckFence on a *sql.Tx
+// reads "pgcoord: <operation> <subject>: <cause>" on one line, names the
+// keys, and still wraps its sentinel.
+func TestErrorShapeXact(t *testing.T) {
+	ctx := t.Context()
+	dsn := pgtest.DB(t)
+	pool := pgtest.Pool(t, dsn)
+	if err := pgcoord.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	c, err := pgcoord.New(pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close(ctx) })
+	db := openDB(t, dsn)
+	k1, k2, k3 := pgcoord.Int64Key(1), pgcoord.Int64Key(2), pgcoord.Int64Key(3)
+	var (
+		nilCtx context.Context
+		nilTx  *sql.Tx
+		nilDB  *sql.DB
+	)
+	tx := func(t *testing.T) *sql.Tx { t.Helper(); tx, _ := begin(t, db); return tx }
+	heldElsewhere := func(t *testing.T, keys ...pgcoord.Key) {
+		t.Helper()
+		if err := pgcoordsql.XactLock(ctx, tx(t), keys...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ok := func(*sql.Tx) error { return nil }
+	cases := []struct {
+		name   string
+		run    func(t *testing.T) error
+		is     error
+		prefix string
+	}{
+		{"XactLock nil tx", func(*testing.T) error { return pgcoordsql.XactLock(ctx, nilTx, k2, k1) },
+			nil, "pgcoord: xact lock [int64:1 int64:2]: nil *sql.Tx"},
+		{"XactRLock nil ctx", func(t *testing.T) error { return pgcoordsql.XactRLock(nilCtx, tx(t), k1) },
+			nil, "pgcoord: xact rlock int64:1: ctx is nil"},
+		{"XactLock no keys", func(t *testing.T) error { return pgcoordsql.XactLock(ctx, tx(t)) },
+			pgcoord.ErrInvalidKey, "pgcoord: xact lock []: invalid key"},
+		{"XactLock zero key", func(t *testing.T) error { return pgcoordsql.XactLock(ctx, tx(t), k1, pgcoord.Key{}) },
+			pgcoord.ErrInvalidKey, "pgcoord: xact lock [int64:1 "},
+		{"XactTryLock held elsewhere", func(t *testing.T) error { heldElsewhere(t, k1); return pgcoordsql.XactTryLock(ctx, tx(t), k1) },
+			pgcoord.ErrLocked, "pgcoord: xact try lock int64:1: key is locked by another holder"},
+		{"XactTryRLock partial", func(t *testing.T) error { heldElsewhere(t, k2); return pgcoordsql.XactTryRLock(ctx, tx(t), k3, k2, k1) },
+			pgcoord.ErrLocked, "pgcoord: xact try rlock [int64:1 int64:2 int64:3]: key is locked by another holder: int64:2 (the 1 key(s) before it"},
+		{"XactLock in a failed transaction", func(t *testing.T) error {
+			tx := tx(t)
+			_, _ = tx.ExecContext(ctx, "SELECT 1/0")
+			return pgcoordsql.XactLock(ctx, tx, k1)
+		}, nil, "pgcoord: xact lock int64:1: ERROR: current transaction is aborted"},
+		{"XactLock wait cut by a deadline", func(t *testing.T) error {
+			heldElsewhere(t, k1)
+			tx := tx(t)
+			c, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+			defer cancel()
+			return pgcoordsql.XactLock(c, tx, k1)
+		}, context.DeadlineExceeded, "pgcoord: xact lock int64:1: "},
+		{"InTx nil db", func(*testing.T) error { return pgcoordsql.InTx(ctx, nilDB, []pgcoord.Key{k1}, ok) },
+			nil, "pgcoord: in tx int64:1: nil TxBeginner"},
+		{"InTxOptions nil fn", func(*testing.T) error { return pgcoordsql.InTxOptions(ctx, db, nil, []pgcoord.Key{k1}, nil) },
+			nil, "pgcoord: in tx int64:1: fn is nil"},
+		{"InTx nil ctx", func(*testing.T) error { return pgcoordsql.InTx(nilCtx, db, nil, ok) },
+			nil, "pgcoord: in tx []: ctx is nil"},
+		{"InTx lock wait cut by a deadline", func(t *testing.T) error {
+			heldElsewhere(t, k1)
+			c, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+			defer cancel()
+			return pgcoordsql.InTx(c, db, []pgcoord.Key{k1}, ok)
+		}, context.DeadlineExceeded, "pgcoord: in tx int64:1: "},
+		{"InTx commit after an ignored statement error", func(*testing.T) error {
+			return pgcoordsql.InTx(ctx, db, []pgcoord.Key{k1}, func(tx *sql.Tx) error {
+				_, _ = tx.ExecContext(ctx, "SELECT 1/0")
+				return nil
+			})
+		}, nil, "pgcoord: in tx int64:1: commit: "},
+		{"CheckFence nil tx", func(*testing.T) error { return pgcoordsql.CheckFence(ctx, nilTx, k1, 1) },
+			nil, "pgcoord: check fence int64:1: nil *sql.Tx"},
+		{"CheckFence fence 0", func(t *testing.T) error { return pgcoordsql.CheckFence(ctx, tx(t), k1, 0) },
+			nil, "pgcoord: check fence int64:1: fence 0 is not a fence"},
+		{"CheckFence stale", func(t *testing.T) error {
+			old := fencedLock(t, c, k3)
+			newer := fencedLock(t, c, k3)
+			if newer != old+1 {
+				t.Fatalf("fences %d then %d", old, newer)
+			}
+			return pgcoordsql.CheckFence(ctx, tx(t), k3, old)
+		}, pgcoord.ErrStaleFence, "pgcoord: check fence int64:3: stale fence: a newer holder exists (fence 1, latest 2)"},
+		{"CheckFence not migrated", func(t *testing.T) error {
+			return pgcoordsql.CheckFence(ctx, tx(t), k1, 1, pgcoord.WithSchema("elsewhere"))
+		}, pgcoord.ErrNotMigrated, "pgcoord: check fence int64:1: "},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			err := noPanic(t, c.name, func() error { return c.run(t) })
+			switch {
+			case err == nil:
+				t.Fatal("no error")
+			case strings.Contains(err.Error(), "\n"):
+				t.Errorf("%q: more than one line", err)
+			case !errorShape.MatchString(err.Error()):
+				t.Errorf("%q does not match %s", err, errorShape)
+			case !strings.HasPrefix(err.Error(), c.prefix):
+				t.Errorf("%q: want it to start with %q", err, c.prefix)
+			case c.is != nil && !errors.Is(err, c.is):
+				t.Errorf("%q: does not wrap %v", err, c.is)
+			}
+			t.Logf("%v", err)
+		})
 	}
 }

@@ -72,6 +72,9 @@ type Impl[Key, Term, FenceOption any] struct {
 	// CheckFence is pgcoord.CheckFence on tx. A nil tx is the caller's to
 	// check.
 	CheckFence func(ctx context.Context, tx Tx, key Key, fence Term, opts []FenceOption) error
+	// Subject names keys as pgcoord's errors do, after the operation:
+	// "pgcoord: <operation> <subject>: <cause>".
+	Subject func(keys []Key) string
 }
 
 // Registered is package pgcoord's Impl[pgcoord.Key, pgcoord.Term,
