@@ -87,11 +87,15 @@ func child(role string) error {
 		opts = append(opts, gocron.WithDistributedElector(el))
 		closeDistributed = el.Close
 	case roleLocker:
-		rec.lk = pgcoordgocron.NewLocker(c, pgcoordgocron.WithMinHold(lockerHold))
+		if rec.lk, err = pgcoordgocron.NewLocker(c, pgcoordgocron.WithMinHold(lockerHold)); err != nil {
+			return err
+		}
 		opts = append(opts, gocron.WithDistributedLocker(rec))
 		closeDistributed = rec.lk.Close
 	case roleTicks:
-		rec.lk = pgcoordgocron.NewLocker(c, pgcoordgocron.WithTicks(jobInterval))
+		if rec.lk, err = pgcoordgocron.NewLocker(c, pgcoordgocron.WithTicks(jobInterval)); err != nil {
+			return err
+		}
 		opts = append(opts, gocron.WithDistributedLocker(rec))
 		closeDistributed = rec.lk.Close
 		// One run at a time in this process, so that the run reads the

@@ -55,7 +55,8 @@
 //
 // Usage with a Locker, for jobs on a minute grid:
 //
-//	lk := pgcoordgocron.NewLocker(c, pgcoordgocron.WithTicks(time.Minute))
+//	lk, err := pgcoordgocron.NewLocker(c, pgcoordgocron.WithTicks(time.Minute))
+//	if err != nil { ... }
 //	defer lk.Close(context.Background())
 //	s, err := gocron.NewScheduler(gocron.WithDistributedLocker(lk))
 //	if err != nil { ... }

@@ -56,7 +56,10 @@ func ExampleWithTicks() {
 		log.Fatal(err)
 	}
 	defer c.Close(context.Background())
-	lk := pgcoordgocron.NewLocker(c, pgcoordgocron.WithTicks(time.Minute))
+	lk, err := pgcoordgocron.NewLocker(c, pgcoordgocron.WithTicks(time.Minute))
+	if err != nil {
+		log.Fatal(err)
+	}
 	defer lk.Close(context.Background())
 	s, err := gocron.NewScheduler(gocron.WithDistributedLocker(lk))
 	if err != nil {
@@ -88,7 +91,10 @@ func ExampleNewLocker() {
 		log.Fatal(err)
 	}
 	defer c.Close(context.Background())
-	lk := pgcoordgocron.NewLocker(c, pgcoordgocron.WithMinHold(10*time.Second))
+	lk, err := pgcoordgocron.NewLocker(c, pgcoordgocron.WithMinHold(10*time.Second))
+	if err != nil {
+		log.Fatal(err)
+	}
 	defer lk.Close(context.Background())
 	s, err := gocron.NewScheduler(gocron.WithDistributedLocker(lk))
 	if err != nil {

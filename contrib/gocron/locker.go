@@ -62,7 +62,6 @@ type Locker struct {
 	minHold  time.Duration
 	interval time.Duration // 0 unless WithTicks
 	now      func() time.Time
-	err      error // an invalid option: returned by every Lock
 
 	mu     sync.Mutex
 	closed bool
@@ -74,11 +73,12 @@ type Locker struct {
 var _ gocron.Locker = (*Locker)(nil)
 
 // NewLocker returns a Locker that takes its locks through c. It does not
-// touch the network. The Client must outlive the Locker. A nil Client or
-// an invalid option (or two that exclude each other) is reported by every
-// call of Lock, with what was wrong.
-func NewLocker(c *pgcoord.Client, opts ...Option) *Locker {
-	lk := &Locker{c: c, stop: make(chan struct{})}
+// touch the network. The Client must outlive the Locker.
+//
+// NewLocker returns an error, and no Locker, for a nil Client, a nil or
+// invalid option, or two options that exclude each other (WithMinHold and
+// WithTicks), saying what was wrong with each.
+func NewLocker(c *pgcoord.Client, opts ...LockerOption) (*Locker, error) {
 	cfg := lockerConfig{minHold: DefaultMinHold, now: time.Now}
 	var errs []error
 	if c == nil {
@@ -86,20 +86,21 @@ func NewLocker(c *pgcoord.Client, opts ...Option) *Locker {
 	}
 	for _, o := range opts {
 		if o == nil {
-			errs = append(errs, errors.New("nil Option"))
+			errs = append(errs, errors.New("nil LockerOption"))
 			continue
 		}
 		errs = append(errs, o.applyLocker(&cfg))
 	}
 	errs = append(errs, cfg.check())
 	if err := errors.Join(errs...); err != nil {
-		lk.err = fmt.Errorf("pgcoordgocron: NewLocker: %w", err)
+		return nil, fmt.Errorf("pgcoordgocron: NewLocker: %w", err)
 	}
+	lk := &Locker{c: c, stop: make(chan struct{})}
 	lk.prefix, lk.minHold, lk.interval, lk.now = cfg.prefix, cfg.minHold, cfg.interval, cfg.now
 	if lk.interval > 0 {
 		lk.minHold = 0
 	}
-	return lk
+	return lk, nil
 }
 
 // Key returns the pgcoord key of the job called name in the default
@@ -156,13 +157,9 @@ func windowEnd(n int64, interval time.Duration) time.Time {
 // the lock is held, by another scheduler or by this one (a run not yet
 // ended, a minimum hold not yet over, a tick already run); ErrTickPassed
 // (WithTicks) when the lock came only after the end of the tick's window;
-// pgcoord.ErrClosed after the Locker's or the Client's Close; the error
-// of an invalid option given to NewLocker; and the Client's errors for
-// TryLock (connection errors, ctx's error).
+// pgcoord.ErrClosed after the Locker's or the Client's Close; and the
+// Client's errors for TryLock (connection errors, ctx's error).
 func (lk *Locker) Lock(ctx context.Context, key string) (gocron.Lock, error) {
-	if lk.err != nil {
-		return nil, lk.err
-	}
 	// The hold counts from before the try: the release then comes at
 	// least the hold after any moment at which this run could have
 	// started, and with WithTicks after the end of the tick's window.

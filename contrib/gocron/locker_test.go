@@ -7,15 +7,43 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord"
 	pgcoordgocron "github.com/pgcoord/pgcoord/contrib/gocron"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
-// newLocker returns a Locker on c, closed in t.Cleanup.
-func newLocker(t *testing.T, c *pgcoord.Client, opts ...pgcoordgocron.Option) *pgcoordgocron.Locker {
+// mustLocker returns a Locker on c, or fails the test.
+func mustLocker(t testing.TB, c *pgcoord.Client, opts ...pgcoordgocron.LockerOption) *pgcoordgocron.Locker {
 	t.Helper()
-	lk := pgcoordgocron.NewLocker(c, opts...)
+	lk, err := pgcoordgocron.NewLocker(c, opts...)
+	if err != nil {
+		t.Fatalf("NewLocker: %v", err)
+	}
+	return lk
+}
+
+// keyLocker returns a Locker for computing keys only: its Client's pool
+// never connects.
+func keyLocker(t *testing.T, opts ...pgcoordgocron.LockerOption) *pgcoordgocron.Locker {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), "postgres://nobody@127.0.0.1:1/none")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	c, err := pgcoord.New(pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close(context.Background()) })
+	return mustLocker(t, c, opts...)
+}
+
+// newLocker returns a Locker on c, closed in t.Cleanup.
+func newLocker(t *testing.T, c *pgcoord.Client, opts ...pgcoordgocron.LockerOption) *pgcoordgocron.Locker {
+	t.Helper()
+	lk := mustLocker(t, c, opts...)
 	t.Cleanup(func() {
 		if err := lk.Close(ctxT(t)); err != nil {
 			t.Errorf("close locker: %v", err)
@@ -27,7 +55,7 @@ func newLocker(t *testing.T, c *pgcoord.Client, opts ...pgcoordgocron.Option) *p
 // TestLockerKeyIsFrozen pins the key of a job: schedulers of two versions
 // must take the same lock for the same job.
 func TestLockerKeyIsFrozen(t *testing.T) {
-	lk := pgcoordgocron.NewLocker(nil)
+	lk := keyLocker(t)
 	for _, tc := range []struct {
 		prefix, job string
 		want        pgcoord.Key
@@ -37,7 +65,7 @@ func TestLockerKeyIsFrozen(t *testing.T) {
 	} {
 		lk := lk
 		if tc.prefix != "" {
-			lk = pgcoordgocron.NewLocker(nil, pgcoordgocron.WithKeyPrefix(tc.prefix))
+			lk = keyLocker(t, pgcoordgocron.WithKeyPrefix(tc.prefix))
 		}
 		if got := lk.Key(tc.job); got != tc.want {
 			t.Errorf("Key(%q) with prefix %q = %v, want %v", tc.job, tc.prefix, got, tc.want)
@@ -182,7 +210,7 @@ func TestLockerRunLongerThanHold(t *testing.T) {
 func TestLockerClose(t *testing.T) {
 	dsn := pgtest.DB(t)
 	c := newClient(t, dsn, "locker")
-	lk := pgcoordgocron.NewLocker(c, pgcoordgocron.WithMinHold(time.Hour))
+	lk := mustLocker(t, c, pgcoordgocron.WithMinHold(time.Hour))
 	ctx := ctxT(t)
 	l, err := lk.Lock(ctx, "job")
 	if err != nil {
@@ -210,7 +238,7 @@ func TestLockerClose(t *testing.T) {
 func TestLockerCloseWaitsForRuns(t *testing.T) {
 	dsn := pgtest.DB(t)
 	c := newClient(t, dsn, "locker")
-	lk := pgcoordgocron.NewLocker(c)
+	lk := mustLocker(t, c)
 	l, err := lk.Lock(ctxT(t), "job")
 	if err != nil {
 		t.Fatal(err)
@@ -231,25 +259,37 @@ func TestLockerCloseWaitsForRuns(t *testing.T) {
 	}
 }
 
-// TestLockerOptionErrors: invalid options and a nil Client are reported
-// by Lock, saying what was wrong.
+// TestLockerOptionErrors: NewLocker refuses invalid options and a nil
+// Client, as NewElector does, saying what was wrong, and returns no
+// Locker; it reports every problem it finds at once.
 func TestLockerOptionErrors(t *testing.T) {
 	dsn := pgtest.DB(t)
 	c := newClient(t, dsn, "locker")
 	for _, tc := range []struct {
 		name string
-		lk   *pgcoordgocron.Locker
-		want string
+		c    *pgcoord.Client
+		opts []pgcoordgocron.LockerOption
+		want []string
 	}{
-		{"nil client", pgcoordgocron.NewLocker(nil), "Client is nil"},
-		{"negative hold", pgcoordgocron.NewLocker(c, pgcoordgocron.WithMinHold(-time.Second)), "WithMinHold"},
-		{"bad prefix", pgcoordgocron.NewLocker(c, pgcoordgocron.WithKeyPrefix("\xff")), "WithKeyPrefix"},
-		{"nil option", pgcoordgocron.NewLocker(c, nil), "nil Option"},
+		{"nil client", nil, nil, []string{"Client is nil"}},
+		{"negative hold", c, []pgcoordgocron.LockerOption{pgcoordgocron.WithMinHold(-time.Second)}, []string{"WithMinHold"}},
+		{"bad prefix", c, []pgcoordgocron.LockerOption{pgcoordgocron.WithKeyPrefix("\xff")}, []string{"WithKeyPrefix"}},
+		{"nil option", c, []pgcoordgocron.LockerOption{nil}, []string{"nil LockerOption"}},
+		{"all of them", nil, []pgcoordgocron.LockerOption{nil, pgcoordgocron.WithMinHold(-time.Second)}, []string{"Client is nil", "nil LockerOption", "WithMinHold"}},
 	} {
-		_, err := tc.lk.Lock(ctxT(t), "job")
-		if err == nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%s: Lock = %v, want an error mentioning %q", tc.name, err, tc.want)
+		lk, err := pgcoordgocron.NewLocker(tc.c, tc.opts...)
+		if lk != nil || err == nil || !strings.HasPrefix(err.Error(), "pgcoordgocron: NewLocker: ") {
+			t.Errorf("%s: NewLocker = %v, %v; want no Locker and an error", tc.name, lk, err)
+			continue
 		}
+		for _, w := range tc.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("%s: NewLocker = %v, want an error mentioning %q", tc.name, err, w)
+			}
+		}
+	}
+	if n := len(pgtest.AdvisoryLocks(t, dsn)); n != 0 {
+		t.Errorf("%d advisory locks held after refused Lockers", n)
 	}
 }
 

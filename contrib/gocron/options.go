@@ -28,12 +28,16 @@ const (
 	maxPrefix = 1024
 )
 
-// Option configures a Locker (see NewLocker).
-type Option interface {
+// LockerOption configures a Locker (see NewLocker): WithKeyPrefix,
+// WithMinHold, WithTicks. NewLocker returns an error for an invalid one,
+// or for two that exclude each other.
+type LockerOption interface {
 	applyLocker(*lockerConfig) error
 }
 
-// ElectorOption configures an Elector (see NewElector).
+// ElectorOption configures an Elector (see NewElector):
+// WithElectionOptions, WithRetryInterval. NewElector returns an error for
+// an invalid one.
 type ElectorOption interface {
 	applyElector(*electorConfig) error
 }
@@ -73,7 +77,7 @@ func (f electorOption) applyElector(c *electorConfig) error { return f(c) }
 // pgcoord.HashKey("pgcoord.gocron.tick", prefix, name, n in decimal). Use it when two applications share a database and
 // may have jobs of the same name that must not exclude each other. The
 // prefix must be valid UTF-8 of at most 1024 bytes.
-func WithKeyPrefix(prefix string) Option {
+func WithKeyPrefix(prefix string) LockerOption {
 	return lockerOption(func(c *lockerConfig) error {
 		if len(prefix) > maxPrefix || !utf8.ValidString(prefix) {
 			return fmt.Errorf("WithKeyPrefix: the prefix must be valid UTF-8 of at most %d bytes, got %d bytes", maxPrefix, len(prefix))
@@ -107,7 +111,7 @@ func WithKeyPrefix(prefix string) Option {
 // tick run exactly once: a scheduler whose timer fires more than d after
 // the winner's runs the same tick again. WithTicks can; it excludes
 // WithMinHold.
-func WithMinHold(d time.Duration) Option {
+func WithMinHold(d time.Duration) LockerOption {
 	return lockerOption(func(c *lockerConfig) error {
 		if d < 0 {
 			return fmt.Errorf("WithMinHold: the minimum hold must be 0 or more, got %v", d)
@@ -189,7 +193,7 @@ func WithMinHold(d time.Duration) Option {
 // scheduler ran, or accept that rare repeat.
 //
 // interval must be at least MinTickInterval (1ms).
-func WithTicks(interval time.Duration) Option {
+func WithTicks(interval time.Duration) LockerOption {
 	return lockerOption(func(c *lockerConfig) error {
 		if interval < MinTickInterval {
 			return fmt.Errorf("WithTicks: the interval must be at least %v, got %v", MinTickInterval, interval)
@@ -202,7 +206,7 @@ func WithTicks(interval time.Duration) Option {
 // withClock makes the Locker read the time from now instead of time.Now:
 // for tests only (see export_test.go). The background releases still
 // wait on real timers, for the durations the clock gives.
-func withClock(now func() time.Time) Option {
+func withClock(now func() time.Time) LockerOption {
 	return lockerOption(func(c *lockerConfig) error {
 		if now == nil {
 			return errors.New("withClock: nil clock")

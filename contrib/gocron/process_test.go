@@ -435,7 +435,7 @@ func TestLockerTickProcesses(t *testing.T) {
 	if maxHeld > 5 {
 		t.Errorf("up to %d advisory locks held at once, want at most 5 (4 ticks and the job's lock)", maxHeld)
 	}
-	lk := pgcoordgocron.NewLocker(nil, pgcoordgocron.WithTicks(jobInterval))
+	lk := keyLocker(t, pgcoordgocron.WithTicks(jobInterval))
 	ours := map[pgcoord.Key]bool{lk.Key(jobName): true}
 	for n := first - 50; n <= last+50; n++ {
 		ours[lk.TickKey(jobName, n)] = true

@@ -539,7 +539,7 @@ func TestLockerTicksLongRuns(t *testing.T) {
 	for i := range 2 {
 		name := fmt.Sprintf("s%d", i)
 		c := newClient(t, dsn, name)
-		rec := &recordingLocker{c: c, lk: pgcoordgocron.NewLocker(c, pgcoordgocron.WithTicks(jobInterval))}
+		rec := &recordingLocker{c: c, lk: mustLocker(t, c, pgcoordgocron.WithTicks(jobInterval))}
 		lockers = append(lockers, rec.lk)
 		s, err := gocron.NewScheduler(gocron.WithDistributedLocker(lockerFunc(func(ctx context.Context, key string) (gocron.Lock, error) {
 			l, err := rec.Lock(ctx, key)
@@ -648,12 +648,12 @@ func TestLockerCloseInFlightNoLeak(t *testing.T) {
 	dsn := pgtest.DB(t)
 	for _, mode := range []struct {
 		name string
-		opt  pgcoordgocron.Option
+		opt  pgcoordgocron.LockerOption
 	}{{"min hold", pgcoordgocron.WithMinHold(time.Hour)}, {"ticks", pgcoordgocron.WithTicks(time.Hour)}} {
 		t.Run(mode.name, func(t *testing.T) {
 			ignore := goleak.IgnoreCurrent()
 			c, closeClient := ownClient(t, dsn)
-			lk := pgcoordgocron.NewLocker(c, mode.opt)
+			lk := mustLocker(t, c, mode.opt)
 			var pending, running []gocron.Lock
 			var keys []pgcoord.Key
 			for i := range 6 {
@@ -722,7 +722,7 @@ func TestLockerOddJobNames(t *testing.T) {
 	b := newClient(t, dsn, "b")
 	ctx := ctxT(t)
 	names := []string{"", "\x00", "\x00\x00", "\xff\xfe", "job\x00", "job", "job\n1", "j\"o'b", strings.Repeat("x", 64<<10), "工作"}
-	for _, mode := range []pgcoordgocron.Option{pgcoordgocron.WithMinHold(0), pgcoordgocron.WithTicks(time.Hour)} {
+	for _, mode := range []pgcoordgocron.LockerOption{pgcoordgocron.WithMinHold(0), pgcoordgocron.WithTicks(time.Hour)} {
 		la := newLocker(t, a, mode)
 		lb := newLocker(t, b, mode)
 		var held []gocron.Lock
@@ -778,7 +778,7 @@ func TestLockerSameClientExcludes(t *testing.T) {
 	dsn := pgtest.DB(t)
 	c := newClient(t, dsn, "one")
 	ctx := ctxT(t)
-	for _, mode := range []pgcoordgocron.Option{pgcoordgocron.WithMinHold(0), pgcoordgocron.WithTicks(time.Hour)} {
+	for _, mode := range []pgcoordgocron.LockerOption{pgcoordgocron.WithMinHold(0), pgcoordgocron.WithTicks(time.Hour)} {
 		l1 := newLocker(t, c, mode)
 		l2 := newLocker(t, c, mode)
 		l, err := l1.Lock(ctx, "job")
@@ -1026,7 +1026,7 @@ func TestLockerTickWindowEdges(t *testing.T) {
 // (pgcoord.ErrLockLost), in both modes.
 func TestLockerBackendLostDuringRun(t *testing.T) {
 	dsn := pgtest.DB(t)
-	for _, mode := range []pgcoordgocron.Option{pgcoordgocron.WithMinHold(0), pgcoordgocron.WithTicks(time.Hour)} {
+	for _, mode := range []pgcoordgocron.LockerOption{pgcoordgocron.WithMinHold(0), pgcoordgocron.WithTicks(time.Hour)} {
 		c := newClient(t, dsn, "a")
 		lk := newLocker(t, c, mode)
 		l, err := lk.Lock(ctxT(t), "job")
@@ -1060,7 +1060,7 @@ func TestLockerLostLockLetsRunsOverlap(t *testing.T) {
 	const i = time.Hour
 	for _, mode := range []struct {
 		name string
-		opt  pgcoordgocron.Option
+		opt  pgcoordgocron.LockerOption
 	}{{"min hold", pgcoordgocron.WithMinHold(time.Minute)}, {"ticks", pgcoordgocron.WithTicks(i)}} {
 		t.Run(mode.name, func(t *testing.T) {
 			var ca, cb clock
@@ -1141,12 +1141,12 @@ func TestLockerCloseNeverUnlockedNoLeak(t *testing.T) {
 	dsn := pgtest.DB(t)
 	for _, mode := range []struct {
 		name string
-		opt  pgcoordgocron.Option
+		opt  pgcoordgocron.LockerOption
 	}{{"min hold", pgcoordgocron.WithMinHold(time.Hour)}, {"ticks", pgcoordgocron.WithTicks(time.Hour)}} {
 		t.Run(mode.name, func(t *testing.T) {
 			ignore := goleak.IgnoreCurrent()
 			c, closeClient := ownClient(t, dsn)
-			lk := pgcoordgocron.NewLocker(c, mode.opt)
+			lk := mustLocker(t, c, mode.opt)
 			var never []*pgcoordgocron.JobLock
 			var keys []pgcoord.Key
 			for i := range 4 {

@@ -1,7 +1,6 @@
 package pgcoordgocron_test
 
 import (
-	"context"
 	"errors"
 	"strings"
 	"sync"
@@ -70,11 +69,11 @@ func TestTickOf(t *testing.T) {
 
 // TestLockerTickKeyIsFrozen pins the key of a tick.
 func TestLockerTickKeyIsFrozen(t *testing.T) {
-	lk := pgcoordgocron.NewLocker(nil, pgcoordgocron.WithKeyPrefix("billing"), pgcoordgocron.WithTicks(time.Minute))
+	lk := keyLocker(t, pgcoordgocron.WithKeyPrefix("billing"), pgcoordgocron.WithTicks(time.Minute))
 	if got, want := lk.TickKey("reports", 29462400), pgcoord.HashKey("pgcoord.gocron.tick", "billing", "reports", "29462400"); got != want {
 		t.Errorf("TickKey = %v, want %v", got, want)
 	}
-	if got, want := pgcoordgocron.NewLocker(nil).TickKey("reports", 29462400).String(), goldenReportsTickKey; got != want {
+	if got, want := keyLocker(t).TickKey("reports", 29462400).String(), goldenReportsTickKey; got != want {
 		t.Errorf("TickKey(reports, 29462400) = %s, want %s", got, want)
 	}
 	if lk.Interval() != time.Minute || lk.MinHold() != 0 {
@@ -257,21 +256,17 @@ func TestLockerTickOptionErrors(t *testing.T) {
 	c := newClient(t, dsn, "locker")
 	for _, tc := range []struct {
 		name string
-		opts []pgcoordgocron.Option
+		opts []pgcoordgocron.LockerOption
 		want string
 	}{
-		{"zero interval", []pgcoordgocron.Option{pgcoordgocron.WithTicks(0)}, "WithTicks: the interval must be at least 1ms"},
-		{"short interval", []pgcoordgocron.Option{pgcoordgocron.WithTicks(time.Microsecond)}, "got 1µs"},
-		{"min hold too", []pgcoordgocron.Option{pgcoordgocron.WithTicks(time.Second), pgcoordgocron.WithMinHold(time.Second)}, "exclude each other"},
-		{"nil clock", []pgcoordgocron.Option{pgcoordgocron.WithClock(nil)}, "nil clock"},
+		{"zero interval", []pgcoordgocron.LockerOption{pgcoordgocron.WithTicks(0)}, "WithTicks: the interval must be at least 1ms"},
+		{"short interval", []pgcoordgocron.LockerOption{pgcoordgocron.WithTicks(time.Microsecond)}, "got 1µs"},
+		{"min hold too", []pgcoordgocron.LockerOption{pgcoordgocron.WithTicks(time.Second), pgcoordgocron.WithMinHold(time.Second)}, "exclude each other"},
+		{"nil clock", []pgcoordgocron.LockerOption{pgcoordgocron.WithClock(nil)}, "nil clock"},
 	} {
-		lk := pgcoordgocron.NewLocker(c, tc.opts...)
-		_, err := lk.Lock(ctxT(t), "job")
-		if err == nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%s: Lock = %v, want an error mentioning %q", tc.name, err, tc.want)
-		}
-		if err := lk.Close(context.Background()); err != nil {
-			t.Errorf("%s: Close = %v", tc.name, err)
+		lk, err := pgcoordgocron.NewLocker(c, tc.opts...)
+		if lk != nil || err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: NewLocker = %v, %v; want no Locker and an error mentioning %q", tc.name, lk, err, tc.want)
 		}
 	}
 }
