@@ -56,10 +56,10 @@ var (
 	// were waiting when Close was called, and by New for a closed pool.
 	ErrClosed = errors.New("pgcoord: closed")
 
-	// ErrStaleFence is returned by CheckFence when a newer fence has been
-	// issued for the key: a later holder exists, and the write must not
-	// happen.
-	ErrStaleFence = errors.New("pgcoord: stale fence: a newer holder exists")
+	// ErrStaleFence is returned by CheckFence when the fence is not the
+	// key's latest: a newer fence has been issued (a later holder exists),
+	// or the fence was never issued; either way the write must not happen.
+	ErrStaleFence = errors.New("pgcoord: stale fence")
 
 	// ErrNoPermit is returned by Semaphore.TryAcquire when every permit of
 	// the semaphore is held, or when other acquires are already waiting for

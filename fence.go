@@ -276,7 +276,7 @@ func checkFence(ctx context.Context, c *config, tx xactsql.Tx, key Key, fence Te
 	case err != nil:
 		return notMigrated(c, op, withCtxErr(ctx, err))
 	case stored > fence:
-		return errorf("%s: %w (fence %d, latest %d)", op, ErrStaleFence, fence, stored)
+		return errorf("%s: %w: a newer holder exists (fence %d, latest %d)", op, ErrStaleFence, fence, stored)
 	case stored < fence:
 		return errorf("%s: %w: fence %d was never issued (latest %d)", op, ErrStaleFence, fence, stored)
 	}

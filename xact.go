@@ -149,9 +149,9 @@ type xactMode struct {
 
 var (
 	modeXactLock     = xactMode{"xact lock", "pg_advisory_xact_lock", false}
-	modeXactRLock    = xactMode{"xact rlock", "pg_advisory_xact_lock_shared", false}
+	modeXactRLock    = xactMode{"xact read lock", "pg_advisory_xact_lock_shared", false}
 	modeXactTryLock  = xactMode{"xact try lock", "pg_try_advisory_xact_lock", true}
-	modeXactTryRLock = xactMode{"xact try rlock", "pg_try_advisory_xact_lock_shared", true}
+	modeXactTryRLock = xactMode{"xact try read lock", "pg_try_advisory_xact_lock_shared", true}
 )
 
 // xactModes maps the modes that package pgcoordsql names to ours.
@@ -343,8 +343,8 @@ func withPgx(fn func(pgx.Tx) error) func(xactsql.Txn) error {
 // table is full, and the context's error when ctx ended the wait; other
 // errors are pgx's, wrapped. A nil tx, or a nil pointer in it (a nil
 // *pgxpool.Tx), is an error, and so is a nil ctx; neither panics. Every
-// error reads "pgcoord: xact lock <keys>: <cause>" (xact rlock, xact try
-// lock, xact try rlock for the siblings), the keys in canonical order.
+// error reads "pgcoord: xact lock <keys>: <cause>" (xact read lock, xact try
+// lock, xact try read lock for the siblings), the keys in canonical order.
 func XactLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 	return xactAcquirePgx(ctx, modeXactLock, tx, keys)
 }

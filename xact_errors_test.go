@@ -59,11 +59,11 @@ func TestErrorShapeXact(t *testing.T) {
 	cases := []xactErrorCase{
 		{name: "XactLock nil tx", prefix: "pgcoord: xact lock [int64:1 int64:2]: nil pgx.Tx",
 			run: func(*testing.T) error { return XactLock(ctx, nil, k2, k1) }},
-		{name: "XactRLock nil *pgxpool.Tx", prefix: "pgcoord: xact rlock int64:1: nil pgx.Tx",
+		{name: "XactRLock nil *pgxpool.Tx", prefix: "pgcoord: xact read lock int64:1: nil pgx.Tx",
 			run: func(*testing.T) error { return XactRLock(ctx, nilPoolTx, k1) }},
 		{name: "XactTryLock nil ctx", prefix: "pgcoord: xact try lock int64:1: ctx is nil",
 			run: func(t *testing.T) error { return XactTryLock(nilCtx, begin(t), k1) }},
-		{name: "XactTryRLock nil ctx", prefix: "pgcoord: xact try rlock int64:1: ctx is nil",
+		{name: "XactTryRLock nil ctx", prefix: "pgcoord: xact try read lock int64:1: ctx is nil",
 			run: func(t *testing.T) error { return XactTryRLock(nilCtx, begin(t), k1) }},
 		{name: "XactLock no keys", is: ErrInvalidKey, prefix: "pgcoord: xact lock []: invalid key",
 			run: func(t *testing.T) error { return XactLock(ctx, begin(t)) }},
@@ -73,7 +73,7 @@ func TestErrorShapeXact(t *testing.T) {
 			run: func(t *testing.T) error { heldElsewhere(t, k1); return XactTryLock(ctx, begin(t), k1) }},
 		{name: "XactTryLock partial", is: ErrLocked, prefix: "pgcoord: xact try lock [int64:1 int64:2 int64:3]: key is locked by another holder: int64:2 (the 1 key(s) before it",
 			run: func(t *testing.T) error { heldElsewhere(t, k2); return XactTryLock(ctx, begin(t), k3, k2, k1) }},
-		{name: "XactTryRLock held elsewhere", is: ErrLocked, prefix: "pgcoord: xact try rlock [int64:1 int64:2]: key is locked by another holder: int64:1",
+		{name: "XactTryRLock held elsewhere", is: ErrLocked, prefix: "pgcoord: xact try read lock [int64:1 int64:2]: key is locked by another holder: int64:1",
 			run: func(t *testing.T) error { heldElsewhere(t, k1); return XactTryRLock(ctx, begin(t), k1, k2) }},
 		{name: "XactLock in a failed transaction", prefix: "pgcoord: xact lock int64:1: ERROR: current transaction is aborted",
 			run: func(t *testing.T) error {
@@ -94,7 +94,7 @@ func TestErrorShapeXact(t *testing.T) {
 				defer cancel()
 				return XactLock(c, begin(t), k1)
 			}},
-		{name: "XactRLock wait cancelled with a cause", is: context.Canceled, prefix: "pgcoord: xact rlock int64:1: shutting down: ",
+		{name: "XactRLock wait cancelled with a cause", is: context.Canceled, prefix: "pgcoord: xact read lock int64:1: shutting down: ",
 			run: func(t *testing.T) error {
 				heldElsewhere(t, k1)
 				tx := begin(t)
@@ -172,14 +172,14 @@ func TestErrorShapeXact(t *testing.T) {
 			run: func(t *testing.T) error { return CheckFence(ctx, begin(t), k1, 0) }},
 		{name: "CheckFence nil option", prefix: "pgcoord: check fence int64:1: ",
 			run: func(t *testing.T) error { return CheckFence(ctx, begin(t), k1, 1, nil) }},
-		{name: "CheckFence never issued, no fence", is: ErrStaleFence, prefix: `pgcoord: check fence int64:101: stale fence: a newer holder exists: fence 1 was never issued: no fence exists for the key in schema "pgcoord"`,
+		{name: "CheckFence never issued, no fence", is: ErrStaleFence, prefix: `pgcoord: check fence int64:101: stale fence: fence 1 was never issued: no fence exists for the key in schema "pgcoord"`,
 			run: func(t *testing.T) error { return CheckFence(ctx, begin(t), Int64Key(101), 1) }},
 		{name: "CheckFence stale", is: ErrStaleFence, prefix: "pgcoord: check fence int64:102: stale fence: a newer holder exists (fence 1, latest 2)",
 			run: func(t *testing.T) error {
 				fences(t, Int64Key(102), 2)
 				return CheckFence(ctx, begin(t), Int64Key(102), 1)
 			}},
-		{name: "CheckFence never issued, newer than the newest", is: ErrStaleFence, prefix: "pgcoord: check fence int64:103: stale fence: a newer holder exists: fence 5 was never issued (latest 1)",
+		{name: "CheckFence never issued, newer than the newest", is: ErrStaleFence, prefix: "pgcoord: check fence int64:103: stale fence: fence 5 was never issued (latest 1)",
 			run: func(t *testing.T) error {
 				fences(t, Int64Key(103), 1)
 				return CheckFence(ctx, begin(t), Int64Key(103), 5)

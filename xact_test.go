@@ -949,7 +949,7 @@ func TestXactInvalidArguments(t *testing.T) {
 	tx := xactBegin(t, pool)
 	var nilCtx context.Context
 	for name, f := range map[string]func(context.Context, pgx.Tx, ...Key) error{
-		"xact lock": XactLock, "xact rlock": XactRLock, "xact try lock": XactTryLock, "xact try rlock": XactTryRLock,
+		"xact lock": XactLock, "xact read lock": XactRLock, "xact try lock": XactTryLock, "xact try read lock": XactTryRLock,
 	} {
 		if err := f(ctx, nil, Int64Key(1)); err == nil || !strings.Contains(err.Error(), "nil pgx.Tx") || !strings.HasPrefix(err.Error(), "pgcoord: "+name+" int64:1: ") {
 			t.Errorf("%s(nil tx): got %v", name, err)

@@ -72,7 +72,7 @@ func XactLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
 // are not starved. Everything XactLock says about order, ctx, release and
 // errors applies.
 func XactRLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
-	return acquire(ctx, "xact rlock", xactsql.RLock, tx, keys)
+	return acquire(ctx, "xact read lock", xactsql.RLock, tx, keys)
 }
 
 // XactTryLock is [XactLock] without waiting: it tries the keys in canonical
@@ -100,7 +100,7 @@ func XactTryLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
 // overtake a waiting exclusive request). What XactTryLock says about
 // partial success applies.
 func XactTryRLock(ctx context.Context, tx *sql.Tx, keys ...pgcoord.Key) error {
-	return acquire(ctx, "xact try rlock", xactsql.TryRLock, tx, keys)
+	return acquire(ctx, "xact try read lock", xactsql.TryRLock, tx, keys)
 }
 
 // acquire runs XactLock and its siblings; op is the operation that errors

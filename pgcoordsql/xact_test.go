@@ -371,8 +371,8 @@ func TestXactBadInput(t *testing.T) {
 	}
 	var nilCtx context.Context
 	for name, f := range map[string]func(context.Context, *sql.Tx, ...pgcoord.Key) error{
-		"xact lock": pgcoordsql.XactLock, "xact rlock": pgcoordsql.XactRLock,
-		"xact try lock": pgcoordsql.XactTryLock, "xact try rlock": pgcoordsql.XactTryRLock,
+		"xact lock": pgcoordsql.XactLock, "xact read lock": pgcoordsql.XactRLock,
+		"xact try lock": pgcoordsql.XactTryLock, "xact try read lock": pgcoordsql.XactTryRLock,
 	} {
 		if err := noPanic(t, name+"(nil ctx)", func() error { return f(nilCtx, tx, pgcoord.Int64Key(1)) }); err == nil || err.Error() != "pgcoord: "+name+" int64:1: ctx is nil" {
 			t.Errorf("%s(nil ctx): got %v", name, err)
@@ -433,7 +433,7 @@ func TestErrorShapeXact(t *testing.T) {
 		{"XactLock nil tx", func(*testing.T) error { return pgcoordsql.XactLock(ctx, nilTx, k2, k1) },
 			nil, "pgcoord: xact lock [int64:1 int64:2]: nil *sql.Tx"},
 		{"XactRLock nil ctx", func(t *testing.T) error { return pgcoordsql.XactRLock(nilCtx, tx(t), k1) },
-			nil, "pgcoord: xact rlock int64:1: ctx is nil"},
+			nil, "pgcoord: xact read lock int64:1: ctx is nil"},
 		{"XactLock no keys", func(t *testing.T) error { return pgcoordsql.XactLock(ctx, tx(t)) },
 			pgcoord.ErrInvalidKey, "pgcoord: xact lock []: invalid key"},
 		{"XactLock zero key", func(t *testing.T) error { return pgcoordsql.XactLock(ctx, tx(t), k1, pgcoord.Key{}) },
@@ -441,7 +441,7 @@ func TestErrorShapeXact(t *testing.T) {
 		{"XactTryLock held elsewhere", func(t *testing.T) error { heldElsewhere(t, k1); return pgcoordsql.XactTryLock(ctx, tx(t), k1) },
 			pgcoord.ErrLocked, "pgcoord: xact try lock int64:1: key is locked by another holder"},
 		{"XactTryRLock partial", func(t *testing.T) error { heldElsewhere(t, k2); return pgcoordsql.XactTryRLock(ctx, tx(t), k3, k2, k1) },
-			pgcoord.ErrLocked, "pgcoord: xact try rlock [int64:1 int64:2 int64:3]: key is locked by another holder: int64:2 (the 1 key(s) before it"},
+			pgcoord.ErrLocked, "pgcoord: xact try read lock [int64:1 int64:2 int64:3]: key is locked by another holder: int64:2 (the 1 key(s) before it"},
 		{"XactLock in a failed transaction", func(t *testing.T) error {
 			tx := tx(t)
 			_, _ = tx.ExecContext(ctx, "SELECT 1/0")
