@@ -298,15 +298,24 @@ func notMigrated(c *config, op string, err error) error {
 // request reports the server's 57014 alone, and a driver that closed the
 // connection its own way ("bad connection"), so that errors.Is with
 // context.Canceled or context.DeadlineExceeded holds, and with the cause
-// given to ctx's cancel. The cause comes first in the message
-// ("context canceled: ERROR: canceling statement ..."), as in every
-// error of pgcoord whose wait ctx ended.
+// given to ctx's cancel. The cause comes first in the message; a statement
+// that the server cancelled because ctx ended (57014) is not shown, only
+// kept reachable with errors.As, as in every error of pgcoord whose wait
+// ctx ended.
 func withCtxErr(ctx context.Context, err error) error {
 	cerr := ctx.Err()
 	if cerr == nil {
 		return err
 	}
 	switch cause := context.Cause(ctx); {
+	case sqlState(err) == "57014":
+		// The statement was cancelled because ctx ended: report ctx's end
+		// alone, as doc.go says, and keep the server's error reachable.
+		msg := cause.Error()
+		if cause != cerr {
+			msg += " (" + cerr.Error() + ")"
+		}
+		return &coordError{msg: prefix + strings.TrimPrefix(msg, prefix), wrapped: fmt.Errorf("%w%w%w", cause, cerr, err)}
 	case errors.Is(err, cause) && errors.Is(err, cerr):
 		return err
 	case errors.Is(err, cause):

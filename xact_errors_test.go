@@ -238,6 +238,10 @@ func TestErrorShapeXact(t *testing.T) {
 				err = c.run(t)
 			}()
 			xactCheckErrorShape(t, err, c.is, c.prefix)
+			if err != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) &&
+				strings.Contains(err.Error(), "canceling statement") {
+				t.Errorf("%q: a caller's ctx ended the call, so the message must say so alone, not show the statement it cancelled", err)
+			}
 		})
 	}
 }
