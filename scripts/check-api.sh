@@ -55,11 +55,17 @@ file_of() { # file_of IMPORT_PATH
 }
 
 if [ -n "$write" ]; then
+	# Export data records the path of each source file: write it from a copy
+	# of the tree in the temporary directory, so that the baseline carries
+	# no path of the checkout it was written from.
+	src=$tmp/src/pgcoord
+	mkdir -p "$src"
+	git ls-files -co --exclude-standard -z -- . ':!api' | tar --null -T - -cf - | tar -xf - -C "$src"
 	rm -f api/*.export
 	mkdir -p api
 	for p in $(printf '%s\n' "${!dirOf[@]}" | sort); do
 		f=$repo/$(file_of "$p")
-		(cd "${dirOf[$p]}" && "$apidiff" -w "$f" "$p")
+		(cd "$src/${dirOf[$p]}" && "$apidiff" -w "$f" "$p")
 		echo "api: wrote $(file_of "$p") ($p)"
 	done
 	exit 0
