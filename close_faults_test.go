@@ -160,6 +160,58 @@ func TestAcquireKeepsCauseAndLastConnErrorWhileServerDown(t *testing.T) {
 	}
 }
 
+// Promise (errors.go; Campaign, Semaphore.Acquire, LockAll): with the
+// server down these keep trying; ended by a cancel or a deadline with a
+// cause, they return an error that wraps the cause and keeps the last
+// connection error.
+func TestElectionSemaphoreLockAllKeepCauseWhileServerDown(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	srv := pgtest.NewServer(t)
+	dsn := srv.DB(t)
+	pool := pgtest.Pool(t, dsn)
+	if err := Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	c := newTestClient(t, dsn, WithLossDeadline(time.Second), WithHeartbeat(250*time.Millisecond))
+	mustUnlock(t, mustLockOf(t, ctx, c, HashKey("x", "y")))
+	srv.Stop(t)
+	defer srv.Start(t)
+	calls := map[string]func(context.Context) error{
+		"Campaign":    func(ctx context.Context) error { _, err := c.Election("down").Campaign(ctx); return err },
+		"Sem.Acquire": func(ctx context.Context) error { _, err := c.Semaphore("down", 1).Acquire(ctx); return err },
+		"LockAll": func(ctx context.Context) error {
+			_, err := c.LockAll(ctx, HashKey("a", "b"), HashKey("c", "d"))
+			return err
+		},
+	}
+	for name, call := range calls {
+		for _, timed := range []bool{false, true} {
+			var cctx context.Context
+			var cancel func()
+			if timed {
+				cctx, cancel = context.WithTimeoutCause(ctx, time.Second, errStopWaiting)
+			} else {
+				var cc context.CancelCauseFunc
+				cctx, cc = context.WithCancelCause(ctx)
+				go func() {
+					pgtest.Poll(10*time.Second, func() bool { return c.Stat().QueuedWaits > 0 })
+					cc(errStopWaiting)
+				}()
+				cancel = func() { cc(nil) }
+			}
+			err := call(cctx)
+			cancel()
+			if !errors.Is(err, errStopWaiting) {
+				t.Errorf("%s (deadline %v) with the server down: %v, want it to wrap the cause", name, timed, err)
+			}
+			if err == nil || !strings.Contains(err.Error(), "last connection error") {
+				t.Errorf("%s (deadline %v) with the server down: %v, want the last connection error kept", name, timed, err)
+			}
+		}
+	}
+}
+
 // mustLockOf takes k on c or fails the test.
 func mustLockOf(t testing.TB, ctx context.Context, c *Client, k Key) *Lock {
 	t.Helper()
