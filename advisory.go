@@ -407,13 +407,7 @@ func (c *Client) leaveAll(r request) {
 // acquireErr names the keys in an acquire error and puts the context's
 // cause (ErrClosed when the Client closed) in front.
 func (c *Client) acquireErr(ctx context.Context, r request, err error) error {
-	cause := context.Cause(ctx)
-	if dl, ok := ctx.Deadline(); ok && cause == nil && !time.Now().Before(dl) {
-		// A dial or read timed out on ctx's deadline a moment before ctx
-		// itself noticed.
-		cause = context.DeadlineExceeded
-	}
-	if cause != nil {
+	if cause := ctxCause(ctx); cause != nil {
 		err = ctxEnded(cause, err)
 	}
 	if r.internal {

@@ -113,7 +113,7 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 		if dl, ok := ctx.Deadline(); ok {
 			left := time.Until(dl)
 			if left <= 0 {
-				return context.DeadlineExceeded
+				return ctxCause(ctx)
 			}
 			if left <= slice {
 				slice, byDeadline = left, true

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 )
 
 // Sentinel errors. Test for them with errors.Is: pgcoord wraps them with
@@ -146,6 +147,26 @@ func (e *lastConnError) Unwrap() error { return e.error }
 // error, as "<err> (last connection error: <last>)".
 func withLastConnErr(err, last error) error {
 	return &lastConnError{errorf("%w (last connection error: %w)", err, last)}
+}
+
+// ctxCause is context.Cause(ctx), also in the moment after ctx's deadline
+// passed and before ctx's timer ended it (a dial, a read or a wait slice
+// cut to the deadline can time out first): it then waits for the timer,
+// briefly, so that the cause given with context.WithDeadlineCause is
+// reported, and is context.DeadlineExceeded should the timer be late.
+func ctxCause(ctx context.Context) error {
+	cause := context.Cause(ctx)
+	if dl, ok := ctx.Deadline(); ok && cause == nil && !time.Now().Before(dl) {
+		t := time.NewTimer(deadlineGrace)
+		defer t.Stop()
+		select {
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		case <-t.C:
+			return context.DeadlineExceeded
+		}
+	}
+	return cause
 }
 
 // ctxEnded returns err, from a call whose ctx ended with cause, as its

@@ -138,3 +138,52 @@ func TestDoErrorsOnOneLine(t *testing.T) {
 		t.Errorf("joinErrors = %q: want one line that wraps both", joined)
 	}
 }
+
+// An acquire past a deadline set with a cause (context.WithTimeoutCause)
+// returns an error wrapping the cause, as context.Cause(ctx) reports it,
+// also when a wait slice cut to the deadline ends a moment before ctx's
+// own timer does.
+func TestAcquirePastDeadlineReportsItsCause(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, _ := semaphoreDB(t)
+	a := newTestClient(t, dsn)
+	b := newTestClient(t, dsn)
+	k1, k2 := HashKey("cause", "one"), HashKey("cause", "two")
+	held, err := a.LockAll(ctx, k1, k2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mustUnlock(t, held)
+	if _, err := a.Election("cause").Campaign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Semaphore("cause", 1).Acquire(ctx); err != nil {
+		t.Fatal(err)
+	}
+	calls := map[string]func(context.Context) error{
+		"Lock":        func(ctx context.Context) error { _, err := b.Lock(ctx, k1); return err },
+		"RLock":       func(ctx context.Context) error { _, err := b.RLock(ctx, k2); return err },
+		"LockAll":     func(ctx context.Context) error { _, err := b.LockAll(ctx, k2, k1); return err },
+		"Campaign":    func(ctx context.Context) error { _, err := b.Election("cause").Campaign(ctx); return err },
+		"Sem.Acquire": func(ctx context.Context) error { _, err := b.Semaphore("cause", 1).Acquire(ctx); return err },
+	}
+	const rounds = 10
+	fails := map[string]int{}
+	for range rounds {
+		for name, call := range calls {
+			dctx, cancel := context.WithTimeoutCause(ctx, 200*time.Millisecond, errStopWaiting)
+			err := call(dctx)
+			cancel()
+			if !errors.Is(err, errStopWaiting) {
+				fails[name]++
+				if fails[name] == 1 {
+					t.Errorf("%s past a deadline with a cause: %v, want it to wrap the cause", name, err)
+				}
+			}
+		}
+	}
+	if len(fails) > 0 {
+		t.Errorf("calls that lost the cause, of %d each: %v", rounds, fails)
+	}
+}

@@ -530,7 +530,7 @@ func (s *Semaphore) SetLimit(ctx context.Context, n int) error {
 // fail describes an error of the semaphore, with the cause of ctx's end
 // (ErrClosed when the Client closed) in front.
 func (s *Semaphore) fail(ctx context.Context, op string, err error) error {
-	if cause := context.Cause(ctx); cause != nil {
+	if cause := ctxCause(ctx); cause != nil {
 		err = ctxEnded(cause, err)
 	}
 	return errorf("%s semaphore %s: %w", op, quoteName(s.name), err)
