@@ -63,7 +63,7 @@ func TestErrorMessages(t *testing.T) {
 
 	_, err = b.TryLock(ctx, k)
 	onePrefix(t, "TryLock", err)
-	if want := "pgcoord: lock int64:1: key is locked by another holder"; err.Error() != want || !errors.Is(err, ErrLocked) {
+	if want := "pgcoord: try lock int64:1: key is locked by another holder"; err.Error() != want || !errors.Is(err, ErrLocked) {
 		t.Errorf("TryLock: got %q, want %q", err, want)
 	}
 
@@ -104,7 +104,7 @@ func TestErrorMessages(t *testing.T) {
 	err = XactLock(ctx, tx, k)
 	onePrefix(t, "XactLock in an aborted transaction", err)
 	var pe *pgconn.PgError
-	if !errors.As(err, &pe) || pe.Code != "25P02" || !strings.HasPrefix(err.Error(), "pgcoord: XactLock: ERROR: ") {
+	if !errors.As(err, &pe) || pe.Code != "25P02" || !strings.HasPrefix(err.Error(), "pgcoord: xact lock int64:1: ERROR: ") {
 		t.Errorf("XactLock in an aborted transaction: %q", err)
 	}
 

@@ -63,7 +63,8 @@ func childIdentity(t testing.TB, p *faultProc) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return host + ":" + strconv.Itoa(p.Pid())
+	// The default identity (WithIdentity): application name, host, pid.
+	return "pgcoord@" + host + " pid " + strconv.Itoa(p.Pid())
 }
 
 // runCandidateChild runs its target's election with Run until its
