@@ -528,15 +528,26 @@ func trySQL(fn string, keys []Key, pid int32) (string, []any) {
 		return singleKeySQL(fn, "SELECT %s", keys[0], pid)
 	}
 	var b strings.Builder
-	args := make([]any, 0, 2*len(keys)+1)
+	args := tryCase(&b, fn, keys, make([]any, 0, 2*len(keys)+1))
+	return guard(&b, args, pid)
+}
+
+// tryCase writes to b the statement that tries keys in order with fn and
+// returns args with the keys' arguments added. CASE evaluates its WHEN
+// conditions in order and only as far as needed (PostgreSQL documents
+// this), so it stops at the first key it cannot take and returns that
+// key's 1-based position, or 0 if it took them all:
+//
+//	SELECT CASE WHEN NOT pg_try_advisory_lock($1::int8) THEN 1 WHEN NOT ... THEN 2 ELSE 0 END
+func tryCase(b *strings.Builder, fn string, keys []Key, args []any) []any {
 	b.WriteString("SELECT CASE")
 	for i, k := range keys {
 		var list string
 		list, args = k.sqlArgs(len(args)+1, args)
-		fmt.Fprintf(&b, " WHEN NOT %s(%s) THEN %d", fn, list, i+1)
+		fmt.Fprintf(b, " WHEN NOT %s(%s) THEN %d", fn, list, i+1)
 	}
 	b.WriteString(" ELSE 0 END")
-	return guard(&b, args, pid)
+	return args
 }
 
 // waitSQL takes keys, waiting at most the lock_timeout given as the last

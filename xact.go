@@ -666,25 +666,15 @@ func xactExec(ctx context.Context, mode xactMode, tx xactsql.Tx, ks []Key) error
 	return nil
 }
 
-// xactTryStatement builds the statement that tries ks in order. CASE
-// evaluates its WHEN conditions in order and only as far as needed
-// (PostgreSQL documents this), so it stops at the first key it cannot take
-// and returns that key's 1-based position, or 0 if it took them all:
-//
-//	SELECT CASE WHEN NOT pg_try_advisory_xact_lock($1::int8) THEN 1 WHEN NOT ... THEN 2 ELSE 0 END
+// xactTryStatement builds the statement that tries ks in order (see
+// tryCase): it returns the 1-based position of the first key it could not
+// take, or 0 if it took them all.
 //
 // Blocking modes use lockSQL: one call per key in the select list, which
 // PostgreSQL evaluates left to right.
 func xactTryStatement(fn string, ks []Key) (string, []any) {
 	var b strings.Builder
-	args := make([]any, 0, 2*len(ks))
-	b.WriteString("SELECT CASE")
-	for i, k := range ks {
-		var list string
-		list, args = k.sqlArgs(len(args)+1, args)
-		fmt.Fprintf(&b, " WHEN NOT %s(%s) THEN %d", fn, list, i+1)
-	}
-	b.WriteString(" ELSE 0 END")
+	args := tryCase(&b, fn, ks, make([]any, 0, 2*len(ks)))
 	return b.String(), args
 }
 
