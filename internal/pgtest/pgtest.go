@@ -171,6 +171,28 @@ func closeConn(conn *pgx.Conn) {
 	_ = conn.Close(ctx)
 }
 
+// adminConn opens a connection to s's postgres database for a test's set-up
+// and returns it with a context that ends after timeout; done cancels the
+// context and closes the connection.
+func (s *Server) adminConn(timeout time.Duration) (ctx context.Context, conn *pgx.Conn, done func(), err error) {
+	conn, err = connect(s.ConnString("postgres"))
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	return ctx, conn, func() { cancel(); closeConn(conn) }, nil
+}
+
+// mustAdmin is adminConn, calling t.Fatal when s cannot be reached.
+func (s *Server) mustAdmin(t testing.TB, timeout time.Duration) (context.Context, *pgx.Conn, func()) {
+	t.Helper()
+	ctx, conn, done, err := s.adminConn(timeout)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ctx, conn, done
+}
+
 // AdvisoryLock is one row of pg_locks with locktype = 'advisory'. A key
 // taken as one bigint has ClassID = high 32 bits, ObjID = low 32 bits and
 // ObjSubID = 1; a key taken as two int4 has ClassID and ObjID set to them

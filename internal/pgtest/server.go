@@ -302,13 +302,8 @@ func (s *Server) Promote(t testing.TB) {
 	t.Helper()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	conn, err := connect(s.ConnString("postgres"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer closeConn(conn)
-	ctx, cancel := context.WithTimeout(context.Background(), readyTimeout)
-	defer cancel()
+	ctx, conn, done := s.mustAdmin(t, readyTimeout)
+	defer done()
 	var promoted bool
 	if err := conn.QueryRow(ctx, "SELECT pg_promote(true, 60)").Scan(&promoted); err != nil {
 		t.Fatalf("%v%s", errorf("promote: %w", err), s.logTail())

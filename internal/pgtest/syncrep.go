@@ -1,7 +1,6 @@
 package pgtest
 
 import (
-	"context"
 	"syscall"
 	"testing"
 	"time"
@@ -25,13 +24,11 @@ import (
 func (s *Server) RequireSynchronousStandby(t testing.TB) {
 	t.Helper()
 	set := func(sql string) error {
-		conn, err := connect(s.ConnString("postgres"))
+		ctx, conn, done, err := s.adminConn(readyTimeout)
 		if err != nil {
 			return err
 		}
-		defer closeConn(conn)
-		ctx, cancel := context.WithTimeout(context.Background(), readyTimeout)
-		defer cancel()
+		defer done()
 		for _, sql := range []string{sql, "SELECT pg_reload_conf()"} {
 			if _, err := conn.Exec(ctx, sql); err != nil {
 				return errorf("synchronous standby: %s: %w", sql, err)
@@ -52,13 +49,8 @@ func (s *Server) RequireSynchronousStandby(t testing.TB) {
 			}
 		}
 	})
-	conn, err := connect(s.ConnString("postgres"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer closeConn(conn)
-	ctx, cancel := context.WithTimeout(context.Background(), readyTimeout)
-	defer cancel()
+	ctx, conn, done := s.mustAdmin(t, readyTimeout)
+	defer done()
 	if !Poll(readyTimeout, func() bool {
 		var sync bool
 		err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_stat_replication WHERE sync_state = 'sync')").Scan(&sync)
@@ -75,13 +67,8 @@ func (s *Server) RequireSynchronousStandby(t testing.TB) {
 // calls t.Fatal when s has no WAL sender.
 func (s *Server) PauseWALSenders(t testing.TB) (resume func()) {
 	t.Helper()
-	conn, err := connect(s.ConnString("postgres"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer closeConn(conn)
-	ctx, cancel := context.WithTimeout(context.Background(), readyTimeout)
-	defer cancel()
+	ctx, conn, done := s.mustAdmin(t, readyTimeout)
+	defer done()
 	rows, err := conn.Query(ctx, "SELECT pid FROM pg_stat_replication")
 	if err != nil {
 		t.Fatal(errorf("pause WAL senders: %w", err))
@@ -141,13 +128,8 @@ func (s *Server) Kill(t testing.TB) {
 // synchronous standby. It calls t.Fatal when the query fails.
 func (s *Server) WaitEvents(t testing.TB, event string) int {
 	t.Helper()
-	conn, err := connect(s.ConnString("postgres"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer closeConn(conn)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
+	ctx, conn, done := s.mustAdmin(t, 10*time.Second)
+	defer done()
 	var n int
 	if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event = $1", event).Scan(&n); err != nil {
 		t.Fatal(errorf("wait events: %w", err))
