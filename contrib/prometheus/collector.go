@@ -79,17 +79,17 @@ import (
 
 // Label values for names that have none, and for names beyond the bound.
 const (
-	Unnamed = "unnamed"
-	Other   = "other"
+	Unnamed = metricmap.Unnamed
+	Other   = metricmap.Other
 )
 
 // DefaultMaxNames is how many distinct values of each name label a
 // Collector keeps unless WithMaxNames says otherwise.
-const DefaultMaxNames = 64
+const DefaultMaxNames = metricmap.DefaultMaxNames
 
 // DefaultBuckets are the upper bounds, in seconds, of the wait-time
 // histograms unless WithBuckets says otherwise: 0.5 ms to 32 s, ×4.
-var DefaultBuckets = []float64{0.0005, 0.002, 0.008, 0.032, 0.128, 0.512, 2.048, 8.192, 32.768}
+var DefaultBuckets = metricmap.DefaultBuckets()
 
 // An Option configures a [Collector].
 type Option interface {

@@ -41,6 +41,17 @@ const (
 	Other   = "other"
 )
 
+// DefaultMaxNames is how many distinct names of each kind both modules
+// keep unless their WithMaxNames says otherwise.
+const DefaultMaxNames = 64
+
+// DefaultBuckets returns the bounds, in seconds, of both modules' wait-time
+// histograms unless their WithBuckets says otherwise: 0.5 ms to 32 s, ×4.
+// Each call returns a new slice.
+func DefaultBuckets() []float64 {
+	return []float64{0.0005, 0.002, 0.008, 0.032, 0.128, 0.512, 2.048, 8.192, 32.768}
+}
+
 // A Kind says how an instrument is recorded.
 type Kind int
 
