@@ -8,91 +8,26 @@ import (
 	"sync/atomic"
 	"testing"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord"
+	"github.com/pgcoord/pgcoord/contrib/internal/contribtest"
 	pgcoordotel "github.com/pgcoord/pgcoord/contrib/otel"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 )
 
-// migrated returns a fresh database with pgcoord's tables, and a pool on
-// it.
-func migrated(t *testing.T) (string, *pgxpool.Pool) {
-	t.Helper()
-	dsn := pgtest.DB(t)
-	pool := pgtest.Pool(t, dsn)
-	if err := pgcoord.Migrate(testCtx(t), pool); err != nil {
-		t.Fatal(err)
-	}
-	return dsn, pool
-}
-
-// newClient returns a Client on pool, closed at the end of the test (a
-// second Close is a no-op).
-func newClient(t *testing.T, pool *pgxpool.Pool, opts ...pgcoord.Option) *pgcoord.Client {
-	t.Helper()
-	c, err := pgcoord.New(pool, opts...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Close(context.Background()) })
-	return c
-}
-
-// slotsHeld counts, from pg_locks, the granted slots of sem (not its
-// queue).
-func slotsHeld(t *testing.T, dsn string, sem *pgcoord.Semaphore) int {
-	t.Helper()
-	v, _ := sem.Key().Int64()
-	conn := pgtest.Conn(t, dsn)
-	var n int
-	err := conn.QueryRow(testCtx(t), `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1
-		AND ((classid::bigint << 32) | objid::bigint) >> 16 = $1
-		AND ((classid::bigint << 32) | objid::bigint) & 65535 <> 65535
-		AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`, v>>16).Scan(&n)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return n
-}
-
 // Unwatch keeps a Client's dropped hook events counted in
 // pgcoord.hook.events.dropped, and watching a Client again after Unwatch
 // counts only what it drops after that: its events are never counted
 // twice.
 func TestWatchAfterUnwatchCountsDroppedOnce(t *testing.T) {
-	ctx := testCtx(t)
-	_, pool := migrated(t)
+	ctx := contribtest.Ctx(t)
+	_, pool := contribtest.Migrated(t)
 	m, reader := newMetrics(t)
-	entered, gate := make(chan struct{}, 1), make(chan struct{})
-	var once sync.Once
-	open := func() { once.Do(func() { close(gate) }) }
-	var n atomic.Int64
-	stuck := pgcoord.Hooks{OnAcquire: func(pgcoord.AcquireEvent) {
-		if n.Add(1) == 1 {
-			entered <- struct{}{}
-			<-gate
-		}
-	}}
-	c := newClient(t, pool, pgcoord.WithHooks(pgcoordotel.Chain(stuck, m.Hooks())))
-	t.Cleanup(open)
-	k := pgcoord.HashKey("dropper")
-	l, err := c.Lock(ctx, k)
-	if err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case <-entered:
-	case <-ctx.Done():
-		t.Fatal("the hook did not get the first event")
-	}
-	for range pgcoord.MaxPendingHookEvents + 5 {
-		if _, err := c.TryLock(ctx, k); !errors.Is(err, pgcoord.ErrLocked) {
-			t.Fatalf("TryLock of a key the Client holds = %v, want ErrLocked", err)
-		}
-	}
-	open()
+	d := contribtest.NewDropper()
+	c := contribtest.NewClient(t, pool, pgcoord.WithHooks(pgcoordotel.Chain(d.Hooks(), m.Hooks())))
+	t.Cleanup(d.Open)
+	l := d.Drop(t, c, 5)
 	if err := l.Unlock(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -120,13 +55,13 @@ func TestWatchAfterUnwatchCountsDroppedOnce(t *testing.T) {
 // what the other Client holds, matching pg_locks; once it releases, every
 // one is back to 0 and the counters add up over both Clients.
 func TestMetricsTwoClientsOneClosed(t *testing.T) {
-	ctx := testCtx(t)
-	dsn, pool := migrated(t)
+	ctx := contribtest.Ctx(t)
+	dsn, pool := contribtest.Migrated(t)
 	m, reader := newMetrics(t)
 	job := pgcoord.HashKey("job")
 	names := pgcoord.WithKeyNames(map[pgcoord.Key]string{job: "job"})
-	a := newClient(t, pool, m.Option(), names)
-	b := newClient(t, pool, m.Option(), names)
+	a := contribtest.NewClient(t, pool, m.Option(), names)
+	b := contribtest.NewClient(t, pool, m.Option(), names)
 	m.Watch(a)
 	m.Watch(b)
 	m.Watch(a) // counted once
@@ -155,7 +90,7 @@ func TestMetricsTwoClientsOneClosed(t *testing.T) {
 		held: 3, locks: 1, handle: 4,
 		`pgcoord.permit.acquires{pgcoord.result=no_permit,pgcoord.semaphore.name=jobs}`: 1,
 	})
-	if n := slotsHeld(t, dsn, semA); n != 3 {
+	if n := contribtest.SlotsHeld(t, dsn, semA); n != 3 {
 		t.Fatalf("pg_locks: %d slots held, want 3", n)
 	}
 	if err := a.Close(ctx); err != nil {
@@ -166,7 +101,7 @@ func TestMetricsTwoClientsOneClosed(t *testing.T) {
 	if vs[held] != 1 || vs[locks] != 0 || vs[handle] != 1 {
 		t.Errorf("after a's Close: permits held %v, locks held %v, handles %v; want 1, 0, 1", vs[held], vs[locks], vs[handle])
 	}
-	if n := slotsHeld(t, dsn, semA); n != 1 {
+	if n := contribtest.SlotsHeld(t, dsn, semA); n != 1 {
 		t.Errorf("pg_locks after a's Close: %d slots held, want 1", n)
 	}
 	if err := pb.Release(ctx); err != nil {
@@ -186,7 +121,7 @@ func TestMetricsTwoClientsOneClosed(t *testing.T) {
 	if sum(vs, "pgcoord.permit.losses") != 0 || sum(vs, "pgcoord.permit.wait.duration_count") != 4 {
 		t.Errorf("losses %v, wait observations %v; want 0, 4", sum(vs, "pgcoord.permit.losses"), sum(vs, "pgcoord.permit.wait.duration_count"))
 	}
-	if n := slotsHeld(t, dsn, semA); n != 0 {
+	if n := contribtest.SlotsHeld(t, dsn, semA); n != 0 {
 		t.Errorf("pg_locks: %d slots held at the end, want 0", n)
 	}
 }
@@ -195,10 +130,10 @@ func TestMetricsTwoClientsOneClosed(t *testing.T) {
 // stay bounded, each returns to 0, and the semaphores beyond the bound
 // add up under "other".
 func TestMetricsSemaphoreNamesBounded(t *testing.T) {
-	ctx := testCtx(t)
-	_, pool := migrated(t)
+	ctx := contribtest.Ctx(t)
+	_, pool := contribtest.Migrated(t)
 	m, reader := newMetrics(t, pgcoordotel.WithMaxNames(2))
-	c := newClient(t, pool, m.Option())
+	c := contribtest.NewClient(t, pool, m.Option())
 	const n = 6
 	var ps []*pgcoord.Permit
 	for i := range n {
@@ -243,8 +178,8 @@ func TestMetricsSemaphoreNamesBounded(t *testing.T) {
 // after Close the watched Clients' Stat is no longer observed, while the
 // event instruments keep counting; a second Close is harmless.
 func TestMetricsCollectWhileWatchUnwatchClose(t *testing.T) {
-	ctx := testCtx(t)
-	_, pool := migrated(t)
+	ctx := contribtest.Ctx(t)
+	_, pool := contribtest.Migrated(t)
 	reader := sdkmetric.NewManualReader()
 	provider := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	t.Cleanup(func() { _ = provider.Shutdown(context.Background()) })
@@ -274,7 +209,7 @@ func TestMetricsCollectWhileWatchUnwatchClose(t *testing.T) {
 	}
 	var keep *pgcoord.Client
 	for i := range 4 {
-		c := newClient(t, pool, m.Option())
+		c := contribtest.NewClient(t, pool, m.Option())
 		m.Watch(c)
 		p, err := c.Semaphore("collected", 2).Acquire(ctx)
 		if err != nil {
@@ -296,7 +231,7 @@ func TestMetricsCollectWhileWatchUnwatchClose(t *testing.T) {
 		}
 		m.Unwatch(c)
 	}
-	pgtest.Eventually(t, testTimeout, "collections to run", func() bool { return collections.Load() >= 4 })
+	pgtest.Eventually(t, contribtest.Timeout, "collections to run", func() bool { return collections.Load() >= 4 })
 	if err := m.Close(); err != nil { // while the collections run
 		t.Fatalf("Close: %v", err)
 	}

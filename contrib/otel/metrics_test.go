@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/pgcoord/pgcoord"
+	"github.com/pgcoord/pgcoord/contrib/internal/contribtest"
 	pgcoordotel "github.com/pgcoord/pgcoord/contrib/otel"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 	"go.opentelemetry.io/otel/attribute"
@@ -19,14 +20,6 @@ import (
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
-
-const testTimeout = 30 * time.Second
-
-func testCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*testTimeout)
-	t.Cleanup(cancel)
-	return ctx
-}
 
 // newMetrics returns Metrics on a MeterProvider read by the returned
 // ManualReader.
@@ -99,7 +92,7 @@ func values(t *testing.T, reader *sdkmetric.ManualReader) map[string]float64 {
 func until(t *testing.T, reader *sdkmetric.ManualReader, want map[string]float64) map[string]float64 {
 	t.Helper()
 	var got map[string]float64
-	pgtest.Eventually(t, testTimeout, fmt.Sprintf("metrics %v", want), func() bool {
+	pgtest.Eventually(t, contribtest.Timeout, fmt.Sprintf("metrics %v", want), func() bool {
 		got = values(t, reader)
 		for k, v := range want {
 			if got[k] != v {
@@ -122,31 +115,13 @@ func sum(vs map[string]float64, name string) float64 {
 	return n
 }
 
-// lockHolder returns the backend that holds k, from pg_locks.
-func lockHolder(t *testing.T, dsn string, k pgcoord.Key) int32 {
-	t.Helper()
-	v, ok := k.Int64()
-	if !ok {
-		t.Fatalf("key %v is not a bigint key", k)
-	}
-	conn := pgtest.Conn(t, dsn)
-	var pid int32
-	err := conn.QueryRow(testCtx(t), `SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1
-		AND (classid::bigint << 32) | objid::bigint = $1
-		AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`, v).Scan(&pid)
-	if err != nil {
-		t.Fatalf("holder of %v in pg_locks: %v", k, err)
-	}
-	return pid
-}
-
 // A workload on a real server shows in the instruments: acquires by
 // result with a wait each, contention, locks held going up and back to 0,
 // a loss after the lock's backend is terminated, leadership 1 then 0 with
 // its term, permits by semaphore with a lost one, and the Client's
 // connections from Stat.
 func TestMetrics(t *testing.T) {
-	ctx := testCtx(t)
+	ctx := contribtest.Ctx(t)
 	dsn := pgtest.DB(t)
 	pool := pgtest.Pool(t, dsn)
 	if err := pgcoord.Migrate(ctx, pool); err != nil {
@@ -210,7 +185,7 @@ func TestMetrics(t *testing.T) {
 		t.Fatal(err)
 	}
 	until(t, reader, map[string]float64{`pgcoord.lock.held{pgcoord.lock.name=unnamed}`: 1})
-	pgtest.Terminate(t, dsn, lockHolder(t, dsn, anon))
+	pgtest.Terminate(t, dsn, contribtest.LockHolder(t, dsn, anon))
 	select {
 	case <-l.Done():
 	case <-ctx.Done():
@@ -444,12 +419,12 @@ func TestMetricsLeaderTermStateBounded(t *testing.T) {
 // is the highest term any of them gained, and a later election's first
 // term does not take it back.
 func TestMetricsLeaderTermUnderOtherFromElections(t *testing.T) {
-	ctx := testCtx(t)
-	_, pool := migrated(t)
+	ctx := contribtest.Ctx(t)
+	_, pool := contribtest.Migrated(t)
 	m, reader := newMetrics(t, pgcoordotel.WithMaxNames(1))
 	var events atomic.Int64
 	counted := pgcoord.Hooks{OnLeadership: func(pgcoord.LeadershipEvent) { events.Add(1) }}
-	c := newClient(t, pool, pgcoord.WithHooks(pgcoordotel.Chain(m.Hooks(), counted)))
+	c := contribtest.NewClient(t, pool, pgcoord.WithHooks(pgcoordotel.Chain(m.Hooks(), counted)))
 	campaign := func(name string) pgcoord.Term {
 		t.Helper()
 		ld, err := c.Election(name).Campaign(ctx)
@@ -471,7 +446,7 @@ func TestMetricsLeaderTermUnderOtherFromElections(t *testing.T) {
 	if low := campaign("fresh"); low >= high {
 		t.Fatalf("the fresh election's term %d is not below the busy one's %d", low, high)
 	}
-	pgtest.Eventually(t, testTimeout, "the 10 leadership events delivered", func() bool { return events.Load() == 10 })
+	pgtest.Eventually(t, contribtest.Timeout, "the 10 leadership events delivered", func() bool { return events.Load() == 10 })
 	if got := values(t, reader)[other]; got != float64(high) {
 		t.Errorf("%s = %v after a lower term of another election under other, want %v", other, got, high)
 	}

@@ -1,7 +1,6 @@
 package pgcoordprom_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -9,119 +8,30 @@ import (
 	"sync/atomic"
 	"testing"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord"
+	"github.com/pgcoord/pgcoord/contrib/internal/contribtest"
 	pgcoordprom "github.com/pgcoord/pgcoord/contrib/prometheus"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 	"github.com/prometheus/client_golang/prometheus"
 )
-
-// migrated returns a fresh database with pgcoord's tables, and a pool on
-// it.
-func migrated(t *testing.T) (string, *pgxpool.Pool) {
-	t.Helper()
-	dsn := pgtest.DB(t)
-	pool := pgtest.Pool(t, dsn)
-	if err := pgcoord.Migrate(testCtx(t), pool); err != nil {
-		t.Fatal(err)
-	}
-	return dsn, pool
-}
-
-// newClient returns a Client on pool, closed at the end of the test (a
-// second Close is a no-op).
-func newClient(t *testing.T, pool *pgxpool.Pool, opts ...pgcoord.Option) *pgcoord.Client {
-	t.Helper()
-	c, err := pgcoord.New(pool, opts...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Close(context.Background()) })
-	return c
-}
-
-// slotsHeld counts, from pg_locks, the granted slots of sem (not its
-// queue).
-func slotsHeld(t *testing.T, dsn string, sem *pgcoord.Semaphore) int {
-	t.Helper()
-	v, _ := sem.Key().Int64()
-	conn := pgtest.Conn(t, dsn)
-	var n int
-	err := conn.QueryRow(testCtx(t), `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1
-		AND ((classid::bigint << 32) | objid::bigint) >> 16 = $1 AND ((classid::bigint << 32) | objid::bigint) & 65535 <> 65535
-		AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`, v>>16).Scan(&n)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return n
-}
-
-// dropper makes a Client drop hook events: its hooks are the Collector's
-// behind a gate that holds the first lock event until open is called.
-type dropper struct {
-	entered chan struct{}
-	gate    chan struct{}
-	once    sync.Once
-	n       atomic.Int64
-}
-
-func newDropper() *dropper {
-	return &dropper{entered: make(chan struct{}, 1), gate: make(chan struct{})}
-}
-
-func (d *dropper) hooks() pgcoord.Hooks {
-	return pgcoord.Hooks{OnAcquire: func(pgcoord.AcquireEvent) {
-		if d.n.Add(1) == 1 {
-			d.entered <- struct{}{}
-			<-d.gate
-		}
-	}}
-}
-
-func (d *dropper) open() { d.once.Do(func() { close(d.gate) }) }
-
-// drop makes c drop extra hook events: it holds a lock while the hook is
-// stuck in its event, and tries the lock MaxPendingHookEvents+extra times
-// in the process. It returns the lock, held.
-func (d *dropper) drop(t *testing.T, c *pgcoord.Client, extra int) *pgcoord.Lock {
-	t.Helper()
-	ctx := testCtx(t)
-	k := pgcoord.HashKey("dropper")
-	l, err := c.Lock(ctx, k)
-	if err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case <-d.entered:
-	case <-ctx.Done():
-		t.Fatal("the hook did not get the first event")
-	}
-	for range pgcoord.MaxPendingHookEvents + extra {
-		if _, err := c.TryLock(ctx, k); !errors.Is(err, pgcoord.ErrLocked) {
-			t.Fatalf("TryLock of a key the Client holds = %v, want ErrLocked", err)
-		}
-	}
-	d.open()
-	return l
-}
 
 // Unwatch keeps a Client's dropped hook events counted in
 // pgcoord_hook_events_dropped_total, and watching a Client again after Unwatch
 // counts only what it drops after that: its events are never counted
 // twice.
 func TestWatchAfterUnwatchCountsDroppedOnce(t *testing.T) {
-	ctx := testCtx(t)
-	_, pool := migrated(t)
+	ctx := contribtest.Ctx(t)
+	_, pool := contribtest.Migrated(t)
 	m, err := pgcoordprom.New()
 	if err != nil {
 		t.Fatal(err)
 	}
 	reg := prometheus.NewPedanticRegistry()
 	reg.MustRegister(m)
-	d := newDropper()
-	c := newClient(t, pool, pgcoord.WithHooks(pgcoordprom.Chain(d.hooks(), m.Hooks())))
-	t.Cleanup(d.open)
-	l := d.drop(t, c, 5)
+	d := contribtest.NewDropper()
+	c := contribtest.NewClient(t, pool, pgcoord.WithHooks(pgcoordprom.Chain(d.Hooks(), m.Hooks())))
+	t.Cleanup(d.Open)
+	l := d.Drop(t, c, 5)
 	if err := l.Unlock(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -150,8 +60,8 @@ func TestWatchAfterUnwatchCountsDroppedOnce(t *testing.T) {
 // is back to 0, the counters add up over both Clients, and a refused try
 // of one while the other holds counts as no_permit.
 func TestCollectorTwoClientsOneClosed(t *testing.T) {
-	ctx := testCtx(t)
-	dsn, pool := migrated(t)
+	ctx := contribtest.Ctx(t)
+	dsn, pool := contribtest.Migrated(t)
 	m, err := pgcoordprom.New()
 	if err != nil {
 		t.Fatal(err)
@@ -160,8 +70,8 @@ func TestCollectorTwoClientsOneClosed(t *testing.T) {
 	reg.MustRegister(m)
 	job := pgcoord.HashKey("job")
 	names := pgcoord.WithKeyNames(map[pgcoord.Key]string{job: "job"})
-	a := newClient(t, pool, m.Option(), names)
-	b := newClient(t, pool, m.Option(), names)
+	a := contribtest.NewClient(t, pool, m.Option(), names)
+	b := contribtest.NewClient(t, pool, m.Option(), names)
 	m.Watch(a)
 	m.Watch(b)
 	m.Watch(a) // counted once
@@ -188,7 +98,7 @@ func TestCollectorTwoClientsOneClosed(t *testing.T) {
 		`pgcoord_locks_held{name="job"}`:                                     1,
 		`pgcoord_lock_handles{}`:                                             4,
 	})
-	if n := slotsHeld(t, dsn, semA); n != 3 {
+	if n := contribtest.SlotsHeld(t, dsn, semA); n != 3 {
 		t.Fatalf("pg_locks: %d slots held, want 3", n)
 	}
 
@@ -201,7 +111,7 @@ func TestCollectorTwoClientsOneClosed(t *testing.T) {
 		t.Errorf("after a's Close: permits held %v, locks held %v, handles %v; want 1, 0, 1",
 			vs[`pgcoord_permits_held{semaphore="jobs"}`], vs[`pgcoord_locks_held{name="job"}`], vs[`pgcoord_lock_handles{}`])
 	}
-	if n := slotsHeld(t, dsn, semA); n != 1 {
+	if n := contribtest.SlotsHeld(t, dsn, semA); n != 1 {
 		t.Errorf("pg_locks after a's Close: %d slots held, want 1", n)
 	}
 	if err := pb.Release(ctx); err != nil {
@@ -222,7 +132,7 @@ func TestCollectorTwoClientsOneClosed(t *testing.T) {
 	if sum(vs, "pgcoord_permit_losses_total") != 0 || sum(vs, "pgcoord_permit_acquire_wait_seconds_count") != 4 {
 		t.Errorf("losses %v, wait observations %v; want 0, 4", sum(vs, "pgcoord_permit_losses_total"), sum(vs, "pgcoord_permit_acquire_wait_seconds_count"))
 	}
-	if n := slotsHeld(t, dsn, semA); n != 0 {
+	if n := contribtest.SlotsHeld(t, dsn, semA); n != 0 {
 		t.Errorf("pg_locks: %d slots held at the end, want 0", n)
 	}
 }
@@ -231,15 +141,15 @@ func TestCollectorTwoClientsOneClosed(t *testing.T) {
 // bounded, the gauge of every label returns to 0, and the counts of the
 // semaphores beyond the bound add up under "other".
 func TestCollectorSemaphoreLabelsBounded(t *testing.T) {
-	ctx := testCtx(t)
-	_, pool := migrated(t)
+	ctx := contribtest.Ctx(t)
+	_, pool := contribtest.Migrated(t)
 	m, err := pgcoordprom.New(pgcoordprom.WithMaxNames(2))
 	if err != nil {
 		t.Fatal(err)
 	}
 	reg := prometheus.NewPedanticRegistry()
 	reg.MustRegister(m)
-	c := newClient(t, pool, m.Option())
+	c := contribtest.NewClient(t, pool, m.Option())
 	const n = 6
 	var held []*pgcoord.Permit
 	for i := range n {
@@ -277,8 +187,8 @@ func TestCollectorSemaphoreLabelsBounded(t *testing.T) {
 // (under -race), no scrape error, and at the end, with every Client
 // closed and unwatched, the connection and handle gauges are 0.
 func TestCollectorScrapeWhileWatchUnwatchClose(t *testing.T) {
-	ctx := testCtx(t)
-	_, pool := migrated(t)
+	ctx := contribtest.Ctx(t)
+	_, pool := contribtest.Migrated(t)
 	m, err := pgcoordprom.New()
 	if err != nil {
 		t.Fatal(err)
@@ -305,7 +215,7 @@ func TestCollectorScrapeWhileWatchUnwatchClose(t *testing.T) {
 		})
 	}
 	for i := range 4 {
-		c := newClient(t, pool, m.Option())
+		c := contribtest.NewClient(t, pool, m.Option())
 		m.Watch(c)
 		p, err := c.Semaphore("scraped", 2).Acquire(ctx)
 		if err != nil {
@@ -323,7 +233,7 @@ func TestCollectorScrapeWhileWatchUnwatchClose(t *testing.T) {
 		}
 		m.Unwatch(c)
 	}
-	pgtest.Eventually(t, testTimeout, "scrapes to run", func() bool { return scrapes.Load() >= 4 })
+	pgtest.Eventually(t, contribtest.Timeout, "scrapes to run", func() bool { return scrapes.Load() >= 4 })
 	close(stop)
 	wg.Wait()
 	until(t, reg, map[string]float64{

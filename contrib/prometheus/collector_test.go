@@ -11,20 +11,13 @@ import (
 	"time"
 
 	"github.com/pgcoord/pgcoord"
+	"github.com/pgcoord/pgcoord/contrib/internal/contribtest"
 	pgcoordprom "github.com/pgcoord/pgcoord/contrib/prometheus"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
-
-const testTimeout = 30 * time.Second
-
-func testCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*testTimeout)
-	t.Cleanup(cancel)
-	return ctx
-}
 
 // values gathers reg and returns every sample by series, as
 // `name{label="value",...}` with labels in order; a histogram gives
@@ -64,7 +57,7 @@ func values(t *testing.T, reg *prometheus.Registry) map[string]float64 {
 func until(t *testing.T, reg *prometheus.Registry, want map[string]float64) map[string]float64 {
 	t.Helper()
 	var got map[string]float64
-	pgtest.Eventually(t, testTimeout, fmt.Sprintf("metrics %v", want), func() bool {
+	pgtest.Eventually(t, contribtest.Timeout, fmt.Sprintf("metrics %v", want), func() bool {
 		got = values(t, reg)
 		for k, v := range want {
 			if got[k] != v {
@@ -87,31 +80,13 @@ func sum(vs map[string]float64, name string) float64 {
 	return n
 }
 
-// lockHolder returns the backend that holds k, from pg_locks.
-func lockHolder(t *testing.T, dsn string, k pgcoord.Key) int32 {
-	t.Helper()
-	v, ok := k.Int64()
-	if !ok {
-		t.Fatalf("key %v is not a bigint key", k)
-	}
-	conn := pgtest.Conn(t, dsn)
-	var pid int32
-	err := conn.QueryRow(testCtx(t), `SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1
-		AND (classid::bigint << 32) | objid::bigint = $1
-		AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`, v).Scan(&pid)
-	if err != nil {
-		t.Fatalf("holder of %v in pg_locks: %v", k, err)
-	}
-	return pid
-}
-
 // A workload on a real server shows in the metrics: acquires by result
 // with a wait observation each, contention in the process and on the
 // server, the held gauge going up and back to 0, a loss after the lock's
 // backend is terminated, leadership 1 then 0 with its term, permits by
 // semaphore with a lost one, and the Client's connections from Stat.
 func TestCollector(t *testing.T) {
-	ctx := testCtx(t)
+	ctx := contribtest.Ctx(t)
 	dsn := pgtest.DB(t)
 	pool := pgtest.Pool(t, dsn)
 	if err := pgcoord.Migrate(ctx, pool); err != nil {
@@ -183,7 +158,7 @@ func TestCollector(t *testing.T) {
 		t.Fatal(err)
 	}
 	until(t, reg, map[string]float64{`pgcoord_locks_held{name="unnamed"}`: 1})
-	pgtest.Terminate(t, dsn, lockHolder(t, dsn, anon))
+	pgtest.Terminate(t, dsn, contribtest.LockHolder(t, dsn, anon))
 	select {
 	case <-l.Done():
 	case <-ctx.Done():
@@ -402,12 +377,12 @@ func TestCollectorLeaderTermStateBounded(t *testing.T) {
 // is the highest term any of them gained, and a later election's first
 // term does not take it back.
 func TestCollectorLeaderTermUnderOtherFromElections(t *testing.T) {
-	ctx := testCtx(t)
-	_, pool := migrated(t)
+	ctx := contribtest.Ctx(t)
+	_, pool := contribtest.Migrated(t)
 	m, reg := newCollector(t, pgcoordprom.WithMaxNames(1))
 	var events atomic.Int64
 	counted := pgcoord.Hooks{OnLeadership: func(pgcoord.LeadershipEvent) { events.Add(1) }}
-	c := newClient(t, pool, pgcoord.WithHooks(pgcoordprom.Chain(m.Hooks(), counted)))
+	c := contribtest.NewClient(t, pool, pgcoord.WithHooks(pgcoordprom.Chain(m.Hooks(), counted)))
 	campaign := func(name string) pgcoord.Term {
 		t.Helper()
 		ld, err := c.Election(name).Campaign(ctx)
@@ -429,7 +404,7 @@ func TestCollectorLeaderTermUnderOtherFromElections(t *testing.T) {
 	if low := campaign("fresh"); low >= high {
 		t.Fatalf("the fresh election's term %d is not below the busy one's %d", low, high)
 	}
-	pgtest.Eventually(t, testTimeout, "the 10 leadership events delivered", func() bool { return events.Load() == 10 })
+	pgtest.Eventually(t, contribtest.Timeout, "the 10 leadership events delivered", func() bool { return events.Load() == 10 })
 	if got := values(t, reg)[other]; got != float64(high) {
 		t.Errorf("%s = %v after a lower term of another election under other, want %v", other, got, high)
 	}
