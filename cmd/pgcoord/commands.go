@@ -124,14 +124,11 @@ func locksCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		if len(args) > 0 {
 			return usagef("locks takes no arguments (names go with --name)")
 		}
-		if err := checkSchema(*schema); err != nil {
-			return err
-		}
 		m, err := userNames()
 		if err != nil {
 			return err
 		}
-		pool, err := openPool(ctx, e)
+		pool, err := openSchemaPool(ctx, e, *schema)
 		if err != nil {
 			return err
 		}
@@ -143,25 +140,13 @@ func locksCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		if *waits {
 			roots := waitForest(st)
 			if *asJSON {
-				enc := json.NewEncoder(e.stdout)
-				for _, n := range flatten(roots) {
-					if err := enc.Encode(n); err != nil {
-						return err
-					}
-				}
-				return nil
+				return encodeLines(e.stdout, flatten(roots))
 			}
 			printWaits(e.stdout, roots, time.Now())
 			return nil
 		}
 		if *asJSON {
-			enc := json.NewEncoder(e.stdout)
-			for _, l := range st.Locks {
-				if err := enc.Encode(l); err != nil {
-					return err
-				}
-			}
-			return nil
+			return encodeLines(e.stdout, st.Locks)
 		}
 		return printLocks(e, st.Locks, time.Now())
 	}
@@ -324,10 +309,7 @@ func migrateCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		if len(args) > 0 {
 			return usagef("migrate takes no arguments")
 		}
-		if err := checkSchema(*schema); err != nil {
-			return err
-		}
-		pool, err := openPool(ctx, e)
+		pool, err := openSchemaPool(ctx, e, *schema)
 		if err != nil {
 			return err
 		}
@@ -397,13 +379,10 @@ func leaderCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		if len(args) != 1 {
 			return usagef("leader takes one election name, got %d arguments", len(args))
 		}
-		if err := checkSchema(*schema); err != nil {
-			return err
-		}
 		if err := checkName("the election name", args[0]); err != nil {
 			return err
 		}
-		pool, err := openPool(ctx, e)
+		pool, err := openSchemaPool(ctx, e, *schema)
 		if err != nil {
 			return err
 		}
@@ -466,10 +445,7 @@ func semaphoresCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error
 		if len(args) > 0 {
 			return usagef("semaphores takes no arguments")
 		}
-		if err := checkSchema(*schema); err != nil {
-			return err
-		}
-		pool, err := openPool(ctx, e)
+		pool, err := openSchemaPool(ctx, e, *schema)
 		if err != nil {
 			return err
 		}
@@ -517,13 +493,7 @@ func semaphoresCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error
 			}
 		}
 		if *asJSON {
-			enc := json.NewEncoder(e.stdout)
-			for _, s := range sems {
-				if err := enc.Encode(s); err != nil {
-					return err
-				}
-			}
-			return nil
+			return encodeLines(e.stdout, sems)
 		}
 		if len(sems) == 0 {
 			fmt.Fprintf(e.stdout, "no semaphores in schema %s\n", pgx.Identifier{*schema}.Sanitize())
@@ -581,10 +551,7 @@ func electionsCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error 
 		if len(args) > 0 {
 			return usagef("elections takes no arguments (for one election: pgcoord leader ELECTION)")
 		}
-		if err := checkSchema(*schema); err != nil {
-			return err
-		}
-		pool, err := openPool(ctx, e)
+		pool, err := openSchemaPool(ctx, e, *schema)
 		if err != nil {
 			return err
 		}
@@ -606,13 +573,7 @@ func electionsCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error 
 			return fmt.Errorf("read elections: %w", err)
 		}
 		if *asJSON {
-			enc := json.NewEncoder(e.stdout)
-			for _, el := range els {
-				if err := enc.Encode(el); err != nil {
-					return err
-				}
-			}
-			return nil
+			return encodeLines(e.stdout, els)
 		}
 		if len(els) == 0 {
 			fmt.Fprintf(e.stdout, "no elections in schema %s\n", pgx.Identifier{*schema}.Sanitize())

@@ -15,6 +15,7 @@ package main
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -470,6 +471,26 @@ func (e *env) where(cfg *pgconn.Config) string {
 		src = "the libpq environment (" + strings.Join(set, ", ") + ") and libpq's defaults"
 	}
 	return "no --db given and DATABASE_URL not set, so " + src + target
+}
+
+// openSchemaPool checks schema, the --schema of a command that reads
+// pgcoord's tables, and opens the pool as openPool does.
+func openSchemaPool(ctx context.Context, e *env, schema string) (*pgxpool.Pool, error) {
+	if err := checkSchema(schema); err != nil {
+		return nil, err
+	}
+	return openPool(ctx, e)
+}
+
+// encodeLines writes vs to w as JSON, one object per line.
+func encodeLines[T any](w io.Writer, vs []T) error {
+	enc := json.NewEncoder(w)
+	for _, v := range vs {
+		if err := enc.Encode(v); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // openPool connects to the database, with an application name that shows
