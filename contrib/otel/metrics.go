@@ -82,20 +82,21 @@ import (
 // ScopeName is the instrumentation scope of the Meter that Metrics use.
 const ScopeName = "github.com/pgcoord/pgcoord/contrib/otel"
 
-// Attribute values for names that have none, and for names beyond the
-// bound.
+// Attribute values for names that have none ("unnamed"), and for names
+// beyond the bound ("other").
 const (
 	Unnamed = metricmap.Unnamed
 	Other   = metricmap.Other
 )
 
 // DefaultMaxNames is how many distinct values of each name attribute
-// Metrics keep unless WithMaxNames says otherwise.
+// Metrics keep unless WithMaxNames says otherwise: 64.
 const DefaultMaxNames = metricmap.DefaultMaxNames
 
 // DefaultBuckets are the explicit bucket boundaries, in seconds, advised
 // for the wait-time histograms unless WithBuckets says otherwise: 0.5 ms
-// to 32 s, ×4.
+// to 32 s, ×4 (0.0005, 0.002, 0.008, 0.032, 0.128, 0.512, 2.048, 8.192,
+// 32.768).
 var DefaultBuckets = metricmap.DefaultBuckets()
 
 // An Option configures [Metrics].

@@ -451,3 +451,14 @@ func TestMetricsLeaderTermUnderOtherFromElections(t *testing.T) {
 		t.Errorf("%s = %v after a lower term of another election under other, want %v", other, got, high)
 	}
 }
+
+// The exported defaults and attribute values are the ones the
+// documentation gives.
+func TestDefaults(t *testing.T) {
+	if pgcoordotel.Unnamed != "unnamed" || pgcoordotel.Other != "other" || pgcoordotel.DefaultMaxNames != 64 {
+		t.Errorf("Unnamed %q, Other %q, DefaultMaxNames %d; want unnamed, other, 64", pgcoordotel.Unnamed, pgcoordotel.Other, pgcoordotel.DefaultMaxNames)
+	}
+	if want := []float64{0.0005, 0.002, 0.008, 0.032, 0.128, 0.512, 2.048, 8.192, 32.768}; !slices.Equal(pgcoordotel.DefaultBuckets, want) {
+		t.Errorf("DefaultBuckets = %v, want %v", pgcoordotel.DefaultBuckets, want)
+	}
+}

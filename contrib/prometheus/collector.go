@@ -77,18 +77,20 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// Label values for names that have none, and for names beyond the bound.
+// Label values for names that have none ("unnamed"), and for names beyond
+// the bound ("other").
 const (
 	Unnamed = metricmap.Unnamed
 	Other   = metricmap.Other
 )
 
 // DefaultMaxNames is how many distinct values of each name label a
-// Collector keeps unless WithMaxNames says otherwise.
+// Collector keeps unless WithMaxNames says otherwise: 64.
 const DefaultMaxNames = metricmap.DefaultMaxNames
 
 // DefaultBuckets are the upper bounds, in seconds, of the wait-time
-// histograms unless WithBuckets says otherwise: 0.5 ms to 32 s, ×4.
+// histograms unless WithBuckets says otherwise: 0.5 ms to 32 s, ×4
+// (0.0005, 0.002, 0.008, 0.032, 0.128, 0.512, 2.048, 8.192, 32.768).
 var DefaultBuckets = metricmap.DefaultBuckets()
 
 // An Option configures a [Collector].

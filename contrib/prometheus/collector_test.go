@@ -448,3 +448,14 @@ func TestChain(t *testing.T) {
 		t.Error("Chain set a hook that no Hooks had")
 	}
 }
+
+// The exported defaults and label values are the ones the documentation
+// gives.
+func TestDefaults(t *testing.T) {
+	if pgcoordprom.Unnamed != "unnamed" || pgcoordprom.Other != "other" || pgcoordprom.DefaultMaxNames != 64 {
+		t.Errorf("Unnamed %q, Other %q, DefaultMaxNames %d; want unnamed, other, 64", pgcoordprom.Unnamed, pgcoordprom.Other, pgcoordprom.DefaultMaxNames)
+	}
+	if want := []float64{0.0005, 0.002, 0.008, 0.032, 0.128, 0.512, 2.048, 8.192, 32.768}; !slices.Equal(pgcoordprom.DefaultBuckets, want) {
+		t.Errorf("DefaultBuckets = %v, want %v", pgcoordprom.DefaultBuckets, want)
+	}
+}

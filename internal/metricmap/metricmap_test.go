@@ -350,3 +350,21 @@ func TestOptionsRefuseInvalid(t *testing.T) {
 		t.Errorf("after invalid settings: %+v, want the valid ones kept", o)
 	}
 }
+
+// The defaults are valid settings, and each call of DefaultBuckets returns
+// a slice of its own: a module's exported DefaultBuckets that a user
+// changes does not change the other module's.
+func TestDefaults(t *testing.T) {
+	var o Options
+	if err := o.SetBuckets("pkg", DefaultBuckets()); err != nil {
+		t.Error(err)
+	}
+	if err := o.SetMaxNames("pkg", DefaultMaxNames); err != nil {
+		t.Error(err)
+	}
+	a := DefaultBuckets()
+	a[0] = 99
+	if b := DefaultBuckets(); b[0] == 99 {
+		t.Errorf("DefaultBuckets() = %v after a change to an earlier result: the slice is shared", b)
+	}
+}
