@@ -2,7 +2,7 @@ package pgcoordotel
 
 import (
 	"github.com/pgcoord/pgcoord"
-	"github.com/pgcoord/pgcoord/internal/metricmap"
+	"github.com/pgcoord/pgcoord/contrib/internal/metricmap"
 )
 
 // Chain returns hooks that call each of hooks' functions in turn, in the

@@ -73,7 +73,7 @@ import (
 	"sync"
 
 	"github.com/pgcoord/pgcoord"
-	"github.com/pgcoord/pgcoord/internal/metricmap"
+	"github.com/pgcoord/pgcoord/contrib/internal/metricmap"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"

@@ -73,7 +73,7 @@ import (
 	"errors"
 
 	"github.com/pgcoord/pgcoord"
-	"github.com/pgcoord/pgcoord/internal/metricmap"
+	"github.com/pgcoord/pgcoord/contrib/internal/metricmap"
 	"github.com/prometheus/client_golang/prometheus"
 )
 

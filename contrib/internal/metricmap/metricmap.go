@@ -18,10 +18,11 @@
 // the same way, however many names it sees: the highest term of the term
 // gauge is kept per label value, not per election.
 //
-// The package imports only the root package and the standard library, so
-// the root module's dependency graph is the same with it. The contrib
-// modules are released in lockstep with the root module, so its API may
-// change with theirs.
+// The package belongs to the root module (contrib has no go.mod), under
+// contrib/internal, so only the contrib modules can import it. It imports
+// only the root package and the standard library, so the root module's
+// dependency graph is the same with it. The contrib modules are released
+// in lockstep with the root module, so its API may change with theirs.
 package metricmap
 
 import (
