@@ -190,19 +190,20 @@ func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, er
 // reports false if a key is held elsewhere; for more than one key, the
 // keys before it stay taken.
 func (s *Session) tryKeys(ctx context.Context, chunk []Key, shared bool) (bool, error) {
-	sql, args := trySQL(lockFunc(shared, true), chunk, s.pid)
 	var failed int32
-	err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		if len(chunk) == 1 {
-			var ok bool
-			err := s.queryRow(ctx, conn, sql, args, &ok)
-			if !ok {
-				failed = 1
-			}
-			return s.wrongBackend(err)
+	var err error
+	if len(chunk) == 1 {
+		var ok bool
+		ok, err = s.callKey(ctx, lockFunc(shared, true), chunk[0])
+		if !ok {
+			failed = 1
 		}
-		return s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(&failed))
-	})
+	} else {
+		sql, args := trySQL(lockFunc(shared, true), chunk, s.pid)
+		err = s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+			return s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(&failed))
+		})
+	}
 	if err == nil && ctx.Err() != nil {
 		// The answer came after ctx ended: the caller releases what it
 		// took.
@@ -373,6 +374,13 @@ func (s *Session) forgetKeys(keys []Key) {
 // chunk. strict makes a key the server did not hold an error wrapping
 // ErrNotHeld: the session's picture of its locks would be wrong.
 func (s *Session) unlockKeys(ctx context.Context, keys []Key, shared, strict bool) error {
+	if len(keys) == 1 {
+		ok, err := s.callKey(ctx, unlockFunc(shared), keys[0])
+		if err == nil && strict && !ok {
+			err = errNotHeldBy(keys[0], s.pid)
+		}
+		return err
+	}
 	for _, chunk := range chunked(keys) {
 		err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 			return s.unlockStatement(ctx, conn, chunk, shared, strict)
@@ -406,10 +414,15 @@ func (s *Session) unlockStatement(ctx context.Context, conn *pgx.Conn, keys []Ke
 	}
 	for i, k := range keys {
 		if strict && !ok[i] {
-			return errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, s.pid)
+			return errNotHeldBy(k, s.pid)
 		}
 	}
 	return nil
+}
+
+// errNotHeldBy is the error of a release of k that backend pid did not hold.
+func errNotHeldBy(k Key, pid int32) error {
+	return errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, pid)
 }
 
 // drop removes a handle that never reached its caller and releases its

@@ -20,7 +20,9 @@ import (
 // closed (so the server frees the locks), and every Lock on it is lost too.
 //
 // A Session's methods are safe for concurrent use. Statements on its one
-// connection run one at a time. A blocking acquire waits on the server in
+// connection run one at a time; tries and releases of single keys that
+// goroutines send while it is busy go out together, as one statement, each
+// caller getting its own key's answer. A blocking acquire waits on the server in
 // slices (see the package documentation), so it never stops the session
 // from proving itself alive; an Unlock, TryLock or Close that needs the
 // connection while a blocking acquire waits on it interrupts that wait,
@@ -48,6 +50,7 @@ type Session struct {
 	noPending   chan struct{}      // closed when pending drops to 0; made by whoever waits for that
 	interrupt   func(error)        // ends the blocking statement on conn; nil if none
 	interruptAt time.Time          // not before then
+	calls       combiner           // tries and releases of one key queued behind one (see callKey)
 	done        chan struct{}
 	lease       *time.Timer
 	stopHB      chan struct{}

@@ -1,0 +1,224 @@
+package pgcoord
+
+import (
+	"cmp"
+	"context"
+	"slices"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Statements of several goroutines in one
+//
+// A try or a release of one key is one statement and one round trip, and
+// a backend runs one statement at a time: while it runs, every other
+// statement for that backend waits. When goroutines send such statements to
+// one backend at once, the first sends its own at once, and those that
+// come while the connection is busy queue; when it is free, the first of
+// them sends the whole queue as one statement, one call per key in the
+// select list (the server evaluates them in turn), and each caller gets the
+// answer for its own key. The server's cost is per statement more than per
+// key, so a busy backend answers more keys per second, not fewer. A caller
+// alone sends the statement it sent before, with no more work than a
+// mutex.
+//
+// A key is in at most one statement of its backend at a time (see
+// keyHold), so the keys of one combined statement are distinct and their
+// order does not matter. A combined statement that fails while the session
+// lives (the server's lock table is full, say) may have done part of its
+// work: session-level advisory locks ignore the statement's failure. Each
+// of its keys is then settled on its own: a try's key is released (the
+// backend did not hold it before) and tried again alone, and a release is
+// sent again alone (the key is free afterwards either way). So one key's
+// failure costs no other key its answer.
+
+// maxKeysCombined bounds the keys of one combined statement: enough to
+// carry every goroutine that queues behind a round trip, few enough that
+// the statement texts stay few.
+const maxKeysCombined = 32
+
+// keyCall is one caller's try or release of one key.
+type keyCall struct {
+	fn   string // the function: lockFunc(shared, true) or unlockFunc(shared)
+	key  Key
+	ok   bool          // the function's answer
+	err  error         // why there is no answer
+	lead bool          // woken to send the queue
+	done chan struct{} // closed once: when answered, or woken to lead (then its own turn answers it)
+}
+
+// combiner queues the key calls of one backend while one is sent.
+type combiner struct {
+	busy     bool // a caller sends, or is about to
+	queue    []*keyCall
+	combined int // statements sent that carried more than one call
+}
+
+// callKey runs fn (a try, or a release) of k on the session's connection
+// and returns its answer, combined with other goroutines' calls when the
+// connection is busy (see above). ctx bounds the wait for the connection,
+// as run's does: once its statement is sent, the call waits for the
+// answer, so that the caller knows what the backend holds.
+func (s *Session) callKey(ctx context.Context, fn string, k Key) (bool, error) {
+	s.state.Lock()
+	if !s.calls.busy {
+		s.calls.busy = true
+		s.state.Unlock()
+		return s.sendCalls(ctx, fn, k, nil)
+	}
+	call := &keyCall{fn: fn, key: k, done: make(chan struct{})}
+	s.calls.queue = append(s.calls.queue, call)
+	s.state.Unlock()
+	select {
+	case <-call.done:
+	case <-ctx.Done():
+		s.state.Lock()
+		i := slices.Index(s.calls.queue, call)
+		if i >= 0 {
+			s.calls.queue = slices.Delete(s.calls.queue, i, i+1)
+		}
+		s.state.Unlock()
+		if i >= 0 {
+			return false, context.Cause(ctx) // not sent: nothing done
+		}
+		<-call.done
+	}
+	if call.lead {
+		return s.sendCalls(ctx, fn, k, call)
+	}
+	return call.ok, call.err
+}
+
+// sendCalls sends fn of k, the call of a caller whose turn it is (own, if
+// it queued), together with the calls queued behind it, in one statement;
+// it answers them, hands the turn to the first call that queued since, and
+// returns its own answer.
+func (s *Session) sendCalls(ctx context.Context, fn string, k Key, own *keyCall) (bool, error) {
+	if err := s.grab(ctx); err != nil {
+		s.passCalls()
+		return false, err
+	}
+	if ctx.Done() != nil {
+		ctx = context.WithoutCancel(ctx) // see run
+	}
+	s.state.Lock()
+	n := min(len(s.calls.queue), maxKeysCombined-1)
+	if n == 0 {
+		s.state.Unlock()
+		ok, err := s.callOne(ctx, fn, k)
+		s.release()
+		s.passCalls()
+		return ok, err
+	}
+	if own == nil {
+		own = &keyCall{fn: fn, key: k}
+	}
+	calls := make([]*keyCall, 0, n+1)
+	calls = append(append(calls, own), s.calls.queue[:n]...)
+	s.calls.queue = slices.Delete(s.calls.queue, 0, n)
+	s.calls.combined++
+	s.state.Unlock()
+
+	s.answerCalls(ctx, calls)
+	s.release()
+	for _, c := range calls {
+		if c != own {
+			close(c.done)
+		}
+	}
+	s.passCalls()
+	return own.ok, own.err
+}
+
+// passCalls wakes the first queued call to send the queue, or marks the
+// combiner idle.
+func (s *Session) passCalls() {
+	s.state.Lock()
+	defer s.state.Unlock()
+	if len(s.calls.queue) == 0 {
+		s.calls.busy = false
+		return
+	}
+	next := s.calls.queue[0]
+	s.calls.queue = slices.Delete(s.calls.queue, 0, 1)
+	next.lead = true
+	close(next.done)
+}
+
+// answerCalls runs calls (more than one) in one statement while the
+// caller holds the connection, and settles them one by one if that
+// statement fails while the session lives.
+func (s *Session) answerCalls(ctx context.Context, calls []*keyCall) {
+	sql, args := combinedSQL(calls, s.pid)
+	dest := make([]any, len(calls))
+	for i, c := range calls {
+		dest[i] = &c.ok
+	}
+	err := s.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		return s.wrongBackend(conn.QueryRow(ctx, sql, append([]any{pgx.QueryExecModeExec}, args...)...).Scan(dest...))
+	})
+	if err == nil {
+		return
+	}
+	for _, c := range calls {
+		c.ok, c.err = s.settleCall(ctx, c, err)
+	}
+}
+
+// settleCall answers c alone after the combined statement failed with
+// err: what that statement did to c's key is unknown.
+func (s *Session) settleCall(ctx context.Context, c *keyCall, err error) (bool, error) {
+	if e := s.Err(); e != nil {
+		return false, e
+	}
+	if strings.HasPrefix(c.fn, "pg_try_") {
+		// The backend did not hold the key before: one release frees it
+		// if the failed statement took it.
+		shared := strings.HasSuffix(c.fn, "_shared")
+		if _, err := s.callOne(ctx, unlockFunc(shared), c.key); err != nil {
+			return false, err
+		}
+		return s.callOne(ctx, c.fn, c.key)
+	}
+	// The backend held the key before: after this release it does not,
+	// whichever statement released it.
+	if _, err := s.callOne(ctx, c.fn, c.key); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
+// callOne runs fn of k alone while the caller holds the connection.
+func (s *Session) callOne(ctx context.Context, fn string, k Key) (ok bool, err error) {
+	sql, args := singleKeySQL(fn, "SELECT %s", k, s.pid)
+	err = s.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		return s.wrongBackend(s.queryRow(ctx, conn, sql, args, &ok))
+	})
+	return ok, err
+}
+
+// combinedSQL is "SELECT fn1(k1), fn2(k2), ... WHERE pg_backend_pid() =
+// pid" for calls, which it sorts by function and key form so that the
+// statement's text depends on how many calls of each kind it carries, not
+// on their order.
+func combinedSQL(calls []*keyCall, pid int32) (string, []any) {
+	slices.SortFunc(calls, func(a, b *keyCall) int {
+		return cmp.Or(strings.Compare(a.fn, b.fn), cmp.Compare(a.key.kind, b.key.kind))
+	})
+	var b strings.Builder
+	b.WriteString("SELECT ")
+	args := make([]any, 0, 2*len(calls)+1)
+	for i, c := range calls {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		var list string
+		list, args = c.key.sqlArgs(len(args)+1, args)
+		b.WriteString(c.fn)
+		b.WriteByte('(')
+		b.WriteString(list)
+		b.WriteByte(')')
+	}
+	return guard(&b, args, pid)
+}

@@ -1,0 +1,308 @@
+package pgcoord
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/pgcoord/pgcoord/internal/pgtest"
+)
+
+// Tries and releases of many goroutines on one backend go out combined,
+// and each goroutine gets the answer for its own key: a key held elsewhere
+// is refused, a free one is taken and released, whatever else shared the
+// statement. pg_locks shows each taken key on the Client's backend while
+// its goroutine holds it, and nothing of the Client's at the end.
+func TestCombinedCallsAnswerEachKey(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	other := pgtest.Conn(t, dsn)
+	c := newTestClient(t, dsn, WithSharedBackends(1), WithMaxWaits(1))
+	const workers, rounds = 16, 60
+	keyOf := func(w, i int) Key { return Int64Key(int64(1_000_000 + w*1000 + i%7)) }
+	heldElsewhere := func(k Key) bool { v, _ := k.Int64(); return v%7 == 3 }
+	for w := range workers {
+		for i := range 7 {
+			if k := keyOf(w, i); heldElsewhere(k) {
+				v, _ := k.Int64()
+				if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", v); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := range workers {
+		wg.Go(func() {
+			for i := range rounds {
+				k := keyOf(w, i)
+				l, err := c.TryLock(ctx, k)
+				switch {
+				case heldElsewhere(k):
+					if !errors.Is(err, ErrLocked) {
+						errs <- fmt.Errorf("worker %d: TryLock(%v), held elsewhere: %v, want ErrLocked", w, k, err)
+						return
+					}
+					continue
+				case err != nil:
+					errs <- fmt.Errorf("worker %d: TryLock(%v), free: %v", w, k, err)
+					return
+				}
+				if i%10 == 0 {
+					if pids := grantedTo(t, dsn, k); len(pids) != 1 || pids[0] != l.s.pid {
+						errs <- fmt.Errorf("worker %d: %v taken, granted in pg_locks to %v, want backend %d", w, k, pids, l.s.pid)
+					}
+				}
+				if err := l.Unlock(ctx); err != nil {
+					errs <- fmt.Errorf("worker %d: Unlock(%v): %v", w, k, err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	combined := 0
+	c.mu.Lock()
+	for _, b := range c.backends {
+		b.state.Lock()
+		combined += b.calls.combined
+		b.state.Unlock()
+	}
+	c.mu.Unlock()
+	if combined == 0 {
+		t.Errorf("no statement carried more than one call: the test did not combine")
+	}
+	t.Logf("%d combined statements", combined)
+	for k, rows := range lockState(t, dsn) {
+		for _, h := range rows {
+			if !heldElsewhere(k) || h.pid != int32(other.PgConn().PID()) {
+				t.Errorf("pg_locks: %v held by %+v after every lock was released", k, h)
+			}
+		}
+	}
+}
+
+// A combined statement that fails while its session lives (here: a try
+// finds the server's lock table full) costs no other call its answer: a
+// release in it still frees its key, and each try answers for itself,
+// holding its key exactly when it says so.
+func TestCombinedStatementFailureCostsNoOtherKey(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	srv := pgtest.NewServer(t, pgtest.WithSetting("max_locks_per_transaction", "10"), pgtest.WithSetting("max_connections", "20"))
+	dsn := srv.DB(t)
+	lockState(t, dsn) // open the observer before the lock table fills
+	c := newTestClient(t, dsn)
+	s := newTestSession(t, c)
+	release := Int64Key(-1)
+	held, err := s.Lock(ctx, release)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Fill the lock table from another backend.
+	filler := newTestSession(t, c)
+	for i := range 100_000 {
+		if _, err = filler.Lock(ctx, Int64Key(int64(i))); err != nil {
+			break
+		}
+	}
+	if !errors.Is(err, ErrTooManyLocks) {
+		t.Fatalf("filling the lock table: %v, want ErrTooManyLocks", err)
+	}
+	// Hold the connection so that the calls queue, then let them go out
+	// as one statement: a release of a held key and tries of free ones.
+	if err := s.grab(ctx); err != nil {
+		t.Fatal(err)
+	}
+	tries := []Key{HashKey("t", "1"), HashKey("t", "2"), HashKey("t", "3")}
+	type answer struct {
+		ok  bool
+		err error
+	}
+	releaseDone := make(chan answer, 1)
+	go func() {
+		ok, err := s.callKey(ctx, unlockFunc(false), release)
+		releaseDone <- answer{ok, err}
+	}()
+	tryDone := make([]chan answer, len(tries))
+	for i, k := range tries {
+		tryDone[i] = make(chan answer, 1)
+		go func() {
+			ok, err := s.callKey(ctx, lockFunc(false, true), k)
+			tryDone[i] <- answer{ok, err}
+		}()
+	}
+	pgtest.Eventually(t, testTimeout, "every call queued", func() bool {
+		s.state.Lock()
+		defer s.state.Unlock()
+		return s.calls.busy && len(s.calls.queue) == len(tries)
+	})
+	s.release()
+	r := <-releaseDone
+	if r.err != nil || !r.ok {
+		t.Fatalf("release in a failed combined statement: (%v, %v), want (true, nil)", r.ok, r.err)
+	}
+	s.state.Lock()
+	combined := s.calls.combined
+	s.state.Unlock()
+	if combined != 1 {
+		t.Fatalf("%d combined statements, want 1", combined)
+	}
+	failed := 0
+	for i, k := range tries {
+		a := <-tryDone[i]
+		if a.err != nil {
+			failed++
+			if pgCode(a.err) != "53200" {
+				t.Errorf("try %v: %v, want out of shared memory or an answer", k, a.err)
+			}
+		}
+		// Free some of the lock table to read pg_locks.
+		if i == 0 {
+			filler.Close(ctx)
+		}
+		pids := grantedTo(t, dsn, k)
+		if a.ok != (len(pids) == 1 && pids[0] == s.pid) || len(pids) > 1 {
+			t.Errorf("try %v answered (%v, %v), granted in pg_locks to %v", k, a.ok, a.err, pids)
+		}
+		if a.ok {
+			if _, err := s.callKey(ctx, unlockFunc(false), k); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if failed == 0 {
+		t.Errorf("no try failed: the lock table was not full, and the test proves nothing")
+	}
+	for _, k := range tries {
+		if pids := grantedTo(t, dsn, k); len(pids) != 0 {
+			t.Errorf("%v still granted to %v after its one release", k, pids)
+		}
+	}
+	if pids := grantedTo(t, dsn, release); len(pids) != 0 {
+		t.Errorf("released key still granted to %v", pids)
+	}
+	_ = held
+}
+
+// A caller whose ctx ends while its try waits in the queue, or after its
+// try went out in a combined statement, leaves nothing held: many
+// goroutines try keys through one backend with deadlines that end at
+// random moments, and pg_locks shows only the locks they hold.
+func TestCombinedCallsCancelledLeaveNothingHeld(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	c := newTestClient(t, dsn, WithSharedBackends(1), WithMaxWaits(1))
+	const workers, rounds = 16, 80
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	cancelled := 0
+	for w := range workers {
+		wg.Go(func() {
+			rng := rand.New(rand.NewPCG(uint64(w), 7))
+			for i := range rounds {
+				k := Int64Key(int64(2_000_000 + w*1000 + i%5))
+				cctx, cancel := context.WithTimeout(ctx, time.Duration(rng.IntN(400))*time.Microsecond)
+				l, err := c.TryLock(cctx, k)
+				cancel()
+				if err != nil {
+					if !errors.Is(err, context.DeadlineExceeded) {
+						t.Errorf("TryLock(%v): %v", k, err)
+						return
+					}
+					mu.Lock()
+					cancelled++
+					mu.Unlock()
+					continue
+				}
+				if err := l.Unlock(ctx); err != nil {
+					t.Errorf("Unlock(%v): %v", k, err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("%d of %d tries cut by their deadline", cancelled, workers*rounds)
+	if cancelled == 0 {
+		t.Errorf("no try was cut by its deadline: the test proves nothing")
+	}
+	if rows := lockState(t, dsn); len(rows) != 0 {
+		t.Errorf("pg_locks after every lock was released or refused: %v", rows)
+	}
+}
+
+// A caller whose ctx ends after its try went out in a combined statement
+// waits for the answer, so the key it may have taken is released: the
+// backend is paused (SIGSTOP) while the statement is in flight, the
+// caller's ctx is cancelled, and once the backend resumes, the caller's
+// TryLock has failed and pg_locks shows the key free.
+func TestCombinedCallCancelledInFlightLeavesNothingHeld(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	s := newTestSession(t, newTestClient(t, dsn))
+	if err := s.grab(ctx); err != nil {
+		t.Fatal(err)
+	}
+	first, second := Int64Key(3_000_001), Int64Key(3_000_002)
+	leader := goLock(func() (*Lock, error) { return s.TryLock(ctx, first) })
+	pgtest.Eventually(t, testTimeout, "the first try waits for the connection", func() bool {
+		s.state.Lock()
+		defer s.state.Unlock()
+		return s.calls.busy
+	})
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	queued := goLock(func() (*Lock, error) { return s.TryLock(cctx, second) })
+	pgtest.Eventually(t, testTimeout, "the second try queues", func() bool {
+		s.state.Lock()
+		defer s.state.Unlock()
+		return len(s.calls.queue) == 1
+	})
+	if err := syscall.Kill(int(s.pid), syscall.SIGSTOP); err != nil {
+		t.Skipf("cannot pause backend %d (the server runs as another user): %v", s.pid, err)
+	}
+	resumed := false
+	resume := func() {
+		if !resumed {
+			resumed = true
+			_ = syscall.Kill(int(s.pid), syscall.SIGCONT)
+		}
+	}
+	defer resume()
+	s.release()
+	pgtest.Eventually(t, testTimeout, "both tries go out in one statement", func() bool {
+		s.state.Lock()
+		defer s.state.Unlock()
+		return len(s.calls.queue) == 0 && s.calls.combined == 1
+	})
+	cancel()
+	resume()
+	if r := receive(t, leader); r.err != nil {
+		t.Fatalf("first TryLock: %v", r.err)
+	} else {
+		defer mustUnlock(t, r.l)
+	}
+	r := receive(t, queued)
+	if r.err == nil {
+		t.Fatalf("second TryLock returned a lock after its ctx was cancelled in flight")
+	}
+	if !errors.Is(r.err, context.Canceled) {
+		t.Errorf("second TryLock: %v, want context.Canceled", r.err)
+	}
+	notHeld(t, dsn, second)
+	heldOnlyBy(t, dsn, first, s.pid)
+}
