@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"syscall"
 	"testing"
@@ -305,4 +306,53 @@ func TestCombinedCallCancelledInFlightLeavesNothingHeld(t *testing.T) {
 	}
 	notHeld(t, dsn, second)
 	heldOnlyBy(t, dsn, first, s.pid)
+}
+
+// A caller whose turn it is to send the queue, but whose ctx ends while it
+// waits for the connection, hands the turn on: the calls queued behind it
+// are still sent and answered.
+func TestCombinedTurnPassesOnWhenItsCallerGivesUp(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	s := newTestSession(t, newTestClient(t, dsn))
+	if err := s.grab(ctx); err != nil {
+		t.Fatal(err)
+	}
+	first, second := Int64Key(4_000_001), Int64Key(4_000_002)
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	giving := goLock(func() (*Lock, error) { return s.TryLock(cctx, first) })
+	pgtest.Eventually(t, testTimeout, "the first try waits for the connection", func() bool {
+		s.state.Lock()
+		defer s.state.Unlock()
+		return s.calls.busy
+	})
+	queued := goLock(func() (*Lock, error) { return s.TryLock(ctx, second) })
+	var call *keyCall
+	pgtest.Eventually(t, testTimeout, "the second try queues", func() bool {
+		s.state.Lock()
+		defer s.state.Unlock()
+		if len(s.calls.queue) == 1 {
+			call = s.calls.queue[0]
+		}
+		return call != nil
+	})
+	cancel()
+	pgtest.Eventually(t, testTimeout, "the queued try takes the turn", func() bool {
+		s.state.Lock()
+		defer s.state.Unlock()
+		return !slices.Contains(s.calls.queue, call)
+	})
+	s.release()
+	if r := receive(t, giving); !errors.Is(r.err, context.Canceled) {
+		t.Fatalf("first TryLock, cancelled while waiting for the connection: (%v, %v), want context.Canceled", r.l, r.err)
+	}
+	r := receive(t, queued)
+	if r.err != nil {
+		t.Fatalf("second TryLock, queued behind a caller that gave up: %v", r.err)
+	}
+	heldOnlyBy(t, dsn, second, s.pid)
+	notHeld(t, dsn, first)
+	mustUnlock(t, r.l)
 }
