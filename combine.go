@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"cmp"
 	"context"
+	"runtime"
 	"slices"
 	"strings"
 
@@ -85,6 +86,10 @@ func (s *Session) callKey(ctx context.Context, fn string, k Key) (bool, error) {
 		<-call.done
 	}
 	if call.lead {
+		// Let the goroutines that the last statement answered run first:
+		// most of them come back with their next call, which then goes
+		// out with this one.
+		runtime.Gosched()
 		return s.sendCalls(ctx, fn, k, call)
 	}
 	return call.ok, call.err
