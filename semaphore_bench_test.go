@@ -2,6 +2,7 @@ package pgcoord
 
 import (
 	"context"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -111,5 +112,82 @@ func awaitBlockedHead(b *testing.B, dsn string, sem *Semaphore) {
 			b.Fatalf("no Acquire of %q blocked at the head of the queue within %v", sem.name, testTimeout)
 		}
 		time.Sleep(50 * time.Microsecond) // untimed; leaves the CPU to the waiter
+	}
+}
+
+// BenchmarkSemaphoreHandoffClients measures the semaphore's handoff in the
+// protocol of BenchmarkHandoffClients, as a user's harness would run it:
+// two Clients of one process, each with its own pool, pass the one permit
+// of a semaphore with limit 1 back and forth, the one that just acquired
+// becoming the next holder:
+//
+//  1. Client A holds the permit.
+//  2. Untimed: B calls Acquire in a goroutine, and the benchmark gives it
+//     20 ms to queue. Unlike BenchmarkSemaphoreHandoff it does not look
+//     inside B for the state of its wait.
+//  3. Timed: A calls Release, and the benchmark waits for B's Acquire to
+//     return.
+//  4. B is now the holder and A the waiter; go to 2.
+//
+// waiter-p50-us and waiter-p90-us are the median and 90th percentile of the
+// time from the start of the holder's Release to the waiter's Acquire
+// returning; release-p50-us is the median of the holder's Release call
+// alone, to compare with unlock-p50-us of BenchmarkHandoffClients. Fix the
+// count:
+//
+//	go test -run '^$' -bench 'SemaphoreHandoffClients|HandoffClients' -benchtime=200x .
+func BenchmarkSemaphoreHandoffClients(b *testing.B) {
+	dsn, _ := semaphoreDB(b)
+	clients := [2]*Client{newTestClient(b, dsn), newTestClient(b, dsn)}
+	sems := [2]*Semaphore{clients[0].Semaphore("handoff", 1), clients[1].Semaphore("handoff", 1)}
+	ctx, cancel := context.WithCancel(context.Background())
+	var waiter sync.WaitGroup
+	defer func() {
+		cancel() // only a failure leaves a waiter blocked
+		waiter.Wait()
+	}()
+	bounded := func(ctx context.Context, f func(context.Context) error) error {
+		ctx, cancel := context.WithTimeout(ctx, testTimeout)
+		defer cancel()
+		return f(ctx)
+	}
+	var held [2]*Permit
+	acquire := func(ctx context.Context, side int) error {
+		return bounded(ctx, func(ctx context.Context) error {
+			p, err := sems[side].Acquire(ctx)
+			held[side] = p
+			return err
+		})
+	}
+	release := func(ctx context.Context, side int) error {
+		return bounded(ctx, held[side].Release)
+	}
+	// Warm each side once, uncontended, as BenchmarkHandoffClients does.
+	for side := range 2 {
+		if err := acquire(ctx, side); err != nil {
+			b.Fatal(err)
+		}
+		if err := release(ctx, side); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if err := acquire(ctx, 0); err != nil {
+		b.Fatal(err)
+	}
+	var gave []time.Duration
+	holder, waited := pingPong(b, ctx, &waiter, acquire,
+		func(ctx context.Context, side int) error {
+			start := time.Now()
+			err := release(ctx, side)
+			gave = append(gave, time.Since(start))
+			return err
+		},
+		func(int) { time.Sleep(20 * time.Millisecond) }) // the protocol's queueing time, untimed
+	slices.Sort(gave)
+	b.ReportMetric(quantileMS(waited, 0.5)*1e3, "waiter-p50-us")
+	b.ReportMetric(quantileMS(waited, 0.9)*1e3, "waiter-p90-us")
+	b.ReportMetric(quantileMS(gave, 0.5)*1e3, "release-p50-us")
+	if err := release(ctx, holder); err != nil {
+		b.Fatal(err)
 	}
 }
