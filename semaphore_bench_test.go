@@ -191,3 +191,66 @@ func BenchmarkSemaphoreHandoffClients(b *testing.B) {
 		b.Fatal(err)
 	}
 }
+
+// BenchmarkLockHandoffClientsIdle is the lock's handoff in the protocol of
+// BenchmarkSemaphoreHandoffClients, its comparison: two Clients of one
+// process pass Int64Key(42) back and forth, the waiter given 20 ms to
+// queue (with no look at the server) before the holder's Unlock.
+// waiter-p50-us is the median from the start of the Unlock to the
+// waiter's Lock returning, unlock-p50-us the median of the Unlock call.
+// The idle 20 ms before each Unlock is part of what it measures:
+// BenchmarkHandoffClients, which polls pg_locks up to the Unlock, is not
+// the figure to compare BenchmarkSemaphoreHandoffClients with.
+func BenchmarkLockHandoffClientsIdle(b *testing.B) {
+	dsn := pgtest.DB(b)
+	k := Int64Key(42)
+	clients := [2]*Client{newTestClient(b, dsn), newTestClient(b, dsn)}
+	ctx, cancel := context.WithCancel(context.Background())
+	var waiter sync.WaitGroup
+	defer func() {
+		cancel() // only a failure leaves a waiter blocked
+		waiter.Wait()
+	}()
+	bounded := func(ctx context.Context, f func(context.Context) error) error {
+		ctx, cancel := context.WithTimeout(ctx, testTimeout)
+		defer cancel()
+		return f(ctx)
+	}
+	var held [2]*Lock
+	lock := func(ctx context.Context, side int) error {
+		return bounded(ctx, func(ctx context.Context) error {
+			l, err := clients[side].Lock(ctx, k)
+			held[side] = l
+			return err
+		})
+	}
+	unlock := func(ctx context.Context, side int) error { return bounded(ctx, held[side].Unlock) }
+	for side := range 2 {
+		if err := lock(ctx, side); err != nil {
+			b.Fatal(err)
+		}
+		if err := unlock(ctx, side); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if err := lock(ctx, 0); err != nil {
+		b.Fatal(err)
+	}
+	var gave []time.Duration
+	holder, waited := pingPong(b, ctx, &waiter, lock,
+		func(ctx context.Context, side int) error {
+			start := time.Now()
+			err := unlock(ctx, side)
+			gave = append(gave, time.Since(start))
+			return err
+		},
+		func(int) { time.Sleep(20 * time.Millisecond) }) // the protocol's queueing time, untimed
+	slices.Sort(gave)
+	b.ReportMetric(quantileMS(waited, 0.5)*1e3, "waiter-p50-us")
+	b.ReportMetric(quantileMS(waited, 0.9)*1e3, "waiter-p90-us")
+	b.ReportMetric(quantileMS(gave, 0.5)*1e3, "unlock-p50-us")
+	if err := unlock(ctx, holder); err != nil {
+		b.Fatal(err)
+	}
+	notHeld(b, dsn, k)
+}
