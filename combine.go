@@ -34,6 +34,12 @@ import (
 // sent again alone (the key is free afterwards either way). So one key's
 // failure costs no other key its answer.
 
+// While calls are queued or one is being sent, the combiner counts as one
+// caller waiting for the connection (Session.pending), so that a blocking
+// acquire on the same Session does not take the connection between two
+// combined statements only to be interrupted at once: it waits, as it
+// waits for any statement, until the queue is empty.
+
 // maxKeysCombined bounds the keys of one combined statement: enough to
 // carry every goroutine that queues behind a round trip, few enough that
 // the statement texts stay few.
@@ -65,6 +71,7 @@ func (s *Session) callKey(ctx context.Context, fn string, k Key) (bool, error) {
 	s.state.Lock()
 	if !s.calls.busy {
 		s.calls.busy = true
+		s.pending++ // until the queue is empty: see passCalls
 		s.state.Unlock()
 		return s.sendCalls(ctx, fn, k, nil)
 	}
@@ -143,6 +150,7 @@ func (s *Session) passCalls() {
 	defer s.state.Unlock()
 	if len(s.calls.queue) == 0 {
 		s.calls.busy = false
+		s.unpend()
 		return
 	}
 	next := s.calls.queue[0]

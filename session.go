@@ -46,7 +46,7 @@ type Session struct {
 	keys        map[Key]*keyHold   // what this backend holds, by key
 	locks       map[*Lock]struct{} // live handles
 	err         error              // why the session ended; nil while open
-	pending     int                // callers waiting for conn, other than a blocking acquire
+	pending     int                // callers waiting for conn, other than a blocking acquire; the queued key calls count as one
 	noPending   chan struct{}      // closed when pending drops to 0; made by whoever waits for that
 	interrupt   func(error)        // ends the blocking statement on conn; nil if none
 	interruptAt time.Time          // not before then
@@ -290,10 +290,7 @@ func (s *Session) grab(ctx context.Context) error {
 	s.state.Unlock()
 	defer func() {
 		s.state.Lock()
-		if s.pending--; s.pending == 0 && s.noPending != nil {
-			close(s.noPending)
-			s.noPending = nil
-		}
+		s.unpend()
 		s.state.Unlock()
 	}()
 	select {
@@ -307,6 +304,15 @@ func (s *Session) grab(ctx context.Context) error {
 		return context.Cause(ctx)
 	case <-s.done:
 		return s.Err()
+	}
+}
+
+// unpend counts one caller fewer in pending, and wakes a blocking acquire
+// that waits for none to be left. The caller holds s.state.
+func (s *Session) unpend() {
+	if s.pending--; s.pending == 0 && s.noPending != nil {
+		close(s.noPending)
+		s.noPending = nil
 	}
 }
 
