@@ -128,6 +128,10 @@
 //     at once. A Client uses at most [WithSharedBackends] + WithMaxWaits
 //     connections (2 + 4 by default) however many keys it holds;
 //     [Client.Stat] shows them. A lost backend ends every lock on it.
+//     Tries and releases of single keys that goroutines send to one
+//     backend while it is busy go out together, as one statement, each
+//     caller getting its own key's answer, so many goroutines on keys of
+//     their own wait for fewer round trips.
 //   - A backend is one session to PostgreSQL, whichever goroutines its
 //     locks belong to; the server's deadlock detector, lock_timeout and
 //     lock queue see the backend. So a wait for a key held elsewhere runs
