@@ -32,7 +32,7 @@ const haTimeout = 4 * time.Minute
 //   - the old leader's Run campaigns on instead of returning, so two
 //     candidates campaign on the new primary: the one that waited through
 //     the switchover and the old leader. One of them leads, in pg_locks,
-//     having begun after the old leader's context was cancelled; the other
+//     its fn begun after the old leader's context was cancelled; the other
 //     campaigns on;
 //   - a Client that first campaigns (and locks) while no node is the
 //     primary waits, and leads once the new primary answers;
@@ -160,8 +160,12 @@ func TestHASwitchoverAndBack(t *testing.T) {
 				fail("round %d: pg_locks on the new primary %s: %s held by %v, want only the new holder's backend %d", round, to, h.what, pids, h.pid)
 			}
 		}
-		if ca := holder.leader.cancelledAt(); !ca.Before(next.leader.Since()) {
-			fail("round %d: the new leader began at %v, not after the old leader's context was cancelled at %v", round, next.leader.Since(), ca)
+		// The new leader's work begins after the old leader's context was
+		// cancelled. Its term may be issued earlier (Since): a leader whose
+		// predecessor's term ended with a change of server wins, then waits
+		// out L before its fn starts (E13).
+		if ca := holder.leader.cancelledAt(); !ca.Before(next.leaderAt) {
+			fail("round %d: the new leader's fn began at %v (term issued at %v), not after the old leader's context was cancelled at %v", round, next.leaderAt, next.leader.Since(), ca)
 		}
 		// The candidate that did not win campaigns on, on the new
 		// primary. Both campaigned there: the one that waited through
