@@ -175,13 +175,13 @@ func (s *Session) answerCalls(ctx context.Context, calls []*keyCall) {
 		return
 	}
 	for _, c := range calls {
-		c.ok, c.err = s.settleCall(ctx, c, err)
+		c.ok, c.err = s.settleCall(ctx, c)
 	}
 }
 
-// settleCall answers c alone after the combined statement failed with
-// err: what that statement did to c's key is unknown.
-func (s *Session) settleCall(ctx context.Context, c *keyCall, err error) (bool, error) {
+// settleCall answers c alone after the combined statement failed: what
+// that statement did to c's key is unknown.
+func (s *Session) settleCall(ctx context.Context, c *keyCall) (bool, error) {
 	if e := s.Err(); e != nil {
 		return false, e
 	}
