@@ -427,7 +427,7 @@ func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 			return nil, ErrClosed
 		}
 		var pick, holder *Session
-		var pickLoad int
+		var pickLoad, pickQueued int
 		n := 0
 		for _, b := range c.backends {
 			b.state.Lock()
@@ -439,7 +439,9 @@ func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 				}
 			}
 			// A backend's load: 0 while it holds few keys, else how many
-			// it holds, busy ones after idle ones of the same load.
+			// it holds, busy ones after idle ones of the same load, and
+			// among busy ones, those with fewer calls queued first (they
+			// go out together: see combine.go).
 			load := len(b.keys)
 			if load < spreadAbove {
 				load = 0
@@ -448,6 +450,7 @@ func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 			if len(b.use) != 0 {
 				load++
 			}
+			queued := len(b.calls.queue)
 			b.state.Unlock()
 			if joinable {
 				// Joining sends no statement: a waiting backend takes
@@ -462,8 +465,8 @@ func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 			switch {
 			case held:
 				holder = b
-			case pick == nil || load < pickLoad:
-				pick, pickLoad = b, load
+			case pick == nil || load < pickLoad || load == pickLoad && queued < pickQueued:
+				pick, pickLoad, pickQueued = b, load, queued
 			}
 		}
 		started := false

@@ -139,6 +139,10 @@ func (s *Session) sendCalls(ctx context.Context, fn string, k Key, own *keyCall)
 			close(c.done)
 		}
 	}
+	// Keep the turn while the goroutines just answered run: most of them
+	// come back with their next call, which then queues for the next
+	// combined statement instead of going out alone ahead of it.
+	runtime.Gosched()
 	s.passCalls()
 	return own.ok, own.err
 }
