@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 	"github.com/pgcoord/pgcoord/pgcoordsql"
@@ -33,6 +34,28 @@ func waitingPID(t *testing.T, dsn string, key pgcoord.Key) int32 {
 	return pid
 }
 
+// waitTxDone waits until backend pid can run nothing more of its
+// transaction: it has left pg_stat_activity (the driver closed its
+// connection, so the backend exited and its locks went first) or is idle
+// outside a transaction (its commit or rollback completed). Until then a
+// statement the driver sent may still run: pgx's stdlib, when ctx ends,
+// returns and closes the connection without waiting for the server, which
+// may not have read the statement yet; the statement then still runs and
+// takes its keys, held until the backend reads that the connection is
+// closed.
+func waitTxDone(t *testing.T, observer *pgxpool.Pool, pid int32) {
+	t.Helper()
+	pgtest.Eventually(t, limit, fmt.Sprintf("backend %d to exit or be idle", pid), func() bool {
+		var n int
+		err := observer.QueryRow(t.Context(), `SELECT count(*) FROM pg_stat_activity
+			WHERE pid = $1 AND state IS DISTINCT FROM 'idle'`, pid).Scan(&n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n == 0
+	})
+}
+
 // TestCallsCancelRaceKeepPromise: ctx is cancelled at varying moments
 // around XactRLock's and InTx's grant (as the exclusive holder rolls back),
 // and around XactTryLock's, XactTryRLock's and CheckFence's statement (no
@@ -43,8 +66,12 @@ func waitingPID(t *testing.T, dsn string, key pgcoord.Key) int32 {
 // the fence's row is locked (another transaction's FOR UPDATE NOWAIT
 // fails), or, for InTx, fn ran with the key held; and the transaction then
 // commits. Otherwise the error wraps context.Canceled (CheckFence: is not
-// nil), and after the rollback nothing is left in pg_locks and no
-// connection is in use.
+// nil), and after the rollback, once the transaction's backend has exited
+// or is idle (waitTxDone), nothing is left in pg_locks and no connection
+// is in use. pg_locks is read only then: pgx's stdlib can return before
+// the server has read the statement, which then still takes the key on a
+// backend that exits moments later, so a read right after the rollback
+// could find nothing held and miss it.
 func TestCallsCancelRaceKeepPromise(t *testing.T) {
 	const iterations = 64
 	key := pgcoord.HashKey("cancel-race")
@@ -192,7 +219,10 @@ func TestCallsCancelRaceKeepPromise(t *testing.T) {
 							t.Fatalf("iteration %d: %s got %v, want nil or an error wrapping context.Canceled", i, c.name, err)
 						}
 						if pid != 0 {
-							waitLocks(t, dsn, pid)
+							waitTxDone(t, observer, pid)
+							if got := locks(t, dsn, pid); len(got) != 0 {
+								t.Fatalf("iteration %d: %s got %v; backend %d is done with its transaction, but holds %q", i, c.name, err, pid, got)
+							}
 						}
 						pgtest.Eventually(t, limit, "no connection in use", func() bool { return db.Stats().InUse == 0 })
 					}
