@@ -71,8 +71,9 @@
 //
 //   - pgx's stdlib returns at once, before the keys are released, and closes
 //     the connection; the server releases the keys once it has processed
-//     the cancel request (tens of milliseconds on a local server). Inside a
-//     savepoint too, every key goes: the backend exits.
+//     the cancel request (tens of milliseconds on a local server), if the
+//     statement was running by then (see below for one that was not).
+//     Inside a savepoint too, every key goes: the backend exits.
 //   - lib/pq sends the cancel request, waits for the server's answer and
 //     then closes the connection, before the call returns. Outside a
 //     savepoint the keys are already free when the call returns. Inside a
@@ -102,6 +103,20 @@
 // connection. TestCallEndedByCtxAfterStatementSucceeded and
 // TestXactLockCancelRaceKeepsPromise (in pqtest) check this on lib/pq and
 // pgx's stdlib, through pg_locks.
+//
+// pgx's stdlib does not wait for the server at all when ctx ends: its
+// statement may not have reached the backend yet, or the backend, on a busy
+// machine, may not have read it. The cancel request that pgx sends as it
+// closes the connection finds no statement running and is ignored, and the
+// statement runs after the call, and the caller's Rollback, have returned.
+// Its keys are then the backend's until it exits: a try holds them until
+// the backend reads that the connection is closing, moments later (another
+// transaction's try can meanwhile get pgcoord.ErrLocked); a lock that must
+// wait keeps the keys it took before the awaited one and waits for that one
+// on the server, which does not notice that the client went away, until it
+// is granted. No call of this package can wait for that backend: the
+// driver has closed its connection. TestCallsCancelRaceKeepPromise (in
+// pqtest) reads pg_locks only once the backend has exited or is idle.
 //
 // A ctx that is already done when a statement is about to be sent sends
 // nothing, and the call returns an error wrapping the context's error. The
