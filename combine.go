@@ -55,11 +55,21 @@ type keyCall struct {
 	done chan struct{} // closed once: when answered, or woken to lead (then its own turn answers it)
 }
 
+// maxCombinedTexts bounds the combined statements a backend prepares. The
+// text of one depends on how many calls of each kind it carries, so a busy
+// backend meets a few of them again and again: prepared, they skip the
+// server's parse and plan. Past the bound, a new text is sent unprepared.
+const maxCombinedTexts = 64
+
 // combiner queues the key calls of one backend while one is sent.
 type combiner struct {
 	busy     bool // a caller sends, or is about to
 	queue    []*keyCall
 	combined int // statements sent that carried more than one call
+
+	// prepared holds the combined texts prepared on the connection (at
+	// most maxCombinedTexts); only the connection's holder uses it.
+	prepared map[string]struct{}
 }
 
 // callKey runs fn (a try, or a release) of k on the session's connection
@@ -173,7 +183,10 @@ func (s *Session) answerCalls(ctx context.Context, calls []*keyCall) {
 		dest[i] = &c.ok
 	}
 	err := s.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		return s.wrongBackend(conn.QueryRow(ctx, sql, append([]any{pgx.QueryExecModeExec}, args...)...).Scan(dest...))
+		if !s.prepareCombined(ctx, conn, sql) {
+			args = append([]any{pgx.QueryExecModeExec}, args...)
+		}
+		return s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(dest...))
 	})
 	if err == nil {
 		return
@@ -181,6 +194,26 @@ func (s *Session) answerCalls(ctx context.Context, calls []*keyCall) {
 	for _, c := range calls {
 		c.ok, c.err = s.settleCall(ctx, c)
 	}
+}
+
+// prepareCombined prepares sql, a combined statement, on conn, which the
+// caller holds, unless maxCombinedTexts are prepared already, and reports
+// whether sql is prepared: pgx then runs it as such.
+func (s *Session) prepareCombined(ctx context.Context, conn *pgx.Conn, sql string) bool {
+	if _, ok := s.calls.prepared[sql]; ok {
+		return true
+	}
+	if len(s.calls.prepared) >= maxCombinedTexts {
+		return false
+	}
+	if _, err := conn.Prepare(ctx, sql, sql); err != nil {
+		return false // the statement, sent unprepared, reports what is wrong
+	}
+	if s.calls.prepared == nil {
+		s.calls.prepared = make(map[string]struct{})
+	}
+	s.calls.prepared[sql] = struct{}{}
+	return true
 }
 
 // settleCall answers c alone after the combined statement failed: what

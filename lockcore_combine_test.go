@@ -6,11 +6,13 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -355,4 +357,99 @@ func TestCombinedTurnPassesOnWhenItsCallerGivesUp(t *testing.T) {
 	heldOnlyBy(t, dsn, second, s.pid)
 	notHeld(t, dsn, first)
 	mustUnlock(t, r.l)
+}
+
+// A backend prepares the combined statements it sends, up to
+// maxCombinedTexts texts, and sends the others unprepared: whatever mix of
+// tries and releases goroutines combine, the server keeps a bounded number
+// of statements for the backend (pg_prepared_statements, read on the
+// backend itself), and every caller still gets its own key's answer,
+// prepared or not. Nothing stays held.
+func TestCombinedStatementsPreparedAreBounded(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	c := newTestClient(t, dsn)
+	s, err := c.NewSession(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close(ctx)
+	send := func(calls []*keyCall) {
+		t.Helper()
+		if err := s.grab(ctx); err != nil {
+			t.Fatal(err)
+		}
+		s.answerCalls(ctx, calls)
+		s.release()
+		for _, c := range calls {
+			if c.err != nil {
+				t.Fatalf("%s(%v): %v", c.fn, c.key, c.err)
+			}
+		}
+	}
+	next := int64(3_000_000)
+	texts := 0
+	for tries := 1; tries <= 12; tries++ {
+		for releases := 1; releases <= 12; releases++ {
+			var calls, taken []*keyCall
+			for range tries {
+				next++
+				calls = append(calls, &keyCall{fn: lockFunc(false, true), key: Int64Key(next)})
+			}
+			taken = slices.Clone(calls)
+			for range releases {
+				next++
+				calls = append(calls, &keyCall{fn: unlockFunc(false), key: Int64Key(next)})
+			}
+			send(calls)
+			texts++
+			for _, c := range calls {
+				if want := c.fn == lockFunc(false, true); c.ok != want {
+					t.Fatalf("%d tries, %d releases: %s(%v) answered %v, want %v", tries, releases, c.fn, c.key, c.ok, want)
+				}
+			}
+			if got := heldBy(t, dsn, s.pid); len(got) != tries {
+				t.Fatalf("%d tries, %d releases: backend holds %d keys in pg_locks, want %d", tries, releases, len(got), tries)
+			}
+			if len(taken) == 1 {
+				ok, err := s.callKey(ctx, unlockFunc(false), taken[0].key)
+				if err != nil || !ok {
+					t.Fatalf("release of %v: %v, %v", taken[0].key, ok, err)
+				}
+				continue
+			}
+			for _, c := range taken {
+				c.fn, c.ok = unlockFunc(false), false
+			}
+			send(taken)
+			for _, c := range taken {
+				if !c.ok {
+					t.Fatalf("release of %v answered false, want true", c.key)
+				}
+			}
+		}
+	}
+	if got := heldBy(t, dsn, s.pid); len(got) != 0 {
+		t.Fatalf("backend still holds %v", got)
+	}
+	var statements []string
+	err = s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		rows, _ := conn.Query(ctx, "SELECT statement FROM pg_prepared_statements")
+		statements, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	prepared := 0
+	for _, st := range statements {
+		calls := strings.HasPrefix(st, "SELECT "+lockFunc(false, true)+"(") || strings.HasPrefix(st, "SELECT "+unlockFunc(false)+"(")
+		if calls && strings.Contains(st, "), pg_") {
+			prepared++ // a statement of more than one call
+		}
+	}
+	if texts <= maxCombinedTexts || prepared != maxCombinedTexts {
+		t.Fatalf("%d combined texts sent, %d prepared on the backend, want %d: %q", texts, prepared, maxCombinedTexts, statements)
+	}
 }
