@@ -184,6 +184,14 @@ func (l *Lock) Unlock(ctx context.Context) error {
 	if s.c.handoff(l) {
 		return nil // the release was reported before the handoff completed
 	}
+	if err := s.c.enter(); err != nil {
+		// Close has begun: it ends the lock, and reports its end,
+		// before it returns.
+		<-l.done
+		return errorf("unlock %s: %w", keyList(l.keys), l.Err())
+	}
+	// Close waits for the release, and its report, from here on.
+	defer s.c.wg.Done()
 	s.state.Lock()
 	_, mine := s.locks[l]
 	delete(s.locks, l)
