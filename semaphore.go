@@ -63,8 +63,9 @@ type SemaphoreOption interface {
 // backend ended (terminated, crashed process, lost network) is free as soon
 // as the server has ended that backend, whatever its row says. Rows are a
 // description for people and [Semaphore.Holders]: written in the same
-// transaction that takes the slot, deleted by the release, and ignored (and
-// later removed) once their lock is gone.
+// transaction that takes the slot, deleted by the release (or, when the
+// slot passes straight to the next holder, written over by that holder's
+// grant), and ignored (and later removed) once their lock is gone.
 //
 // Granting a permit is one statement, the function semaphore_acquire: it
 // locks the semaphore's row (which serialises grants and limit changes),
@@ -219,7 +220,7 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 			WHERE r.name = $1 FOR UPDATE NOWAIT) AS r) AS probe,
 		LATERAL ` + cfg.table("semaphore_acquire") + `($1, $2, $3, $4, $5, CASE WHEN probe.n >= 0 THEN $6 END, $7) AS a`
 	s.awaitSQL = "SELECT slot, sem_limit, holders FROM " + cfg.table("semaphore_await") + "($1, $2, $3, $4, $5)"
-	s.cleanupSQL = `WITH mine AS (
+	s.cleanupSQL = `WITH mine AS MATERIALIZED (
 			SELECT l.k FROM (SELECT (classid::bigint << 32) | objid::bigint AS k
 				FROM pg_catalog.pg_locks
 				WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND pid = pg_catalog.pg_backend_pid()
@@ -227,22 +228,36 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 			WHERE l.k >> 16 = $1
 		), gone AS (
 			DELETE FROM ` + cfg.table("semaphore_holders") + ` h
-			WHERE h.name = $3 AND h.pid = pg_catalog.pg_backend_pid() AND h.lock_key <> ALL ($2::int8[])
+			WHERE h.name = $3 AND h.lock_key <> ALL ($2::int8[])
+			  AND (h.pid = pg_catalog.pg_backend_pid() OR h.lock_key IN (SELECT m.k FROM mine m))
+			RETURNING 1
 		)
 		SELECT count(pg_catalog.pg_advisory_unlock(m.k)) FILTER (WHERE m.k & 65535 <> 65535 AND m.k <> ALL ($2::int8[])),
 			coalesce(bool_or(m.k & 65535 = 65535), false)
-		FROM mine m WHERE pg_catalog.pg_backend_pid() = $4`
-	// The release notifies only if the slot is still free after it: a
-	// head that waited for the slot on the server (Semaphore.await) has
-	// it already, and a slot taken at once by another acquire frees no
-	// permit. The try that finds out is undone at once.
-	s.releaseSQL = `WITH gone AS (DELETE FROM ` + cfg.table("semaphore_holders") + ` WHERE name = $4 AND slot = $5 AND pid = $6)
-		SELECT pg_catalog.pg_advisory_unlock($1),
-			CASE WHEN pg_catalog.pg_try_advisory_lock($1) THEN
-				CASE WHEN pg_catalog.pg_advisory_unlock($1) THEN pg_catalog.pg_notify($2, $3) IS NOT NULL END
+		FROM mine m WHERE pg_catalog.pg_backend_pid() = $4 AND (SELECT count(*) FROM gone) >= 0`
+	// The release unlocks the slot and tries it again at once. If the try
+	// fails, the slot has passed on: a head that waited for it on the
+	// server (Semaphore.await) or another acquire has it, and writes the
+	// slot's row over this holder's in the transaction of its grant, so the
+	// release writes nothing. If the try succeeds, no one took the slot: the
+	// release deletes its row while it holds the slot again, undoes the try,
+	// and notifies the waiters (a slot taken at once by another acquire
+	// frees no permit, so that case notifies no one).
+	s.releaseSQL = `WITH r AS MATERIALIZED (
+			SELECT pg_catalog.pg_advisory_unlock($1) AS released, pg_catalog.pg_try_advisory_lock($1) AS free
+			WHERE pg_catalog.pg_backend_pid() = $6
+		), gone AS (
+			DELETE FROM ` + cfg.table("semaphore_holders") + ` WHERE name = $4 AND slot = $5 AND pid = $6 AND (SELECT free FROM r)
+			RETURNING 1
+		)
+		SELECT r.released,
+			CASE WHEN r.free THEN
+				CASE WHEN (SELECT count(*) FROM gone) >= 0 THEN
+					CASE WHEN pg_catalog.pg_advisory_unlock($1) THEN pg_catalog.pg_notify($2, $3) IS NOT NULL END
+				END
 			END,
 			pg_catalog.set_config('synchronous_commit', 'off', true)
-		WHERE pg_catalog.pg_backend_pid() = $6`
+		FROM r`
 	return nil
 }
 

@@ -237,6 +237,7 @@ func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock, claimed bo
 	if claimed {
 		sql = s.acquireSQL
 	}
+	b.ranGrant()
 	err := b.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 		err := conn.QueryRow(ctx, sql, s.name, int32(s.limit), s.key.v, head, s.identity, timeout, b.pid).
 			Scan(&slot, &limit, &holder, &queued)
@@ -322,6 +323,14 @@ func (s *Semaphore) cleanupOn(ctx context.Context, conn *pgx.Conn, b *Session) (
 	var n int64
 	err = conn.QueryRow(ctx, s.cleanupSQL, s.prefix, known, s.name, b.pid).Scan(&n, &queueHeld)
 	return queueHeld, err
+}
+
+// ranGrant records that a grant of a semaphore runs on b, so that b's
+// close deletes the holder rows that a failed grant may leave.
+func (b *Session) ranGrant() {
+	b.state.Lock()
+	b.permits = true
+	b.state.Unlock()
 }
 
 // forgetReleased ends l, which the server no longer holds on b, with why,

@@ -190,6 +190,7 @@ func (s *Semaphore) await(ctx context.Context, q *Lock, sub *subscription) (p *P
 			return err
 		},
 	}
+	b.ranGrant()
 	err = b.block(wctx, st)
 	switch {
 	case err == nil:

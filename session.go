@@ -63,7 +63,7 @@ type Session struct {
 	// semaphore's grant picks its slot on the server): while it is not 0,
 	// no blocking acquire may claim the backend (see beginGrant).
 	granting int
-	permits  bool // the backend has held a semaphore's permit: close deletes its holder rows
+	permits  bool // the backend has run a semaphore's grant: close deletes its holder rows, and the rows of the slots it holds
 }
 
 // keyHold is one key on one backend. The server holds the key (once) while
@@ -159,9 +159,15 @@ func (s *Session) close(ctx context.Context) error {
 		s.state.Unlock()
 		if permits {
 			// The rows of the permits that end with the session, which
-			// no Release deletes. Best effort: a row left behind is a
-			// dead holder's, which Holders ignores and acquires remove.
-			_, _ = s.conn.Exec(context.WithoutCancel(ctx), "DELETE FROM "+s.c.cfg.table("semaphore_holders")+" WHERE pid = pg_catalog.pg_backend_pid()")
+			// no Release deletes, and the rows of any slot it holds: a
+			// grant that failed after it took a slot leaves the row of
+			// the slot's last holder, whose Release left it to the grant
+			// to write over. Best effort: a row left behind is a dead
+			// holder's, which Holders ignores and acquires remove.
+			_, _ = s.conn.Exec(context.WithoutCancel(ctx), "DELETE FROM "+s.c.cfg.table("semaphore_holders")+` h
+				WHERE h.pid = pg_catalog.pg_backend_pid() OR h.lock_key IN (
+					SELECT (l.classid::bigint << 32) | l.objid::bigint FROM pg_catalog.pg_locks l
+					WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.pid = pg_catalog.pg_backend_pid())`)
 		}
 		if _, err = s.conn.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock_all()"); err != nil && ctx.Err() != nil {
 			err = errorf("%w: %w", context.Cause(ctx), err)
