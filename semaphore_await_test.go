@@ -11,12 +11,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -943,4 +945,132 @@ func (w *slotWatch) stop() (most, reads int) {
 	close(w.halt)
 	<-w.done
 	return w.most, w.reads
+}
+
+// Promise (Semaphore model): a holder's row is "deleted by the release (or,
+// when the slot passes straight to the next holder, written over by that
+// holder's grant)". Promise (Acquire): "If Acquire returns an error it
+// holds nothing: no permit, row or queue place stays behind". The head of
+// a limit-1 semaphore is granted slot 0 by the holder's Release while an
+// outside transaction holds the semaphore's row, so the grant stops
+// between the slot and the row: the Release has left its row to the grant
+// (the table still shows it). Then the head's Acquire is cancelled, or its
+// Client closed, and the grant fails: the head deletes the slot's rows,
+// the releaser's included, while it holds the slot, and nothing stays in
+// semaphore_holders or pg_locks. A round whose release finds the head
+// looking at the row rather than waiting for the slot is run again.
+func TestSemaphoreFailedGrantDeletesReleasersRow(t *testing.T) {
+	t.Parallel()
+	for _, how := range []string{"cancelled", "closed"} {
+		t.Run(how, func(t *testing.T) {
+			t.Parallel()
+			ctx := testCtx(t)
+			dsn, pool := semaphoreDB(t)
+			name, app := "grant-fails-"+how, "grant-fails-"+how
+			holder := newTestClient(t, dsn).Semaphore(name, 1)
+			// A wait slice of a minute: the head's grant waits for the
+			// row for as long as the test takes.
+			c, err := New(pgtest.Pool(t, dsn), WithApplicationName(app), WithHeartbeat(5*time.Second), WithLossDeadline(2*time.Minute))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = c.Close(context.Background()) })
+			c.semaphoreRecheck = time.Hour // no look at the row while the head waits for the slot
+			head := c.Semaphore(name, 1)
+			for round := 0; ; round++ {
+				if round == 5 {
+					t.Fatal("in 5 rounds the release never found the head waiting for slot 0")
+				}
+				if failedGrantRound(t, ctx, dsn, pool, holder, c, head, how) {
+					break
+				}
+			}
+		})
+	}
+}
+
+// failedGrantRound runs one round of TestSemaphoreFailedGrantDeletesReleasersRow
+// and reports whether the release found the head waiting for slot 0; if
+// not, the head got its permit, and released it.
+func failedGrantRound(t *testing.T, ctx context.Context, dsn string, pool *pgxpool.Pool, holder *Semaphore, c *Client, head *Semaphore, how string) bool {
+	hp := mustAcquire(t, holder, true)
+	holderPID := hp.l.s.PID()
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	ch := goAcquire(wctx, head)
+	headPID := awaitSlotWaiter(t, dsn, head)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	if _, err := tx.Exec(ctx, `SELECT FROM pgcoord.semaphores WHERE name = $1 FOR UPDATE`, head.Name()); err != nil {
+		t.Fatal(err)
+	}
+	mustRelease(t, hp)
+	var granted bool
+	pgtest.Eventually(t, testTimeout, "the head to wait for the semaphore's row", func() bool {
+		var query string
+		err := pool.QueryRow(ctx, `SELECT query FROM pg_stat_activity
+			WHERE pid = $1 AND wait_event_type = 'Lock' AND wait_event IN ('transactionid', 'tuple')`, headPID).Scan(&query)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return false
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		slots, _ := slotLocks(t, dsn, head)
+		granted = slots[0] == headPID && strings.Contains(query, "semaphore_await")
+		return true
+	})
+	if !granted {
+		// The head was looking at the row when the slot came free: the
+		// release freed the slot and notified.
+		if err := tx.Rollback(ctx); err != nil {
+			t.Fatal(err)
+		}
+		r := receivePermit(t, ch)
+		if r.err != nil {
+			t.Fatalf("the head's Acquire after an ordinary release: %v", r.err)
+		}
+		mustRelease(t, r.p)
+		return false
+	}
+	var rowPID int32
+	if err := pool.QueryRow(ctx, `SELECT pid FROM pgcoord.semaphore_holders WHERE name = $1 AND slot = 0`, head.Name()).Scan(&rowPID); err != nil {
+		t.Fatalf("slot 0's row while the head's grant waits: %v (want the releaser's, left for the grant to write over)", err)
+	}
+	if rowPID != holderPID {
+		t.Fatalf("slot 0's row has pid %d while the head's grant waits, want the releaser's %d", rowPID, holderPID)
+	}
+
+	want := context.Canceled
+	if how == "cancelled" {
+		cancel()
+	} else {
+		want = ErrClosed
+		if err := c.Close(ctx); err != nil {
+			t.Fatalf("Close: %v", err)
+		}
+	}
+	if r := receivePermit(t, ch); !errors.Is(r.err, want) {
+		t.Fatalf("the head's Acquire = (%v, %v), want %v", r.p, r.err, want)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if how == "closed" {
+		pgtest.Eventually(t, testTimeout, "the closed Client's connections to go", func() bool {
+			return appConnections(t, pool, c.cfg.appName) == 0
+		})
+	}
+	slots, queued := slotLocks(t, dsn, head)
+	if len(slots) != 0 || queued {
+		t.Fatalf("pg_locks after the failed grant: slots %v, queue %v; want nothing held", slots, queued)
+	}
+	if n := holderRows(t, pool, head.Name()); n != 0 {
+		t.Fatalf("%d holder rows after the failed grant, want none (the releaser's row stayed)", n)
+	}
+	p := mustAcquire(t, holder, true)
+	mustRelease(t, p)
+	return true
 }
