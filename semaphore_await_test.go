@@ -966,22 +966,12 @@ func TestSemaphoreFailedGrantDeletesReleasersRow(t *testing.T) {
 			t.Parallel()
 			ctx := testCtx(t)
 			dsn, pool := semaphoreDB(t)
-			name, app := "grant-fails-"+how, "grant-fails-"+how
-			holder := newTestClient(t, dsn).Semaphore(name, 1)
-			// A wait slice of a minute: the head's grant waits for the
-			// row for as long as the test takes.
-			c, err := New(pgtest.Pool(t, dsn), WithApplicationName(app), WithHeartbeat(5*time.Second), WithLossDeadline(2*time.Minute))
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = c.Close(context.Background()) })
-			c.semaphoreRecheck = time.Hour // no look at the row while the head waits for the slot
-			head := c.Semaphore(name, 1)
+			holder := newTestClient(t, dsn).Semaphore("grant-fails-"+how, 1)
 			for round := 0; ; round++ {
 				if round == 5 {
 					t.Fatal("in 5 rounds the release never found the head waiting for slot 0")
 				}
-				if failedGrantRound(t, ctx, dsn, pool, holder, c, head, how) {
+				if failedGrantRound(t, ctx, dsn, pool, holder, how, round) {
 					break
 				}
 			}
@@ -989,10 +979,22 @@ func TestSemaphoreFailedGrantDeletesReleasersRow(t *testing.T) {
 	}
 }
 
-// failedGrantRound runs one round of TestSemaphoreFailedGrantDeletesReleasersRow
-// and reports whether the release found the head waiting for slot 0; if
-// not, the head got its permit, and released it.
-func failedGrantRound(t *testing.T, ctx context.Context, dsn string, pool *pgxpool.Pool, holder *Semaphore, c *Client, head *Semaphore, how string) bool {
+// failedGrantRound runs one round of
+// TestSemaphoreFailedGrantDeletesReleasersRow, with a new Client for the
+// head (whose backends have run nothing of the semaphore before), and
+// reports whether the release found the head waiting for slot 0; if not,
+// the head got its permit, and released it.
+func failedGrantRound(t *testing.T, ctx context.Context, dsn string, pool *pgxpool.Pool, holder *Semaphore, how string, round int) bool {
+	// A wait slice of a minute: the head's grant waits for the row for as
+	// long as the test takes.
+	app := fmt.Sprintf("grant-fails-%s-%d", how, round)
+	c, err := New(pgtest.Pool(t, dsn), WithApplicationName(app), WithHeartbeat(5*time.Second), WithLossDeadline(2*time.Minute))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = c.Close(context.Background()) }()
+	c.semaphoreRecheck = time.Hour // no look at the row while the head waits for the slot
+	head := c.Semaphore(holder.Name(), 1)
 	hp := mustAcquire(t, holder, true)
 	holderPID := hp.l.s.PID()
 	wctx, cancel := context.WithCancel(ctx)
@@ -1060,7 +1062,7 @@ func failedGrantRound(t *testing.T, ctx context.Context, dsn string, pool *pgxpo
 	}
 	if how == "closed" {
 		pgtest.Eventually(t, testTimeout, "the closed Client's connections to go", func() bool {
-			return appConnections(t, pool, c.cfg.appName) == 0
+			return appConnections(t, pool, app) == 0
 		})
 	}
 	slots, queued := slotLocks(t, dsn, head)
