@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
 // holderRowPIDs returns, by slot, the pid of each row of semaphore_holders
@@ -39,8 +41,35 @@ func holderRowPIDs(t testing.TB, pool *pgxpool.Pool, name string) map[int]int32 
 // released, with every Client still open, no row stays.
 func TestSemaphoreRowsChurnLeavesExactRows(t *testing.T) {
 	t.Parallel()
-	ctx := testCtx(t)
 	dsn, pool := semaphoreDB(t)
+	semaphoreRowsChurn(t, dsn, pool)
+}
+
+// As TestSemaphoreRowsChurnLeavesExactRows, on a database whose
+// transactions are SERIALIZABLE by default: a release that deletes its row
+// and frees the slot in one statement, and a grant that writes the row of
+// the slot it takes, serialise without an error.
+func TestSemaphoreRowsChurnSerializable(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	admin := pgtest.Conn(t, dsn)
+	if _, err := admin.Exec(ctx, `DO $$ BEGIN
+		EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = %L', current_database(), 'serializable');
+		END $$`); err != nil {
+		t.Fatal(err)
+	}
+	pool := pgtest.Pool(t, dsn)
+	if err := Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	semaphoreRowsChurn(t, dsn, pool)
+}
+
+// semaphoreRowsChurn runs the churn of TestSemaphoreRowsChurnLeavesExactRows
+// on the database of dsn (pool), migrated.
+func semaphoreRowsChurn(t *testing.T, dsn string, pool *pgxpool.Pool) {
+	ctx := testCtx(t)
 	const (
 		name   = "rows-churn"
 		limit  = 2
