@@ -65,7 +65,11 @@ type SemaphoreOption interface {
 // description for people and [Semaphore.Holders]: written in the same
 // transaction that takes the slot, deleted by the release (or, when the
 // slot passes straight to the next holder, written over by that holder's
-// grant), and ignored (and later removed) once their lock is gone.
+// grant), and ignored (and later removed) once their lock is gone. A
+// release whose slot passes to something that writes no row (a slot key
+// taken by hand, a grant that gives the slot back under a lowered limit)
+// leaves its row until the slot's next grant or the end of its backend;
+// like any row whose backend does not hold its slot, Holders ignores it.
 //
 // Granting a permit is one statement, the function semaphore_acquire: it
 // locks the semaphore's row (which serialises grants and limit changes),

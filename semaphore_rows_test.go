@@ -6,6 +6,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -31,6 +32,80 @@ func holderRowPIDs(t testing.TB, pool *pgxpool.Pool, name string) map[int]int32 
 		t.Fatal(err)
 	}
 	return out
+}
+
+// Promise (Semaphore "Model", Holders, S11): a release whose slot passes
+// straight on leaves its row to be written over by the slot's next grant,
+// and until then Holders ignores it. Here the slot passes, at the release,
+// to a backend that waits for the slot key by hand (pg_advisory_lock from
+// plain SQL), which is no permit and writes no row: Holders lists that
+// backend with no identity, never the releaser; once the hand lock is
+// dropped, the next Acquire's row is the slot's only row, and the
+// releaser's Client closing leaves no row of its backend.
+func TestSemaphoreRowsSlotTakenByHandShowsNoReleaser(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, pool := semaphoreDB(t)
+	const name = "rows-hand"
+	sem := newTestClient(t, dsn).Semaphore(name, 1, WithIdentity("releaser"))
+	p := mustAcquire(t, sem, true)
+	key := sem.prefix<<16 | int64(p.Slot())
+
+	hand, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hand.Close(context.Background())
+	var handPID int32
+	if err := hand.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&handPID); err != nil {
+		t.Fatal(err)
+	}
+	locked := make(chan error, 1)
+	go func() {
+		_, err := hand.Exec(ctx, "SELECT pg_advisory_lock($1)", key)
+		locked <- err
+	}()
+	pgtest.Eventually(t, testTimeout, "the plain SQL backend to wait for the slot key", func() bool {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1
+			AND NOT granted AND pid = $1`, handPID).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n == 1
+	})
+	mustRelease(t, p)
+	if err := <-locked; err != nil {
+		t.Fatal(err)
+	}
+	hs, err := sem.Holders(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(hs) != 1 || hs[0].PID != handPID || hs[0].Identity != "" {
+		t.Fatalf("Holders = %+v, want only the plain SQL backend %d with no identity", hs, handPID)
+	}
+	if rows := holderRowPIDs(t, pool, name); len(rows) > 1 || len(rows) == 1 && rows[p.Slot()] != p.l.s.PID() {
+		t.Fatalf("semaphore_holders with the slot held by hand: rows %v (slot: pid), want at most the releaser's (backend %d)", rows, p.l.s.PID())
+	}
+	if _, err := hand.Exec(ctx, "SELECT pg_advisory_unlock($1)", key); err != nil {
+		t.Fatal(err)
+	}
+	next := newTestClient(t, dsn).Semaphore(name, 1, WithIdentity("next"))
+	np := mustAcquire(t, next, false)
+	if rows := holderRowPIDs(t, pool, name); len(rows) != 1 || rows[np.Slot()] != np.l.s.PID() {
+		t.Fatalf("semaphore_holders after the next Acquire: rows %v (slot: pid), want only its row (backend %d)", rows, np.l.s.PID())
+	}
+	hs, err = sem.Holders(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(hs) != 1 || hs[0].PID != np.l.s.PID() || hs[0].Identity != "next" {
+		t.Fatalf("Holders = %+v, want only the next Acquire's backend %d, identity next", hs, np.l.s.PID())
+	}
+	mustRelease(t, np)
+	if rows := holderRowPIDs(t, pool, name); len(rows) != 0 {
+		t.Fatalf("semaphore_holders after every release: rows %v (slot: pid), want none", rows)
+	}
 }
 
 // Promise (Semaphore "Model", Holders, Permit.Release): with several
@@ -152,4 +227,82 @@ func semaphoreRowsChurn(t *testing.T, dsn string, pool *pgxpool.Pool) {
 	if rows := holderRowPIDs(t, pool, name); len(rows) != 0 {
 		t.Fatalf("semaphore_holders after every release, all Clients open: rows %v (slot: pid), want none", rows)
 	}
+}
+
+// Promise (Semaphore "Model", Holders, S10/S11): the head of a limit-1
+// semaphore, granted slot 0 on the server by the holder's release, gives
+// it back when other slots are granted past the limit (a row of another
+// slot, left by a holder whose backend was terminated, sends
+// semaphore_await to pg_locks, where a key of slot 1 taken by hand
+// counts). The releaser's row, left to the grant that gave the slot back,
+// never shows in Holders; once slot 1 is free the head gets its permit,
+// and its row is slot 0's.
+func TestSemaphoreRowsHeadGivesSlotBackShowsNoReleaser(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, pool := semaphoreDB(t)
+	const name = "rows-giveback"
+	holders := newTestClient(t, dsn).Semaphore(name, 2)
+	// The backend of dead's permit is terminated: its Close reports the
+	// release it could not confirm.
+	dc, err := New(pgtest.Pool(t, dsn))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = dc.Close(context.Background()) })
+	dead := dc.Semaphore(name, 2)
+	a := mustAcquire(t, holders, true)
+	b := mustAcquire(t, dead, true)
+	if a.Slot() != 0 || b.Slot() != 1 {
+		t.Fatalf("slots %d and %d, want 0 and 1", a.Slot(), b.Slot())
+	}
+	if err := holders.SetLimit(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, "SELECT pg_terminate_backend($1)", b.l.s.PID()); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Eventually(t, testTimeout, "slot 1 to be free", func() bool {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND pid = $1`, b.l.s.PID()).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n == 0
+	})
+	// A Client made after the change of the limit: no notification of it
+	// ends the head's wait.
+	head := newTestClient(t, dsn).Semaphore(name, 1)
+	ch := goAcquire(ctx, head)
+	awaitSlotWaiter(t, dsn, head)
+
+	hand, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hand.Close(context.Background())
+	if _, err := hand.Exec(ctx, "SELECT pg_advisory_lock($1)", head.prefix<<16|1); err != nil {
+		t.Fatal(err)
+	}
+	mustRelease(t, a)
+	pgtest.Eventually(t, testTimeout, "the head to end its wait for slot 0", func() bool {
+		return len(slotWaiters(t, dsn, head)[0]) == 0
+	})
+	hs, err := head.Holders(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(hs) != 1 || hs[0].Slot != 1 || hs[0].Identity != "" {
+		t.Fatalf("Holders after the head gave slot 0 back = %+v, want only slot 1, held by hand, with no identity", hs)
+	}
+	if _, err := hand.Exec(ctx, "SELECT pg_advisory_unlock($1)", head.prefix<<16|1); err != nil {
+		t.Fatal(err)
+	}
+	r := receivePermit(t, ch)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if rows := holderRowPIDs(t, pool, name); rows[r.p.Slot()] != r.p.l.s.PID() {
+		t.Fatalf("semaphore_holders after the head's grant: rows %v (slot: pid), want slot %d's row the head's (backend %d)", rows, r.p.Slot(), r.p.l.s.PID())
+	}
+	mustRelease(t, r.p)
 }
