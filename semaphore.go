@@ -239,6 +239,10 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 		SELECT count(pg_catalog.pg_advisory_unlock(m.k)) FILTER (WHERE m.k & 65535 <> 65535 AND m.k <> ALL ($2::int8[])),
 			coalesce(bool_or(m.k & 65535 = 65535), false)
 		FROM mine m WHERE pg_catalog.pg_backend_pid() = $4 AND (SELECT count(*) FROM gone) >= 0`
+	// (The main query reads gone before any unlock, so the rows of the
+	// slots it frees go while this backend still holds them: a row of
+	// another pid deleted here cannot be a new holder's. A data-modifying
+	// CTE that the main query does not read would run after it.)
 	// The release unlocks the slot and tries it again at once. If the try
 	// fails, the slot has passed on: a head that waited for it on the
 	// server (Semaphore.await) or another acquire has it, and writes the

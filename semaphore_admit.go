@@ -326,10 +326,11 @@ func (s *Semaphore) cleanupOn(ctx context.Context, conn *pgx.Conn, b *Session) (
 }
 
 // ranGrant records that a grant of a semaphore runs on b, so that b's
-// close deletes the holder rows that a failed grant may leave.
+// close deletes the rows of the permits b holds then, and those that a
+// failed grant may leave. Every permit b adopts comes from such a grant.
 func (b *Session) ranGrant() {
 	b.state.Lock()
-	b.permits = true
+	b.holderRows = true
 	b.state.Unlock()
 }
 
@@ -364,7 +365,6 @@ func (b *Session) adopt(k Key) (*Lock, error) {
 		h := b.keys[k]
 		if h == nil {
 			b.keys[k] = &keyHold{n: 1}
-			b.permits = true
 			// No gate: the row lock of semaphore_acquire, not this
 			// process, decides who takes a slot.
 			l := &Lock{s: b, keys: []Key{k}, done: make(chan struct{})}

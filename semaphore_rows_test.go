@@ -40,8 +40,8 @@ func holderRowPIDs(t testing.TB, pool *pgxpool.Pool, name string) map[int]int32 
 // to a backend that waits for the slot key by hand (pg_advisory_lock from
 // plain SQL), which is no permit and writes no row: Holders lists that
 // backend with no identity, never the releaser; once the hand lock is
-// dropped, the next Acquire's row is the slot's only row, and the
-// releaser's Client closing leaves no row of its backend.
+// dropped, the next Acquire's row is the slot's only row, and its release
+// leaves none.
 func TestSemaphoreRowsSlotTakenByHandShowsNoReleaser(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)

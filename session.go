@@ -62,8 +62,8 @@ type Session struct {
 	// backend's records cannot show before the statement ends (a
 	// semaphore's grant picks its slot on the server): while it is not 0,
 	// no blocking acquire may claim the backend (see beginGrant).
-	granting int
-	permits  bool // the backend has run a semaphore's grant: close deletes its holder rows, and the rows of the slots it holds
+	granting   int
+	holderRows bool // the backend has run a semaphore's grant (see ranGrant): close deletes its holder rows, and the rows of the slots it holds
 }
 
 // keyHold is one key on one backend. The server holds the key (once) while
@@ -155,9 +155,9 @@ func (s *Session) close(ctx context.Context) error {
 		stop := context.AfterFunc(ctx, func() { _ = s.conn.PgConn().Conn().SetDeadline(time.Now()) })
 		defer stop()
 		s.state.Lock()
-		permits := s.permits
+		holderRows := s.holderRows
 		s.state.Unlock()
-		if permits {
+		if holderRows {
 			// The rows of the permits that end with the session, which
 			// no Release deletes, and the rows of any slot it holds: a
 			// grant that failed after it took a slot leaves the row of
