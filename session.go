@@ -394,13 +394,17 @@ func (s *Session) run(ctx context.Context, f func(ctx context.Context, conn *pgx
 func (s *Session) exec(ctx context.Context, f func(ctx context.Context, conn *pgx.Conn) error) error {
 	start := time.Now()
 	err := f(stmtCtx(ctx), s.conn)
+	if err == nil {
+		s.proved(start)
+		return nil
+	}
+	// Declared here, not above: errors.As makes pe escape, and a
+	// statement that succeeds should not pay for its allocation.
 	var pe *pgconn.PgError
-	if err == nil || errors.As(err, &pe) {
+	if errors.As(err, &pe) {
 		s.proved(start)
 	}
 	switch {
-	case err == nil:
-		return nil
 	case s.conn.IsClosed():
 		s.lose(err)
 	case pe != nil && pe.Code == "57014" && ctx.Err() == nil:
