@@ -49,6 +49,9 @@ func (ci *clientInfo) record(pid int32) {
 // refuses opts.
 //
 // Unlike pgcoord.New's, its Clients are known to [TerminateBackends].
+// An error of the Client's close fails t, unless connString is that of a
+// [Proxy] the test left blackholed, where the close cannot confirm its
+// releases: it is logged then.
 func Client(t testing.TB, connString string, opts ...pgcoord.Option) *pgcoord.Client {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(connString)
@@ -88,7 +91,15 @@ func Client(t testing.TB, connString string, opts ...pgcoord.Option) *pgcoord.Cl
 		clients.Unlock()
 		ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
 		defer cancel()
-		if err := c.Close(ctx); err != nil {
+		err := c.Close(ctx)
+		switch {
+		case err == nil:
+		case blackholedProxy(connString):
+			// The test cut the network on purpose: the release cannot
+			// be confirmed, and the server frees the locks when the
+			// proxy closes the connections.
+			t.Logf("pgcoordtest: close Client behind a blackholed Proxy: %v", err)
+		default:
 			t.Errorf("pgcoordtest: close Client: %v", err)
 		}
 	})

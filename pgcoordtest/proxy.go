@@ -1,6 +1,8 @@
 package pgcoordtest
 
 import (
+	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -18,11 +20,27 @@ import (
 type Proxy struct {
 	p          *pgtest.Proxy
 	connString string
+	blackholed atomic.Bool // between Blackhole and Heal
+}
+
+// proxies maps the ConnString of every running Proxy to it, so that the
+// cleanup of a Client made on it knows whether the test left its network
+// blackholed.
+var proxies sync.Map // string -> *Proxy
+
+// blackholedProxy reports whether connString is the ConnString of a
+// running Proxy that is blackholed.
+func blackholedProxy(connString string) bool {
+	p, ok := proxies.Load(connString)
+	return ok && p.(*Proxy).blackholed.Load()
 }
 
 // NewProxy starts a proxy to the server of connString and stops it,
 // closing every connection, in t.Cleanup. It fails t when connString does
-// not parse or no port is free.
+// not parse or no port is free. A test may end with its proxy blackholed:
+// the cleanup of a [Client] made on its ConnString then logs, instead of
+// reporting as an error, that the Client's close could not confirm its
+// releases.
 func NewProxy(t testing.TB, connString string) *Proxy {
 	t.Helper()
 	p := pgtest.NewProxy(t, connString)
@@ -30,7 +48,20 @@ func NewProxy(t testing.TB, connString string) *Proxy {
 	if err != nil {
 		t.Fatalf("pgcoordtest: NewProxy: %v", err)
 	}
-	return &Proxy{p: p, connString: via}
+	px := &Proxy{p: p, connString: via}
+	proxies.Store(via, px)
+	// This runs before the stop that pgtest.NewProxy registered (cleanups
+	// run last in, first out), after the cleanups of the Clients made on
+	// the proxy. It forwards again, so that a connection accepted as the
+	// proxy stops, such as the cancel request pgx sends when a Client's
+	// close times out on the silent network, reaches the server and ends
+	// when the server closes it, instead of keeping the stop waiting
+	// until the server's authentication_timeout.
+	t.Cleanup(func() {
+		proxies.Delete(via)
+		px.Heal()
+	})
+	return px
 }
 
 // ConnString returns the connection string given to NewProxy with its host
@@ -39,7 +70,10 @@ func (p *Proxy) ConnString() string { return p.connString }
 
 // Blackhole stops forwarding on every connection, present and future,
 // keeping them open on both sides.
-func (p *Proxy) Blackhole() { p.p.Blackhole() }
+func (p *Proxy) Blackhole() {
+	p.blackholed.Store(true)
+	p.p.Blackhole()
+}
 
 // Cut closes every connection on both sides, as a partition that ends
 // with both sides giving up does; new connections go through as before
@@ -49,4 +83,7 @@ func (p *Proxy) Cut() { p.p.CloseAll() }
 // Heal ends a Blackhole: it closes every connection (their streams lost
 // bytes while silent) and forwards again on new ones, as when the network
 // comes back and the clients reconnect.
-func (p *Proxy) Heal() { p.p.Heal() }
+func (p *Proxy) Heal() {
+	p.p.Heal()
+	p.blackholed.Store(false)
+}
