@@ -31,6 +31,31 @@ func sources(cfg serverConfig) pgtest.Sources {
 	return src
 }
 
+// findServer finds or starts a server under cfg. The container step runs
+// only when the steps before it found nothing at all: a step that found
+// something broken (binaries that do not start) ends the search with its
+// error, which a container would otherwise hide.
+func findServer(cfg serverConfig) (*pgtest.Found, error) {
+	src := sources(cfg)
+	container := src.Container
+	src.Container = nil
+	found, err := pgtest.FindServer(src)
+	var none *pgtest.NoServerError
+	if err == nil || container == nil || !errors.As(err, &none) || !none.Absent() {
+		return found, err
+	}
+	// Nothing to use so far: the local step again, which finds nothing
+	// again at once, then the container.
+	found, err = pgtest.FindServer(pgtest.Sources{BinDir: src.BinDir, Container: container})
+	var more *pgtest.NoServerError
+	if errors.As(err, &more) {
+		// The variables' attempt, then the local and container ones.
+		attempts := append(none.Attempts[:len(none.Attempts)-1:len(none.Attempts)-1], more.Attempts...)
+		return nil, &pgtest.NoServerError{Attempts: attempts}
+	}
+	return found, err
+}
+
 // pingDocker reports whether a Docker engine answers testcontainers-go
 // within dockerPingTimeout. Its error wraps pgtest.ErrAbsent when none
 // does.

@@ -131,7 +131,7 @@ func (c serverConfig) String() string {
 
 // newServer finds or starts a server and makes the migrated template.
 func newServer(cfg serverConfig) (*server, error) {
-	found, err := pgtest.FindServer(sources(cfg))
+	found, err := findServer(cfg)
 	if err != nil {
 		return nil, err
 	}

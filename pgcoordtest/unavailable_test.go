@@ -7,8 +7,10 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -46,8 +48,9 @@ func (r *recordingT) Fatalf(format string, args ...any) {
 }
 
 // unavailableHelper is the child's side, run by TestMain: it searches
-// for a server with no local binaries (an empty bin folder) and prints how
-// DB would end the test. It returns the exit code.
+// for a server with no local binaries (an empty bin folder), or in mode
+// "broken" with binaries that fail, and prints how DB would end the test.
+// It returns the exit code.
 func unavailableHelper(mode string) int {
 	dir, err := os.MkdirTemp("", "pgcoordtest-nobin-")
 	if err != nil {
@@ -55,6 +58,19 @@ func unavailableHelper(mode string) int {
 		return 1
 	}
 	defer os.RemoveAll(dir)
+	if mode == "broken" {
+		// Server programs that are there and do not work.
+		for _, name := range []string{"initdb", "postgres", "pg_ctl"} {
+			if err := os.WriteFile(filepath.Join(dir, name), []byte("#!/bin/sh\necho broken >&2\nexit 1\n"), 0o755); err != nil {
+				fmt.Println(err)
+				return 1
+			}
+		}
+		if err := os.Chmod(dir, 0o755); err != nil {
+			fmt.Println(err)
+			return 1
+		}
+	}
 	cfg := serverConfig{binDir: dir, container: true, image: DefaultContainerImage}
 	start := time.Now()
 	_, err = newServer(cfg)
@@ -213,4 +229,37 @@ func TestDockerPingIsBounded(t *testing.T) {
 func (r *recordingT) Fatal(args ...any) {
 	r.failed, r.msg = true, fmt.Sprint(args...)
 	runtime.Goexit()
+}
+
+// Local server binaries that are there but do not start fail the test at
+// once, without asking Docker: a container would hide that the configured
+// binaries are broken. A Docker address that counts its connections shows
+// whether the container step ran.
+func TestBrokenBinariesFailWithoutAskingDocker(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	var asked atomic.Int32
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			asked.Add(1)
+			c.Close()
+		}
+	}()
+	o := runUnavailable(t, "broken", "DOCKER_HOST=tcp://"+ln.Addr().String())
+	if !o.Failed || o.Skipped {
+		t.Fatalf("skipped %v, failed %v; want a failure:\n%s", o.Skipped, o.Failed, o.Message)
+	}
+	if !strings.Contains(o.Message, "initdb") {
+		t.Errorf("message does not say that initdb failed:\n%s", o.Message)
+	}
+	if n := asked.Load(); n != 0 || strings.Contains(o.Message, "container") {
+		t.Errorf("the search asked Docker (%d connections) after the local binaries failed:\n%s", n, o.Message)
+	}
 }
