@@ -3,6 +3,7 @@ package pgcoordtest
 import (
 	"context"
 	"fmt"
+	"net/url"
 	"os"
 	"os/exec"
 	"strings"
@@ -64,18 +65,7 @@ func urlHelper(mode string) int {
 // returns its CHILD line's fields.
 func runURLHelper(t *testing.T, mode string, env ...string) map[string]string {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, os.Args[0])
-	for _, kv := range os.Environ() {
-		switch strings.SplitN(kv, "=", 2)[0] {
-		case EnvDatabaseURL, EnvProjectDatabaseURL, "CI", helperEnv, urlHelperEnv:
-			continue
-		}
-		cmd.Env = append(cmd.Env, kv)
-	}
-	cmd.Env = append(cmd.Env, append([]string{urlHelperEnv + "=" + mode}, env...)...)
-	out, err := cmd.CombinedOutput()
+	out, err := urlHelperOutput(mode, env...)
 	if err != nil {
 		t.Fatalf("child: %v\n%s", err, out)
 	}
@@ -91,6 +81,23 @@ func runURLHelper(t *testing.T, mode string, env ...string) map[string]string {
 	}
 	t.Fatalf("child printed no CHILD line:\n%s", out)
 	return nil
+}
+
+// urlHelperOutput runs urlHelper with env added to an environment without
+// database URL variables and returns its output and exit error.
+func urlHelperOutput(mode string, env ...string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0])
+	for _, kv := range os.Environ() {
+		switch strings.SplitN(kv, "=", 2)[0] {
+		case EnvDatabaseURL, EnvProjectDatabaseURL, "DATABASE_URL", "CI", helperEnv, urlHelperEnv:
+			continue
+		}
+		cmd.Env = append(cmd.Env, kv)
+	}
+	cmd.Env = append(cmd.Env, append([]string{urlHelperEnv + "=" + mode}, env...)...)
+	return cmd.CombinedOutput()
 }
 
 // pgctDatabases returns the databases on the server of connString whose
@@ -174,4 +181,93 @@ func TestDatabaseURLServesDB(t *testing.T) {
 			t.Fatalf("databases %v of a dead child survived the next child", dbs)
 		}
 	})
+}
+
+// withRole returns the URL with its user replaced by role.
+func withRole(t *testing.T, connString, role string) string {
+	t.Helper()
+	u, err := url.Parse(connString)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.User(role)
+	return u.String()
+}
+
+// A role that may not create databases is refused at once with what to
+// do about it; one that may (CREATEDB, not a superuser) serves migrated
+// databases and leaves none behind.
+func TestDatabaseURLRole(t *testing.T) {
+	DB(t) // a server for the children to share
+	s, err := sharedServer(shared.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	admin, err := pgx.Connect(ctx, s.found.Admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close(ctx)
+	for _, sql := range []string{
+		"CREATE ROLE pgct_role_nocreatedb LOGIN",
+		"CREATE ROLE pgct_role_createdb LOGIN CREATEDB",
+	} {
+		if _, err := admin.Exec(ctx, sql); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, s.found.Admin)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer conn.Close(ctx)
+		if _, err := conn.Exec(ctx, "DROP ROLE pgct_role_nocreatedb, pgct_role_createdb"); err != nil {
+			t.Error(err)
+		}
+	})
+
+	t.Run("without CREATEDB", func(t *testing.T) {
+		out, err := urlHelperOutput("close", EnvDatabaseURL+"="+withRole(t, s.found.Admin, "pgct_role_nocreatedb"))
+		if err == nil {
+			t.Fatalf("a role without CREATEDB was used:\n%s", out)
+		}
+		for _, want := range []string{EnvDatabaseURL + " is set but unusable", "ALTER ROLE ... CREATEDB"} {
+			if !strings.Contains(string(out), want) {
+				t.Errorf("output lacks %q:\n%s", want, out)
+			}
+		}
+	})
+	t.Run("with CREATEDB", func(t *testing.T) {
+		dsn := withRole(t, s.found.Admin, "pgct_role_createdb")
+		got := runURLHelper(t, "close", EnvDatabaseURL+"="+dsn)
+		if got["source"] != EnvDatabaseURL || got["version"] == "" || got["version"] == "0" {
+			t.Fatalf("child reported %v; want source %s and a migrated database", got, EnvDatabaseURL)
+		}
+		if dbs := pgctDatabases(t, s.found.Admin, got["prefix"]); len(dbs) != 0 {
+			t.Fatalf("databases %v left behind by a child that closed", dbs)
+		}
+	})
+}
+
+// DATABASE_URL is never read: set to a server that cannot be used, it
+// changes nothing, and the child starts its server from local binaries.
+func TestDatabaseURLIsNeverRead(t *testing.T) {
+	DB(t) // skips where no server can be had
+	s, err := sharedServer(shared.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.found.Source == EnvDatabaseURL || s.found.Source == EnvProjectDatabaseURL {
+		t.Skip("skipped: this test starts a server from local binaries, and a database URL is set")
+	}
+	got := runURLHelper(t, "close", "DATABASE_URL=postgres://nobody@127.0.0.1:1/none?sslmode=disable&connect_timeout=1")
+	if !strings.HasPrefix(got["source"], "local") || got["version"] == "" || got["version"] == "0" {
+		t.Fatalf("child reported %v; want a migrated database on a server from local binaries", got)
+	}
 }
