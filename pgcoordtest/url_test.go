@@ -1,12 +1,15 @@
 package pgcoordtest
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"net/url"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -20,7 +23,8 @@ const urlHelperEnv = "PGCOORDTEST_URL_HELPER"
 // urlHelper is a child process that finds its server through the
 // environment, makes a database from the template and prints where the
 // server came from, its prefix and the database's schema version. In mode
-// "die" it exits without closing anything, as a killed test binary does.
+// "die" it exits without closing anything, as a killed test binary does;
+// in mode "hang" it waits to be killed.
 func urlHelper(mode string) int {
 	s, err := newServer(serverConfig{container: false})
 	if err != nil {
@@ -46,9 +50,13 @@ func urlHelper(mode string) int {
 		fmt.Println(err)
 		return 1
 	}
-	fmt.Printf("CHILD source=%s prefix=%s version=%d\n", s.found.Source, s.prefix, version)
-	if mode == "die" {
+	fmt.Printf("CHILD pid=%d admin=%s prefix=%s version=%d source=%s\n", os.Getpid(), s.found.Admin, s.prefix, version, s.found.Source)
+	switch mode {
+	case "die":
 		return 0
+	case "hang": // until the parent kills it
+		time.Sleep(time.Minute)
+		return 1
 	}
 	if err := s.found.DropDB(name); err != nil {
 		fmt.Println(err)
@@ -270,4 +278,101 @@ func TestDatabaseURLIsNeverRead(t *testing.T) {
 	if !strings.HasPrefix(got["source"], "local") || got["version"] == "" || got["version"] == "0" {
 		t.Fatalf("child reported %v; want a migrated database on a server from local binaries", got)
 	}
+}
+
+// A test binary killed with SIGKILL while its server runs from local
+// binaries takes the server with it (the parent-death signal), and the
+// next test binary's first DB call removes the directory it left.
+func TestKilledTestBinaryLeavesNoServer(t *testing.T) {
+	DB(t) // skips where no server can be had
+	s, err := sharedServer(shared.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(s.found.Source, "local") {
+		t.Skip("skipped: this test starts servers from local binaries, and a database URL is set")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0])
+	for _, kv := range os.Environ() {
+		switch strings.SplitN(kv, "=", 2)[0] {
+		case EnvDatabaseURL, EnvProjectDatabaseURL, "CI", helperEnv, urlHelperEnv:
+			continue
+		}
+		cmd.Env = append(cmd.Env, kv)
+	}
+	cmd.Env = append(cmd.Env, urlHelperEnv+"=hang")
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
+	fields := map[string]string{}
+	sc := bufio.NewScanner(out)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), "CHILD "); ok {
+			for _, f := range strings.Fields(rest) {
+				k, v, _ := strings.Cut(f, "=")
+				fields[k] = v
+			}
+			break
+		}
+	}
+	admin := fields["admin"]
+	if admin == "" {
+		t.Fatalf("the child printed no CHILD line with its server (%v)", sc.Err())
+	}
+	dirs := ownedDirs(t, fields["pid"])
+	if len(dirs) == 0 {
+		t.Fatalf("no pgtest directory owned by the child %s", fields["pid"])
+	}
+	probe := func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, admin)
+		if err != nil {
+			return err
+		}
+		return conn.Close(ctx)
+	}
+	if err := probe(); err != nil {
+		t.Fatalf("the child's server does not answer while the child lives: %v", err)
+	}
+
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait()
+	pgtest.Eventually(t, 30*time.Second, "the killed child's server to stop", func() bool { return probe() != nil })
+
+	// The next test binary removes what the killed one left.
+	runURLHelper(t, "close")
+	for _, dir := range dirs {
+		if _, err := os.Stat(dir); !os.IsNotExist(err) {
+			t.Errorf("directory %s of the killed child is still there after the next run (%v)", dir, err)
+		}
+	}
+}
+
+// ownedDirs returns the pgtest directories, in the places pgtest keeps
+// them, whose owner file names pid.
+func ownedDirs(t *testing.T, pid string) []string {
+	t.Helper()
+	var dirs []string
+	for _, base := range []string{os.Getenv("PGTEST_TMPDIR"), "/dev/shm", os.TempDir()} {
+		if base == "" {
+			continue
+		}
+		owners, _ := filepath.Glob(filepath.Join(base, "pgtest-*", "pgtest.owner"))
+		for _, owner := range owners {
+			if b, err := os.ReadFile(owner); err == nil && strings.TrimSpace(string(b)) == pid {
+				dirs = append(dirs, filepath.Dir(owner))
+			}
+		}
+	}
+	return dirs
 }
