@@ -28,7 +28,7 @@ var clients struct {
 
 // clientInfo is what TerminateBackends needs of a Client.
 type clientInfo struct {
-	connString string
+	connString string // the server's, past any Proxy
 	poolApp    string // application_name of the pool's own connections
 
 	mu   sync.Mutex
@@ -58,7 +58,9 @@ func Client(t testing.TB, connString string, opts ...pgcoord.Option) *pgcoord.Cl
 	if err != nil {
 		t.Fatalf("pgcoordtest: Client: %v", err)
 	}
-	ci := &clientInfo{connString: connString, poolApp: cfg.ConnConfig.RuntimeParams["application_name"]}
+	// TerminateBackends talks to the server directly, past any Proxy, so
+	// that it works while the proxy is blackholed.
+	ci := &clientInfo{connString: direct(connString), poolApp: cfg.ConnConfig.RuntimeParams["application_name"]}
 	// The Client opens its dedicated backends through the pool's connect
 	// path, AfterConnect included, so this sees them as well as the
 	// pool's own connections.
@@ -116,6 +118,10 @@ func Client(t testing.TB, connString string, opts ...pgcoord.Option) *pgcoord.Cl
 // held; the Client learns it at its next statement or heartbeat, and its
 // Locks end with [pgcoord.ErrLockLost], as when an operator or a failover
 // ends them.
+//
+// For a Client made on a [Proxy]'s ConnString, TerminateBackends connects
+// to the server behind the proxy, so it ends the backends even while the
+// proxy is blackholed.
 //
 // TerminateBackends fails t when c was not made by Client, and when c has
 // no dedicated backend to end: a test of lost locks that ends nothing

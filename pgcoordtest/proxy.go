@@ -20,6 +20,7 @@ import (
 type Proxy struct {
 	p          *pgtest.Proxy
 	connString string
+	target     string      // the connection string given to NewProxy
 	blackholed atomic.Bool // between Blackhole and Heal
 }
 
@@ -35,6 +36,20 @@ func blackholedProxy(connString string) bool {
 	return ok && p.(*Proxy).blackholed.Load()
 }
 
+// direct returns connString, or when it is the ConnString of a running
+// Proxy, the connection string of the server behind it (behind every
+// Proxy, for proxies in front of proxies).
+func direct(connString string) string {
+	for range 10 {
+		p, ok := proxies.Load(connString)
+		if !ok {
+			break
+		}
+		connString = p.(*Proxy).target
+	}
+	return connString
+}
+
 // NewProxy starts a proxy to the server of connString and stops it,
 // closing every connection, in t.Cleanup. It fails t when connString does
 // not parse or no port is free. A test may end with its proxy blackholed:
@@ -48,7 +63,7 @@ func NewProxy(t testing.TB, connString string) *Proxy {
 	if err != nil {
 		t.Fatalf("pgcoordtest: NewProxy: %v", err)
 	}
-	px := &Proxy{p: p, connString: via}
+	px := &Proxy{p: p, connString: via, target: connString}
 	proxies.Store(via, px)
 	// This runs before the stop that pgtest.NewProxy registered (cleanups
 	// run last in, first out), after the cleanups of the Clients made on

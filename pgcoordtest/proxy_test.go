@@ -1,6 +1,7 @@
 package pgcoordtest_test
 
 import (
+	"slices"
 	"testing"
 	"time"
 
@@ -45,5 +46,39 @@ func TestProxyBlackholedAtTheEndOfATest(t *testing.T) {
 		if elapsed > 15*time.Second {
 			t.Fatalf("round %d: the test and its cleanup took %v; want about the loss deadline (1 s)", round, elapsed)
 		}
+	}
+}
+
+// TerminateBackends reaches the server directly for a Client made on a
+// Proxy's ConnString, so a test can partition a Client and have the
+// server end its backends, as when the server gives up on a silent
+// client: the lock is free for another Client at once, and the
+// partitioned one reports it lost.
+func TestTerminateBackendsOfAClientBehindABlackholedProxy(t *testing.T) {
+	dsn := pgcoordtest.DB(t)
+	key := pgcoord.HashKey("terminate behind a blackhole")
+	p := pgcoordtest.NewProxy(t, dsn)
+	c := pgcoordtest.Client(t, p.ConnString(), short...)
+	l, err := c.Lock(ctxT(t), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := holderPID(t, dsn, key)
+	if pid == 0 {
+		t.Fatal("pg_locks shows no holder of the key")
+	}
+	p.Blackhole()
+	ended := pgcoordtest.TerminateBackends(t, c)
+	if !slices.Contains(ended, pid) {
+		t.Fatalf("ended backends %v, not %d, which holds the lock", ended, pid)
+	}
+	other := pgcoordtest.Client(t, dsn)
+	l2, err := other.TryLock(ctxT(t), key)
+	if err != nil {
+		t.Fatalf("TryLock by another Client once the partitioned one's backend ended: %v", err)
+	}
+	waitDone(t, l, "Blackhole and TerminateBackends")
+	if err := l2.Unlock(ctxT(t)); err != nil {
+		t.Fatal(err)
 	}
 }
