@@ -150,9 +150,11 @@ func TerminateBackends(t testing.TB, c *pgcoord.Client) []int32 {
 // TerminateBackend ends the backend with process ID pid, such as a
 // [pgcoord.Session]'s (Session.PID), with pg_terminate_backend on a fresh
 // connection to connString, and returns once it has left
-// pg_stat_activity. It fails t when pid is not a backend of connString's
-// server or does not exit within 30 seconds.
+// pg_stat_activity. When connString is a [Proxy]'s ConnString, it
+// connects to the server behind the proxy, so it works while the proxy is
+// blackholed. It fails t when pid is not a backend of connString's server
+// or does not exit within 30 seconds.
 func TerminateBackend(t testing.TB, connString string, pid int32) {
 	t.Helper()
-	pgtest.Terminate(t, connString, pid)
+	pgtest.Terminate(t, direct(connString), pid)
 }

@@ -82,3 +82,27 @@ func TestTerminateBackendsOfAClientBehindABlackholedProxy(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TerminateBackend, given a Proxy's ConnString, reaches the server past
+// the proxy, so it ends a partitioned Session's backend while the proxy
+// is blackholed.
+func TestTerminateBackendBehindABlackholedProxy(t *testing.T) {
+	dsn := pgcoordtest.DB(t)
+	key := pgcoord.HashKey("terminate a session behind a blackhole")
+	p := pgcoordtest.NewProxy(t, dsn)
+	c := pgcoordtest.Client(t, p.ConnString(), short...)
+	s, err := c.NewSession(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := s.Lock(ctxT(t), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Blackhole()
+	pgcoordtest.TerminateBackend(t, p.ConnString(), s.PID())
+	if got := holderPID(t, dsn, key); got != 0 {
+		t.Fatalf("backend %d holds the key after TerminateBackend", got)
+	}
+	waitDone(t, l, "Blackhole and TerminateBackend")
+}
