@@ -41,6 +41,13 @@ func (s *server) keep() error {
 		return fmt.Errorf("pgcoordtest: open keeper connection: %w", err)
 	}
 	s.keeper = conn
+	// The keeper is idle all along: a server or role that ends idle
+	// sessions (PostgreSQL 14's idle_session_timeout) must not end it,
+	// or the next process would take this one for dead.
+	if _, err := conn.Exec(ctx, `SELECT set_config('idle_session_timeout', '0', false)
+WHERE current_setting('server_version_num')::int >= 140000`); err != nil {
+		return fmt.Errorf("pgcoordtest: set up keeper connection: %w", err)
+	}
 	rows, err := conn.Query(ctx, `SELECT datname FROM pg_database WHERE datname LIKE 'pgct\_%' ORDER BY datname`)
 	if err != nil {
 		return fmt.Errorf("pgcoordtest: list databases: %w", err)

@@ -292,40 +292,8 @@ func TestKilledTestBinaryLeavesNoServer(t *testing.T) {
 	if !strings.HasPrefix(s.found.Source, "local") {
 		t.Skip("skipped: this test starts servers from local binaries, and a database URL is set")
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, os.Args[0])
-	for _, kv := range os.Environ() {
-		switch strings.SplitN(kv, "=", 2)[0] {
-		case EnvDatabaseURL, EnvProjectDatabaseURL, "CI", helperEnv, urlHelperEnv:
-			continue
-		}
-		cmd.Env = append(cmd.Env, kv)
-	}
-	cmd.Env = append(cmd.Env, urlHelperEnv+"=hang")
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
-	fields := map[string]string{}
-	sc := bufio.NewScanner(out)
-	for sc.Scan() {
-		if rest, ok := strings.CutPrefix(sc.Text(), "CHILD "); ok {
-			for _, f := range strings.Fields(rest) {
-				k, v, _ := strings.Cut(f, "=")
-				fields[k] = v
-			}
-			break
-		}
-	}
+	cmd, fields := startHangingChild(t)
 	admin := fields["admin"]
-	if admin == "" {
-		t.Fatalf("the child printed no CHILD line with its server (%v)", sc.Err())
-	}
 	dirs := ownedDirs(t, fields["pid"])
 	if len(dirs) == 0 {
 		t.Fatalf("no pgtest directory owned by the child %s", fields["pid"])
@@ -375,4 +343,46 @@ func ownedDirs(t *testing.T, pid string) []string {
 		}
 	}
 	return dirs
+}
+
+// startHangingChild starts urlHelper in mode "hang" with env added to an
+// environment without database URL variables, waits for its CHILD line
+// and returns the process and the line's fields. The child is killed in
+// t.Cleanup if still alive.
+func startHangingChild(t *testing.T, env ...string) (*exec.Cmd, map[string]string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	cmd := exec.CommandContext(ctx, os.Args[0])
+	for _, kv := range os.Environ() {
+		switch strings.SplitN(kv, "=", 2)[0] {
+		case EnvDatabaseURL, EnvProjectDatabaseURL, "CI", helperEnv, urlHelperEnv:
+			continue
+		}
+		cmd.Env = append(cmd.Env, kv)
+	}
+	cmd.Env = append(cmd.Env, append([]string{urlHelperEnv + "=hang"}, env...)...)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	fields := map[string]string{}
+	sc := bufio.NewScanner(out)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), "CHILD "); ok {
+			for _, f := range strings.Fields(rest) {
+				k, v, _ := strings.Cut(f, "=")
+				fields[k] = v
+			}
+			break
+		}
+	}
+	if fields["admin"] == "" {
+		t.Fatalf("the child printed no CHILD line with its server (%v)", sc.Err())
+	}
+	return cmd, fields
 }
