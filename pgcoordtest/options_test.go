@@ -52,7 +52,8 @@ func TestServerOptionsAfterTheFirstCallMustAgree(t *testing.T) {
 }
 
 // TerminateBackends refuses a Client it does not know, and one with no
-// dedicated backend, rather than ending nothing.
+// dedicated backend, rather than ending nothing; when the pool's
+// application_name hides the dedicated backends, it says so.
 func TestTerminateBackendsRefusesWhatItCannotEnd(t *testing.T) {
 	dsn := DB(t)
 	foreign, err := pgcoord.New(Pool(t, dsn))
@@ -61,6 +62,19 @@ func TestTerminateBackendsRefusesWhatItCannotEnd(t *testing.T) {
 	}
 	defer foreign.Close(t.Context())
 	idle := Client(t, dsn)
+	// Its pool's application_name is the dedicated backends' one
+	// ("pgcoord"), by which TerminateBackends tells the pool's apart.
+	sep := " " // a keyword/value string
+	if strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://") {
+		sep = "?"
+		if strings.Contains(dsn, "?") {
+			sep = "&"
+		}
+	}
+	sameApp := Client(t, dsn+sep+"application_name=pgcoord")
+	if _, err := sameApp.Lock(t.Context(), pgcoord.HashKey("same application_name")); err != nil {
+		t.Fatal(err)
+	}
 	for _, tc := range []struct {
 		name string
 		c    *pgcoord.Client
@@ -68,6 +82,7 @@ func TestTerminateBackendsRefusesWhatItCannotEnd(t *testing.T) {
 	}{
 		{"made by pgcoord.New", foreign, "was not made by pgcoordtest.Client"},
 		{"without backends", idle, "has no dedicated backend"},
+		{"pool named like its backends", sameApp, `application_name "pgcoord"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := &recordingT{}
