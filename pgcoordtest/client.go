@@ -142,9 +142,9 @@ func TerminateBackends(t testing.TB, c *pgcoord.Client) []int32 {
 		t.Fatalf("pgcoordtest: TerminateBackends: %v", err)
 	}
 	if len(ended) == 0 && ci.poolApp != "" {
-		t.Fatalf("pgcoordtest: TerminateBackends: the Client has no dedicated backend to end (take a lock first) "+
-			"whose application_name differs from its pool's, application_name %q: give the pool another one than "+
-			"the Client's connections (pgcoord.WithApplicationName, default \"pgcoord\")", ci.poolApp)
+		t.Fatalf("pgcoordtest: TerminateBackends: the Client has no dedicated backend to end: take a lock first; "+
+			"the backends named like its pool, application_name %q, are left alone, so the Client's own "+
+			"(pgcoord.WithApplicationName, default \"pgcoord\") must be named otherwise", ci.poolApp)
 	}
 	if len(ended) == 0 {
 		t.Fatal("pgcoordtest: TerminateBackends: the Client has no dedicated backend to end (take a lock first)")
