@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/pgcoord/pgcoord"
+	"github.com/pgcoord/pgcoord/internal/pgtest"
 	"github.com/pgcoord/pgcoord/pgcoordtest"
 )
 
@@ -105,4 +106,40 @@ func TestTerminateBackendBehindABlackholedProxy(t *testing.T) {
 		t.Fatalf("backend %d holds the key after TerminateBackend", got)
 	}
 	waitDone(t, l, "Blackhole and TerminateBackend")
+}
+
+// Cut closes the connections on both sides: the server frees the
+// Client's lock at once (its backend exits), the Client reports it lost,
+// and new connections go through, so the Client takes the key again.
+func TestProxyCutFreesTheLockOnBothSides(t *testing.T) {
+	dsn := pgcoordtest.DB(t)
+	key := pgcoord.HashKey("cut")
+	p := pgcoordtest.NewProxy(t, dsn)
+	c := pgcoordtest.Client(t, p.ConnString(), short...)
+	l, err := c.Lock(ctxT(t), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := holderPID(t, dsn, key)
+	if old == 0 {
+		t.Fatal("pg_locks shows no holder of the key")
+	}
+	p.Cut()
+	observer := connect(t, dsn)
+	pgtest.Eventually(t, 10*time.Second, "the cut connection's backend to exit", func() bool {
+		var n int
+		err := observer.QueryRow(ctxT(t), "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", old).Scan(&n)
+		return err == nil && n == 0
+	})
+	waitDone(t, l, "Cut")
+	l2, err := c.Lock(ctxT(t), key)
+	if err != nil {
+		t.Fatalf("Lock after Cut: %v", err)
+	}
+	if got := holderPID(t, dsn, key); got == 0 || got == old {
+		t.Fatalf("holder %d after Cut; want a new backend, not %d", got, old)
+	}
+	if err := l2.Unlock(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
 }
