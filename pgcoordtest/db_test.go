@@ -115,3 +115,35 @@ func TestParallelTestsGetTheirOwnDatabases(t *testing.T) {
 		}
 	}
 }
+
+// DB and Client work from a test's cleanup, where t.Context() is already
+// cancelled, and the database made there is dropped too.
+func TestDBFromACleanup(t *testing.T) {
+	var db string
+	t.Run("inner", func(t *testing.T) {
+		t.Cleanup(func() {
+			dsn := pgcoordtest.DB(t)
+			c := pgcoordtest.Client(t, dsn)
+			l, err := c.TryLock(ctxT(t), pgcoord.HashKey("cleanup"))
+			if err != nil {
+				t.Fatalf("TryLock from a cleanup: %v", err)
+			}
+			if err := l.Unlock(ctxT(t)); err != nil {
+				t.Fatal(err)
+			}
+			if err := connect(t, dsn).QueryRow(ctxT(t), "SELECT current_database()").Scan(&db); err != nil {
+				t.Fatal(err)
+			}
+		})
+	})
+	if db == "" {
+		t.Fatal("the cleanup made no database")
+	}
+	var n int
+	if err := connect(t, pgcoordtest.DB(t)).QueryRow(ctxT(t), "SELECT count(*) FROM pg_database WHERE datname = $1", db).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 0 {
+		t.Fatalf("database %s made in a cleanup still exists after the test", db)
+	}
+}
