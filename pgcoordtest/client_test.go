@@ -161,3 +161,18 @@ func TestProxyHealClosesBlackholedConnections(t *testing.T) {
 		t.Fatalf("a new connection after Heal: %v", err)
 	}
 }
+
+// Client does not connect: right after it, the test's database has no
+// connection.
+func TestClientDoesNotConnect(t *testing.T) {
+	dsn := pgcoordtest.DB(t)
+	pgcoordtest.Client(t, dsn)
+	observer := connect(t, dsn)
+	var n int
+	if err := observer.QueryRow(ctxT(t), "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()").Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 0 {
+		t.Fatalf("%d connections to the database after Client; want none", n)
+	}
+}
