@@ -21,8 +21,9 @@ type Proxy struct {
 	silent atomic.Bool
 	wg     sync.WaitGroup
 
-	mu    sync.Mutex
-	conns []net.Conn
+	mu      sync.Mutex
+	conns   []net.Conn
+	stopped bool // close has begun: a connection accepted now is closed at once
 }
 
 // NewProxy starts a proxy to the server of connString and stops it, closing
@@ -68,6 +69,9 @@ func (p *Proxy) CloseAll() {
 
 func (p *Proxy) close() {
 	_ = p.ln.Close()
+	p.mu.Lock()
+	p.stopped = true
+	p.mu.Unlock()
 	p.CloseAll()
 	p.wg.Wait()
 }
@@ -85,6 +89,15 @@ func (p *Proxy) accept() {
 			continue
 		}
 		p.mu.Lock()
+		if p.stopped {
+			// Accepted just before the listener closed, and dialled
+			// after CloseAll ran: nothing would close it, and a silent
+			// proxy would keep close waiting on its pipes.
+			p.mu.Unlock()
+			_ = client.Close()
+			_ = server.Close()
+			continue
+		}
 		p.conns = append(p.conns, client, server)
 		p.mu.Unlock()
 		p.wg.Add(2)
