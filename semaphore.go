@@ -96,7 +96,11 @@ type SemaphoreOption interface {
 // so the next in line heads the queue at once. A steady stream of
 // acquirers cannot starve a waiter. (As for every blocking lock, a server
 // wait is cut into slices of the lease, and a waiter rejoins PostgreSQL's
-// queue at the end of each slice; see the package documentation.)
+// queue at the end of each slice; see the package documentation. A head
+// whose grant fails after it released the queue key, such as one whose
+// wait for the one slot of a semaphore of limit 1 ends because its
+// Client's listener reconnected just as the slot passed to it, lines up
+// again behind the others.)
 //
 // # Wake-up
 //

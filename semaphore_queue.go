@@ -35,8 +35,13 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 	defer sub.close()
 	// With the listener listening already, the subscription's first
 	// entry, a resync marker, is queued now: the first look below comes
-	// after it.
-	sub.poll()
+	// after it. Otherwise it comes once the listener listens, and the
+	// head waits on the server (await) only after that: the marker ends
+	// an await at once (lookAgain), and should it land as the release
+	// grants the slot, after the statement released the queue key, the
+	// head would lose its place in the queue. Until then it looks at
+	// every re-check.
+	live := len(sub.poll()) > 0
 	t := time.NewTimer(s.c.semaphoreRecheck)
 	defer t.Stop()
 	for {
@@ -58,7 +63,7 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 		if p != nil {
 			return p, nil
 		}
-		if err == nil && adm.limit == 1 && !s.c.noAwait.Load() {
+		if err == nil && adm.limit == 1 && !s.c.noAwait.Load() && live {
 			if len(sub.poll()) > 0 {
 				continue // something changed meanwhile: look again first
 			}
@@ -77,9 +82,11 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 			}
 		}
 		t.Reset(s.c.semaphoreRecheck)
-		if _, err := sub.next(ctx, t.C); err != nil {
+		payloads, err := sub.next(ctx, t.C)
+		if err != nil {
 			return nil, err
 		}
+		live = live || len(payloads) > 0
 	}
 }
 
