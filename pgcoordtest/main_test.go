@@ -47,14 +47,7 @@ func (mainHelper) Run() int {
 // Main exits with the code of the tests, having stopped the server they
 // started from local binaries and removed its directory, at once.
 func TestMainStopsTheServerAndRemovesItsFiles(t *testing.T) {
-	DB(t) // skips where no server can be had
-	s, err := sharedServer(shared.cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !strings.HasPrefix(s.found.Source, "local") {
-		t.Skip("skipped: this test starts a server from local binaries, and a database URL is set")
-	}
+	localTestServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, os.Args[0])

@@ -13,11 +13,7 @@ import (
 // processes that died (no keeper connection names their prefix), and
 // leaves those of live ones and its own.
 func TestSweepDropsOnlyTheDatabasesOfDeadProcesses(t *testing.T) {
-	DB(t) // the server
-	s, err := sharedServer(shared.cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := sharedTestServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	const dead, live = "pgct_0dead0de_", "pgct_0a11fe00_"
@@ -69,18 +65,10 @@ func TestSweepDropsOnlyTheDatabasesOfDeadProcesses(t *testing.T) {
 // idle all along, and must not look dead to the next test binary, which
 // would drop them under it.
 func TestSweepKeepsALiveProcessUnderIdleSessionTimeout(t *testing.T) {
-	DB(t) // a server for the children to share
-	s, err := sharedServer(shared.cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := sharedTestServer(t) // a server for the children to share
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	admin, err := pgx.Connect(ctx, s.found.Admin)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer admin.Close(ctx)
+	admin := adminConn(ctx, t, s)
 	var version int
 	if err := admin.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&version); err != nil {
 		t.Fatal(err)

@@ -135,11 +135,7 @@ func pgctDatabases(t *testing.T, connString, prefix string) []string {
 // process that closes leaves no database there, and the databases of one
 // that died are dropped by the next.
 func TestDatabaseURLServesDB(t *testing.T) {
-	DB(t) // a server for the children to share
-	s, err := sharedServer(shared.cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := sharedTestServer(t) // a server for the children to share
 	url := s.found.Admin
 	unusable := "postgres://nobody@127.0.0.1:1/none?sslmode=disable&connect_timeout=1"
 
@@ -202,22 +198,51 @@ func withRole(t *testing.T, connString, role string) string {
 	return u.String()
 }
 
-// A role that may not create databases is refused at once with what to
-// do about it; one that may (CREATEDB, not a superuser) serves migrated
-// databases and leaves none behind.
-func TestDatabaseURLRole(t *testing.T) {
-	DB(t) // a server for the children to share
+// sharedTestServer returns the server that this test binary's DB calls
+// share, found or started as the first DB call does; like DB, it skips
+// the test where no server can be had.
+func sharedTestServer(t *testing.T) *server {
+	t.Helper()
+	DB(t)
 	s, err := sharedServer(shared.cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	admin, err := pgx.Connect(ctx, s.found.Admin)
+	return s
+}
+
+// localTestServer is sharedTestServer for a test whose children start
+// servers from local binaries: it skips the test where the shared server
+// came from elsewhere (a database URL).
+func localTestServer(t *testing.T) *server {
+	t.Helper()
+	s := sharedTestServer(t)
+	if !strings.HasPrefix(s.found.Source, "local") {
+		t.Skip("skipped: this test starts servers from local binaries, and the shared server came from " + s.found.Source)
+	}
+	return s
+}
+
+// adminConn connects to s as its administrator, within ctx; the
+// connection closes when the test ends.
+func adminConn(ctx context.Context, t *testing.T, s *server) *pgx.Conn {
+	t.Helper()
+	conn, err := pgx.Connect(ctx, s.found.Admin)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer admin.Close(ctx)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	return conn
+}
+
+// A role that may not create databases is refused at once with what to
+// do about it; one that may (CREATEDB, not a superuser) serves migrated
+// databases and leaves none behind.
+func TestDatabaseURLRole(t *testing.T) {
+	s := sharedTestServer(t) // a server for the children to share
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	admin := adminConn(ctx, t, s)
 	for _, sql := range []string{
 		"CREATE ROLE pgct_role_nocreatedb LOGIN",
 		"CREATE ROLE pgct_role_createdb LOGIN CREATEDB",
@@ -266,14 +291,7 @@ func TestDatabaseURLRole(t *testing.T) {
 // DATABASE_URL is never read: set to a server that cannot be used, it
 // changes nothing, and the child starts its server from local binaries.
 func TestDatabaseURLIsNeverRead(t *testing.T) {
-	DB(t) // skips where no server can be had
-	s, err := sharedServer(shared.cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if s.found.Source == EnvDatabaseURL || s.found.Source == EnvProjectDatabaseURL {
-		t.Skip("skipped: this test starts a server from local binaries, and a database URL is set")
-	}
+	localTestServer(t)
 	got := runURLHelper(t, "close", "DATABASE_URL=postgres://nobody@127.0.0.1:1/none?sslmode=disable&connect_timeout=1")
 	if !strings.HasPrefix(got["source"], "local") || got["version"] == "" || got["version"] == "0" {
 		t.Fatalf("child reported %v; want a migrated database on a server from local binaries", got)
@@ -284,14 +302,7 @@ func TestDatabaseURLIsNeverRead(t *testing.T) {
 // binaries takes the server with it (the parent-death signal), and the
 // next test binary's first DB call removes the directory it left.
 func TestKilledTestBinaryLeavesNoServer(t *testing.T) {
-	DB(t) // skips where no server can be had
-	s, err := sharedServer(shared.cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !strings.HasPrefix(s.found.Source, "local") {
-		t.Skip("skipped: this test starts servers from local binaries, and a database URL is set")
-	}
+	localTestServer(t)
 	cmd, fields := startHangingChild(t)
 	admin := fields["admin"]
 	dirs := ownedDirs(t, fields["pid"])
