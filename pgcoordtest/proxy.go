@@ -65,17 +65,10 @@ func NewProxy(t testing.TB, connString string) *Proxy {
 	}
 	px := &Proxy{p: p, connString: via, target: connString}
 	proxies.Store(via, px)
-	// This runs before the stop that pgtest.NewProxy registered (cleanups
-	// run last in, first out), after the cleanups of the Clients made on
-	// the proxy. It forwards again, so that a connection accepted as the
-	// proxy stops, such as the cancel request pgx sends when a Client's
-	// close times out on the silent network, reaches the server and ends
-	// when the server closes it, instead of keeping the stop waiting
-	// until the server's authentication_timeout.
-	t.Cleanup(func() {
-		proxies.Delete(via)
-		px.Heal()
-	})
+	// Cleanups run last in, first out: this one runs after those of the
+	// Clients made on the proxy, which look it up, and before the proxy
+	// stops.
+	t.Cleanup(func() { proxies.Delete(via) })
 	return px
 }
 
