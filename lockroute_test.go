@@ -35,6 +35,7 @@ func waitingQuery(t *testing.T, dsn string, k Key) string {
 		err := conn.QueryRow(context.Background(), `
 			SELECT a.query FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
 			WHERE l.locktype = 'advisory' AND NOT l.granted AND a.wait_event_type = 'Lock'
+			  AND a.datname = current_database()
 			  AND l.classid = $1 AND l.objid = $2 AND l.objsubid = $3`,
 			int64(classid), int64(objid), objsubid).Scan(&query)
 		return err == nil

@@ -151,7 +151,7 @@ func TestElectionTermWaitNoSpuriousDeadlock(t *testing.T) {
 	pgtest.Eventually(t, testTimeout, "the new term to wait for the checked fence", func() bool {
 		var n int
 		err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-			WHERE NOT l.granted AND l.locktype IN ('transactionid', 'tuple') AND a.query LIKE '%leaders%'`).Scan(&n)
+			WHERE NOT l.granted AND l.locktype IN ('transactionid', 'tuple') AND a.datname = current_database() AND a.query LIKE '%leaders%'`).Scan(&n)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -260,7 +260,7 @@ func TestSemaphoreGrantRowWaitNoSpuriousDeadlock(t *testing.T) {
 			pgtest.Eventually(t, testTimeout, "the grant to wait for the semaphore's row", func() bool {
 				var n int
 				err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-					WHERE NOT l.granted AND l.locktype IN ('transactionid', 'tuple') AND a.query LIKE '%semaphore_acquire%'`).Scan(&n)
+					WHERE NOT l.granted AND l.locktype IN ('transactionid', 'tuple') AND a.datname = current_database() AND a.query LIKE '%semaphore_acquire%'`).Scan(&n)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -364,7 +364,8 @@ func TestFenceGlanceNoSpuriousDeadlock(t *testing.T) {
 	rowWait := func() bool {
 		var n int
 		err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_locks
-			WHERE NOT granted AND locktype IN ('transactionid', 'tuple') AND pid <> $1`, txPID).Scan(&n)
+			WHERE NOT granted AND locktype IN ('transactionid', 'tuple') AND pid <> $1
+			  AND pid IN (SELECT pid FROM pg_stat_activity WHERE datname = current_database())`, txPID).Scan(&n)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -484,7 +485,7 @@ func TestSemaphoreHeadGrantRowWaitNoSpuriousDeadlock(t *testing.T) {
 	for until := time.Now().Add(10 * c.semaphoreRecheck); !rowWait && time.Now().Before(until); {
 		var n int
 		err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-			WHERE NOT l.granted AND l.locktype IN ('transactionid', 'tuple') AND a.query LIKE '%semaphore_acquire%'`).Scan(&n)
+			WHERE NOT l.granted AND l.locktype IN ('transactionid', 'tuple') AND a.datname = current_database() AND a.query LIKE '%semaphore_acquire%'`).Scan(&n)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -563,7 +564,7 @@ func TestUnlockDoesNotWaitBehindGrantRowWait(t *testing.T) {
 	grantWaits := func() bool {
 		var n int
 		err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-			WHERE NOT l.granted AND l.locktype IN ('transactionid', 'tuple') AND a.query LIKE '%semaphore_acquire%'`).Scan(&n)
+			WHERE NOT l.granted AND l.locktype IN ('transactionid', 'tuple') AND a.datname = current_database() AND a.query LIKE '%semaphore_acquire%'`).Scan(&n)
 		if err != nil {
 			t.Fatal(err)
 		}

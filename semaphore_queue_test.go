@@ -51,7 +51,7 @@ func TestSemaphoreTryAcquireDoesNotJumpTheQueue(t *testing.T) {
 	rowWaiters := func() int {
 		var n int
 		if err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-			WHERE NOT l.granted AND l.locktype IN ('transactionid', 'tuple') AND a.query LIKE '%semaphore_acquire%'`).Scan(&n); err != nil {
+			WHERE NOT l.granted AND l.locktype IN ('transactionid', 'tuple') AND a.datname = current_database() AND a.query LIKE '%semaphore_acquire%'`).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n

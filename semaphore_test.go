@@ -1009,7 +1009,8 @@ func TestSemaphoreCancelWhileRowLockedLeavesNothing(t *testing.T) {
 	pgtest.Eventually(t, testTimeout, "the head's grant waits for the semaphore's row", func() bool {
 		var n int
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND wait_event IN ('transactionid', 'tuple') AND query LIKE '%semaphore_acquire%'`).Scan(&n); err != nil {
+			WHERE datname = current_database() AND wait_event_type = 'Lock'
+			  AND wait_event IN ('transactionid', 'tuple') AND query LIKE '%semaphore_acquire%'`).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		if n == 0 {
