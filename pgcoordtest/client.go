@@ -2,6 +2,7 @@ package pgcoordtest
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 
@@ -31,14 +32,14 @@ type clientInfo struct {
 	connString string // the server's, past any Proxy
 	poolApp    string // application_name of the pool's own connections
 
-	mu   sync.Mutex
-	pids []int32 // every backend opened through the Client's pool config
+	mu       sync.Mutex
+	backends []pgtest.Backend // every backend opened through the Client's pool config
 }
 
-func (ci *clientInfo) record(pid int32) {
+func (ci *clientInfo) record(b pgtest.Backend) {
 	ci.mu.Lock()
 	defer ci.mu.Unlock()
-	ci.pids = append(ci.pids, pid)
+	ci.backends = append(ci.backends, b)
 }
 
 // Client returns a [pgcoord.Client] with opts on a pool of its own for
@@ -63,10 +64,15 @@ func Client(t testing.TB, connString string, opts ...pgcoord.Option) *pgcoord.Cl
 	ci := &clientInfo{connString: direct(connString), poolApp: cfg.ConnConfig.RuntimeParams["application_name"]}
 	// The Client opens its dedicated backends through the pool's connect
 	// path, AfterConnect included, so this sees them as well as the
-	// pool's own connections.
+	// pool's own connections. Each is recorded with its start, so that a
+	// later backend that gets an ended one's pid is not taken for it.
 	after := cfg.AfterConnect
 	cfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
-		ci.record(int32(conn.PgConn().PID()))
+		b, err := pgtest.ThisBackend(ctx, conn)
+		if err != nil {
+			return fmt.Errorf("pgcoordtest: %w", err)
+		}
+		ci.record(b)
 		if after != nil {
 			return after(ctx, conn)
 		}
@@ -135,9 +141,9 @@ func TerminateBackends(t testing.TB, c *pgcoord.Client) []int32 {
 		t.Fatal("pgcoordtest: TerminateBackends: the Client was not made by pgcoordtest.Client (or was already closed)")
 	}
 	ci.mu.Lock()
-	pids := append([]int32(nil), ci.pids...)
+	backends := append([]pgtest.Backend(nil), ci.backends...)
 	ci.mu.Unlock()
-	ended, err := pgtest.Terminated(ci.connString, pids, ci.poolApp)
+	ended, err := pgtest.Terminated(ci.connString, backends, ci.poolApp)
 	if err != nil {
 		t.Fatalf("pgcoordtest: TerminateBackends: %v", err)
 	}

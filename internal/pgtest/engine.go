@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -282,12 +283,36 @@ func DBName(prefix, testName string) string {
 	return prefix + strings.TrimPrefix(dbName(testName), "t_")
 }
 
-// Terminated ends the backends with the given pids through
-// pg_terminate_backend on a fresh connection to connString, skipping any
+// A Backend names one server process for Terminated: its pid, and when it
+// started (pg_stat_activity.backend_start), which tells it apart from a
+// later backend that the server gave the same pid.
+type Backend struct {
+	PID   int32
+	Start time.Time
+}
+
+// ThisBackend returns conn's backend, as Terminated names it.
+func ThisBackend(ctx context.Context, conn *pgx.Conn) (Backend, error) {
+	b := Backend{PID: int32(conn.PgConn().PID())}
+	err := conn.QueryRow(ctx, "SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()").Scan(&b.Start)
+	if err != nil {
+		return Backend{}, errorf("read the backend's start: %w", err)
+	}
+	return b, nil
+}
+
+// Terminated ends the given backends through pg_terminate_backend on a
+// fresh connection to connString, skipping any that has left (a backend
+// that now has one's pid but started at another time is another's), any
 // that is not connected to connString's database and any whose
 // application_name is exceptApp, and returns once each ended one has left
 // pg_stat_activity. It returns the pids it ended.
-func Terminated(connString string, pids []int32, exceptApp string) ([]int32, error) {
+func Terminated(connString string, backends []Backend, exceptApp string) ([]int32, error) {
+	pids := make([]int32, len(backends))
+	starts := make([]time.Time, len(backends))
+	for i, b := range backends {
+		pids[i], starts[i] = b.PID, b.Start
+	}
 	conn, err := connect(connString)
 	if err != nil {
 		return nil, err
@@ -296,10 +321,12 @@ func Terminated(connString string, pids []int32, exceptApp string) ([]int32, err
 	ctx, cancel := context.WithTimeout(context.Background(), terminateWait)
 	defer cancel()
 	rows, err := conn.Query(ctx, `
-SELECT pid FROM pg_stat_activity
-WHERE pid = ANY($1) AND datname = current_database() AND pid <> pg_backend_pid()
-	AND application_name <> $2 AND pg_terminate_backend(pid)
-ORDER BY pid`, pids, exceptApp)
+WITH target AS MATERIALIZED (
+	SELECT a.pid FROM pg_stat_activity a JOIN unnest($1::int4[], $2::timestamptz[]) AS b (pid, start)
+		ON a.pid = b.pid AND a.backend_start = b.start
+	WHERE a.datname = current_database() AND a.pid <> pg_backend_pid() AND a.application_name <> $3
+)
+SELECT pid FROM target WHERE pg_terminate_backend(pid) ORDER BY pid`, pids, starts, exceptApp)
 	if err != nil {
 		return nil, errorf("terminate backends %v: %w", pids, err)
 	}
@@ -309,7 +336,9 @@ ORDER BY pid`, pids, exceptApp)
 	}
 	var left int
 	ok := Poll(terminateWait, func() bool {
-		err = conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)", ended).Scan(&left)
+		err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity a
+			JOIN unnest($1::int4[], $2::timestamptz[]) AS b (pid, start) ON a.pid = b.pid AND a.backend_start = b.start
+			WHERE a.pid = ANY($3)`, pids, starts, ended).Scan(&left)
 		return err != nil || left == 0
 	})
 	if err != nil {

@@ -221,6 +221,41 @@ func TestTerminate(t *testing.T) {
 	}
 }
 
+// Terminated ends a backend named by its pid and start, and leaves alone a
+// backend that has the pid it was given but started at another time: the
+// server gives an ended backend's pid to later ones.
+func TestTerminatedTellsBackendsByTheirStart(t *testing.T) {
+	t.Parallel()
+	cs := DB(t)
+	victim, other := Conn(t, cs), Conn(t, cs)
+	b, err := ThisBackend(ctxT(t), victim)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.PID != int32(victim.PgConn().PID()) || b.Start.IsZero() {
+		t.Fatalf("ThisBackend = %+v, want pid %d and a start", b, victim.PgConn().PID())
+	}
+	for _, stale := range []Backend{{b.PID, b.Start.Add(-time.Microsecond)}, {b.PID, b.Start.Add(time.Second)}} {
+		ended, err := Terminated(cs, []Backend{stale}, "another-app")
+		if err != nil || len(ended) != 0 {
+			t.Fatalf("Terminated(pid %d, started %v) of a backend started %v = %v, %v; want nothing ended", stale.PID, stale.Start, b.Start, ended, err)
+		}
+		if _, err := victim.Exec(ctxT(t), "SELECT 1"); err != nil {
+			t.Fatalf("the backend with that pid, started at another time, was ended: %v", err)
+		}
+	}
+	ended, err := Terminated(cs, []Backend{b}, "another-app")
+	if err != nil || len(ended) != 1 || ended[0] != b.PID {
+		t.Fatalf("Terminated(%+v) = %v, %v; want [%d]", b, ended, err, b.PID)
+	}
+	if _, err := victim.Exec(ctxT(t), "SELECT 1"); err == nil {
+		t.Fatal("query on a terminated backend succeeded")
+	}
+	if queryBool(t, other, "SELECT count(*) > 0 FROM pg_stat_activity WHERE pid = $1", b.PID) {
+		t.Fatal("terminated backend still in pg_stat_activity")
+	}
+}
+
 // startTime returns the postmaster's start time, which changes when the
 // server restarts.
 func startTime(t testing.TB, conn *pgx.Conn) time.Time {
