@@ -108,7 +108,8 @@ func BenchmarkClientTryLockUnlock(b *testing.B) {
 // BenchmarkInterleaved runs the four benchmarks above in one loop, one
 // Lock+Unlock of each per iteration, and reports the median of each
 // (client-p50-us, raw-pool-p50-us, session-p50-us, raw-pinned-p50-us)
-// and the ratios of pgcoord to its floor (client/raw, session/raw).
+// and the ratios of pgcoord to its floor (client/raw, session/raw). The
+// order of the four turns by one every iteration.
 // Separate benchmarks run minutes apart, and on a shared or virtual machine
 // their round trips drift by more than the overhead being measured;
 // interleaved, every path sees the same conditions. ns/op is one round of
@@ -158,10 +159,16 @@ func BenchmarkInterleaved(b *testing.B) {
 		{"session", func() { lockPair(s.Lock) }},
 	}
 	took := make([][]time.Duration, len(paths))
-	for b.Loop() {
-		for i, p := range paths {
+	for round := 0; b.Loop(); round++ {
+		// Each round starts one path later than the last, so that every
+		// path follows every other equally often: in a fixed order, a path
+		// always runs right after the same one, and what that one leaves
+		// behind (whose backend just ran, whose code is in the caches)
+		// moves its figure by several percent.
+		for j := range paths {
+			i := (round + j) % len(paths)
 			start := time.Now()
-			p.run()
+			paths[i].run()
 			took[i] = append(took[i], time.Since(start))
 		}
 	}
