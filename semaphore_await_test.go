@@ -222,6 +222,9 @@ func TestSemaphoreHeadWaitTryAcquireFromOtherClient(t *testing.T) {
 	trier := newTestClient(t, dsn).Semaphore(name, 1)
 	for round := range 4 {
 		hp := mustAcquire(t, holder, true)
+		if round == 0 {
+			watch.awaitLimit(t)
+		}
 		ch := goAcquire(ctx, head)
 		pid := awaitSlotWaiter(t, dsn, head)
 		// A TryAcquire hammers the semaphore while the release happens.
@@ -417,6 +420,9 @@ func TestSemaphoreHeadWaitCancelledAsPermitPasses(t *testing.T) {
 	granted, failed := 0, 0
 	for round := range 12 {
 		hp := mustAcquire(t, holder, true)
+		if round == 0 {
+			watch.awaitLimit(t)
+		}
 		wctx, cancel := context.WithCancel(ctx)
 		ch := goAcquire(wctx, head)
 		awaitSlotWaiter(t, dsn, head)
@@ -491,6 +497,7 @@ func TestSemaphoreHeadWaitBackendTerminated(t *testing.T) {
 	first := newTestClient(t, dsn).Semaphore(name, 1)
 	second := newTestClient(t, dsn).Semaphore(name, 1)
 	hp := mustAcquire(t, holder, true)
+	watch.awaitLimit(t)
 	ch1 := goAcquire(ctx, first)
 	pid := awaitSlotWaiter(t, dsn, first)
 	ch2 := goAcquire(ctx, second)

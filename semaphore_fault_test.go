@@ -148,6 +148,8 @@ type permitWatch struct {
 	target semaphoreTarget
 	stop   chan struct{}
 	done   chan struct{}
+	// reached is closed at the first reading that shows the limit reached.
+	reached chan struct{}
 	// Written by the watching goroutine, read after done is closed.
 	most, polls int
 	broken      []string
@@ -157,7 +159,7 @@ type permitWatch struct {
 // of dsn, for at most two minutes; finish stops it.
 func watchPermits(t testing.TB, dsn string, target semaphoreTarget) *permitWatch {
 	t.Helper()
-	w := &permitWatch{target: target, stop: make(chan struct{}), done: make(chan struct{})}
+	w := &permitWatch{target: target, stop: make(chan struct{}), done: make(chan struct{}), reached: make(chan struct{})}
 	const sql = `SELECT count(*)::int, count(*) FILTER (WHERE k & 65535 >= $2)::int
 		FROM (SELECT (classid::bigint << 32) | objid::bigint AS k FROM pg_catalog.pg_locks
 			WHERE locktype = 'advisory' AND objsubid = 1 AND granted
@@ -194,6 +196,9 @@ func watchPermits(t testing.TB, dsn string, target semaphoreTarget) *permitWatch
 					conn = nil
 				} else {
 					w.polls++
+					if held == target.limit && w.most < target.limit {
+						close(w.reached)
+					}
 					w.most = max(w.most, held)
 					if held > target.limit || above > 0 {
 						w.broken = append(w.broken, fmt.Sprintf("%s: %d slots granted, %d of them at or above the limit %d",
@@ -205,6 +210,20 @@ func watchPermits(t testing.TB, dsn string, target semaphoreTarget) *permitWatch
 		}
 	}()
 	return w
+}
+
+// awaitLimit waits until the watch has read the limit reached in pg_locks.
+// Call it while the limit is held: a test that is over before the watch's
+// first readings would otherwise prove nothing and fail in finish.
+func (w *permitWatch) awaitLimit(t testing.TB) {
+	t.Helper()
+	select {
+	case <-w.reached:
+	case <-w.done:
+		t.Fatalf("pg_locks: the watch of %v stopped before it read the limit reached", w.target)
+	case <-time.After(testTimeout):
+		t.Fatalf("pg_locks: the watch of %v did not read the limit reached within %v while it was held", w.target, testTimeout)
+	}
 }
 
 // finish stops the watch and fails the test if the limit was ever broken,
@@ -246,6 +265,7 @@ func TestSemaphoreFaultPausedHolder(t *testing.T) {
 	if pids, _ := target.holders(t, dsn); !slices.Equal(pids, sorted(mine.pid(), oldPID)) {
 		t.Fatalf("pg_locks: %v held by %v, want backends %d and %d", target, pids, mine.pid(), oldPID)
 	}
+	watch.awaitLimit(t)
 
 	ch := startContender(t, ctx, target, newTestClient(t, dsn), dsn)
 	p.Signal(syscall.SIGSTOP)
@@ -314,6 +334,7 @@ func TestSemaphoreFaultServerRestart(t *testing.T) {
 				sems = append(sems, target.sem(newTestClient(t, dsn)))
 			}
 			held := []*Permit{mustAcquire(t, sems[0], true), mustAcquire(t, sems[1], true)}
+			watch.awaitLimit(t)
 			waiter := goAcquire(ctx, sems[2])
 			awaitHead(t, dsn, sems[2])
 
