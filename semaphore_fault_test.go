@@ -148,7 +148,8 @@ type permitWatch struct {
 	target semaphoreTarget
 	stop   chan struct{}
 	done   chan struct{}
-	// reached is closed at the first reading that shows the limit reached.
+	// reached is closed at the first reading that shows the limit reached
+	// (or broken, which finish reports).
 	reached chan struct{}
 	// Written by the watching goroutine, read after done is closed.
 	most, polls int
@@ -196,8 +197,8 @@ func watchPermits(t testing.TB, dsn string, target semaphoreTarget) *permitWatch
 					conn = nil
 				} else {
 					w.polls++
-					if held == target.limit && w.most < target.limit {
-						close(w.reached)
+					if held >= target.limit && w.most < target.limit {
+						close(w.reached) // the first reading at the limit, or past it (reported below)
 					}
 					w.most = max(w.most, held)
 					if held > target.limit || above > 0 {
