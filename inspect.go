@@ -184,9 +184,15 @@ const terminateWait = 10 * time.Second
 // another database. [Client.TerminateAny] skips that check. It also
 // refuses the backend of the connection it runs on.
 //
-// When Terminate returns nil, the backend has exited and its locks are
-// free. ctx bounds the whole call, including the wait for the backend to
-// exit (at most 10 seconds when ctx has no earlier deadline). Errors:
+// The check and the signal are one statement, so the backend signalled is
+// the one checked; a pid names a backend only while it lives, though, and
+// one read earlier (from [Client.Locks], say) names another backend once
+// the server has given it out again. When Terminate returns nil, the
+// backend it signalled has exited and its locks are free; a later backend
+// with the same pid is told apart by its start and left alone.
+//
+// ctx bounds the whole call, including the wait for the backend to exit
+// (at most 10 seconds when ctx has no earlier deadline). Errors:
 // ErrForeignBackend; an error naming the missing privilege, wrapping the
 // server's *pgconn.PgError (SQLSTATE 42501), when the Client's role may
 // not signal that backend (it needs to be a member of the backend's role
@@ -224,14 +230,27 @@ func (c *Client) terminate(ctx context.Context, pid int32, force bool) error {
 	}
 	defer conn.Release()
 
+	// The check and the signal are one statement, so the backend signalled is
+	// the one checked: a pid is handed out again once its backend has exited
+	// and the server's pids wrap around. The backend's start tells it apart
+	// from a later one with its pid in the wait below (NULL where the role
+	// may not read it: then any backend with the pid is taken for it).
 	var app, db string
 	var self, sameDB bool
-	err = conn.QueryRow(ctx, `SELECT coalesce(application_name, ''), coalesce(datname, ''),
-			pid = pg_backend_pid(), datname IS NOT DISTINCT FROM current_database()
-		FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&app, &db, &self, &sameDB)
+	var started *time.Time
+	var signalled *bool
+	err = conn.QueryRow(ctx, `SELECT app, db, self, same_db, backend_start,
+			CASE WHEN NOT self AND ($2 OR (app = $3 AND same_db)) THEN pg_terminate_backend(pid) END
+		FROM (SELECT pid, coalesce(application_name, '') AS app, coalesce(datname, '') AS db,
+				pid = pg_backend_pid() AS self, datname IS NOT DISTINCT FROM current_database() AS same_db,
+				backend_start
+			FROM pg_stat_activity WHERE pid = $1 OFFSET 0) AS target`,
+		pid, force, c.cfg.appName).Scan(&app, &db, &self, &sameDB, &started, &signalled)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return errorf("terminate backend %d: no backend of the server has that pid", pid)
+	case pgCode(err) == "42501":
+		return errorf("terminate backend %d: permission denied: the role must be a member of the backend's role or of pg_signal_backend (and only a superuser may end a superuser's backend): %w", pid, err)
 	case err != nil:
 		return pgError("terminate backend "+strconv.Itoa(int(pid)), err)
 	case self:
@@ -240,25 +259,19 @@ func (c *Client) terminate(ctx context.Context, pid int32, force bool) error {
 		return errorf("terminate backend %d: %w: its application_name is %q, not %q; use TerminateAny to end it anyway", pid, ErrForeignBackend, app, c.cfg.appName)
 	case !force && !sameDB:
 		return errorf("terminate backend %d: %w: it is connected to database %q, not to this Client's; use TerminateAny to end it anyway", pid, ErrForeignBackend, db)
-	}
-
-	var signalled bool
-	if err := conn.QueryRow(ctx, "SELECT pg_terminate_backend($1)", pid).Scan(&signalled); err != nil {
-		if pgCode(err) == "42501" {
-			return errorf("terminate backend %d: permission denied: the role must be a member of the backend's role or of pg_signal_backend (and only a superuser may end a superuser's backend): %w", pid, err)
-		}
-		return pgError("terminate backend "+strconv.Itoa(int(pid)), err)
-	}
-	if !signalled {
+	case signalled == nil || !*signalled:
 		return errorf("terminate backend %d: the server could not signal it (it exited meanwhile, or is not a backend)", pid)
 	}
 	// Wait until the backend has exited and its locks are gone, polling
-	// with a growing pause, bounded by ctx.
+	// with a growing pause, bounded by ctx. A backend with its pid but
+	// another start is a later one: the terminated one has exited, and the
+	// locks of that pid are the later one's.
 	pause := time.Millisecond
 	for {
 		var alive bool
-		err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)
-			OR EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1)`, pid).Scan(&alive)
+		err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND backend_start IS NOT DISTINCT FROM $2)
+			OR (EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1)
+				AND NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND backend_start IS DISTINCT FROM $2))`, pid, started).Scan(&alive)
 		if err != nil {
 			return errorf("terminate backend %d: signalled, but could not see it exit: %w", pid, err)
 		}

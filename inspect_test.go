@@ -1,14 +1,18 @@
 package pgcoord
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"math"
+	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -233,6 +237,7 @@ func TestTerminate(t *testing.T) {
 	if err := op.Terminate(ctx, l.s.PID()); err != nil {
 		t.Fatal(err)
 	}
+	exited(t, dsn, l.s.PID())
 	notHeld(t, dsn, k)
 	awaitEnd(t, l, "the lock of a terminated backend")
 	if !errors.Is(l.Err(), ErrLockLost) {
@@ -253,6 +258,7 @@ func TestTerminate(t *testing.T) {
 	if err := op.TerminateAny(ctx, rawPID); err != nil {
 		t.Fatal(err)
 	}
+	exited(t, dsn, rawPID)
 	notHeld(t, dsn, Int64Key(5))
 
 	if err := op.Terminate(ctx, 0x7fffff00); err == nil || !strings.Contains(err.Error(), "no backend") {
@@ -275,6 +281,41 @@ func TestTerminate(t *testing.T) {
 	if err := l.Unlock(ctx); err != nil {
 		t.Fatal(err)
 	}
+
+	// A member of pg_signal_backend ends another role's backend, whose
+	// start pg_stat_activity does not show it.
+	_, holderDSN := newTestRole(t, dsn, "pgcoord_holder")
+	signaller, signallerDSN := newTestRole(t, dsn, "pgcoord_signal")
+	if _, err := pgtest.Conn(t, dsn).Exec(ctx, "GRANT pg_signal_backend TO "+signaller); err != nil {
+		t.Fatal(err)
+	}
+	l, err = newTestClient(t, holderDSN).Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := newTestClient(t, signallerDSN)
+	var started *time.Time
+	if err := pgtest.Conn(t, signallerDSN).QueryRow(ctx, "SELECT backend_start FROM pg_stat_activity WHERE pid = $1", l.s.PID()).Scan(&started); err != nil || started != nil {
+		t.Fatalf("the signaller reads the holder's backend_start as %v (%v), want NULL", started, err)
+	}
+	if err := sc.Terminate(ctx, l.s.PID()); err != nil {
+		t.Fatal(err)
+	}
+	exited(t, dsn, l.s.PID())
+	notHeld(t, dsn, k)
+	awaitEnd(t, l, "the lock of a backend ended by a member of pg_signal_backend")
+}
+
+// exited asserts that no backend with pid is in pg_stat_activity.
+func exited(t *testing.T, dsn string, pid int32) {
+	t.Helper()
+	var n int
+	if err := pgtest.Conn(t, dsn).QueryRow(testCtx(t), "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 0 {
+		t.Fatalf("pg_stat_activity: backend %d has not exited", pid)
+	}
 }
 
 // weakRolePool returns a pool on dsn's database as a new role with no
@@ -283,4 +324,129 @@ func weakRolePool(t *testing.T, dsn string) *pgxpool.Pool {
 	t.Helper()
 	_, weak := newTestRole(t, dsn, "pgcoord_weak")
 	return pgtest.Pool(t, weak)
+}
+
+// Terminate signals only the backend it checked, and its wait for the exit
+// tells that backend from a later one that the server gave the same pid:
+// right after Terminate's first statement, the checked backend is ended
+// and its pid handed to a new backend of the same application name, which
+// takes a lock. Terminate returns nil, and the later backend and its lock
+// live on.
+func TestTerminateEndsOnlyTheBackendItChecked(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	holder := newTestClient(t, dsn)
+	admin := pgtest.Conn(t, dsn)
+	k := HashKey("stuck")
+	l, err := holder.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := l.s.PID()
+	if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); err != nil {
+		pgtest.SkipOrFail(t, "the server's backend %d is not a process of this machine (%v): the test hands its pid to a new backend", pid, err)
+	}
+	var start time.Time
+	if err := admin.QueryRow(ctx, "SELECT backend_start FROM pg_stat_activity WHERE pid = $1", pid).Scan(&start); err != nil {
+		t.Fatal(err)
+	}
+
+	var op *Client
+	var later *pgx.Conn
+	var fired bool
+	tracer := &afterQuery{fn: func(sql string) {
+		if fired || !strings.Contains(sql, "pg_stat_activity") {
+			return
+		}
+		fired = true
+		// Whether or not Terminate has signalled it yet, the checked
+		// backend ends now, and a later one takes its pid.
+		if _, err := admin.Exec(ctx, "SELECT pg_terminate_backend($1)", pid); err != nil {
+			t.Fatal(err)
+		}
+		cc, err := pgx.ParseConfig(dsn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cc.RuntimeParams["application_name"] = op.cfg.appName
+		later = connectWithPID(t, ctx, cc, pid)
+		if _, err := later.Exec(ctx, "SELECT pg_advisory_lock(9)"); err != nil {
+			t.Fatal(err)
+		}
+	}}
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.Tracer = tracer
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	op = newTestClientOn(t, pool)
+
+	if err := op.Terminate(ctx, pid); err != nil {
+		t.Fatalf("Terminate: %v", err)
+	}
+	if !fired || later == nil {
+		t.Fatal("Terminate sent no statement that reads pg_stat_activity")
+	}
+	var laterStart time.Time
+	if err := admin.QueryRow(ctx, "SELECT backend_start FROM pg_stat_activity WHERE pid = $1", pid).Scan(&laterStart); err != nil {
+		t.Fatalf("the later backend with pid %d: %v", pid, err)
+	}
+	if laterStart.Equal(start) {
+		t.Fatalf("the backend with pid %d started at %v, as the checked one did", pid, start)
+	}
+	heldOnlyBy(t, dsn, Int64Key(9), pid)
+	notHeld(t, dsn, k)
+	awaitEnd(t, l, "the lock of the terminated backend")
+}
+
+// afterQuery is a pgx tracer that calls fn with each statement's text
+// once the statement has ended, on the goroutine that ran it.
+type afterQuery struct{ fn func(sql string) }
+
+type afterQueryKey struct{}
+
+func (a *afterQuery) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	return context.WithValue(ctx, afterQueryKey{}, d.SQL)
+}
+
+func (a *afterQuery) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryEndData) {
+	if sql, ok := ctx.Value(afterQueryKey{}).(string); ok {
+		a.fn(sql)
+	}
+}
+
+// connectWithPID opens a connection with cfg whose backend has process ID
+// pid, once pid is free: it sets the kernel's last handed-out pid just
+// below pid before each connect (so the server must run on this machine,
+// and the test as root). Another process of the machine may fork first
+// and take pid; then it waits for that process to exit and tries again.
+func connectWithPID(t *testing.T, ctx context.Context, cfg *pgx.ConnConfig, pid int32) *pgx.Conn {
+	t.Helper()
+	const lastPID = "/proc/sys/kernel/ns_last_pid"
+	proc := fmt.Sprintf("/proc/%d", pid)
+	for range 50 {
+		pgtest.Eventually(t, testTimeout, "pid "+strconv.Itoa(int(pid))+" to be free", func() bool {
+			_, err := os.Stat(proc)
+			return errors.Is(err, os.ErrNotExist)
+		})
+		if err := os.WriteFile(lastPID, []byte(strconv.Itoa(int(pid-1))), 0); err != nil {
+			pgtest.SkipOrFail(t, "cannot set %s (needs root on the server's machine): %v", lastPID, err)
+		}
+		conn, err := pgx.ConnectConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if int32(conn.PgConn().PID()) == pid {
+			t.Cleanup(func() { conn.Close(context.Background()) })
+			return conn
+		}
+		conn.Close(ctx)
+	}
+	t.Fatalf("no backend got pid %d in 50 connects", pid)
+	return nil
 }

@@ -64,6 +64,7 @@ concept_files() {
 	"Leader election") echo "leader_test.go leader_*_test.go" ;;
 	"Semaphores") echo "semaphore_test.go semaphore_*_test.go" ;;
 	"Hooks") echo "hooks_test.go hooks_*_test.go" ;;
+	"Operators") echo "inspect_test.go cmd/pgcoord/*_test.go" ;;
 	"Settings and pools that are not the default") echo "settings_test.go cmd/pgcoord/*_test.go" ;;
 	"Transaction-level locks and fences") echo "xact_test.go xact_*_test.go fence_test.go fence_*_test.go pgcoordsql/*_test.go pgcoordsql/*/*_test.go" ;;
 	*) echo "" ;;
