@@ -15,9 +15,10 @@ import (
 // Locks and Terminate are for operators and tools (cmd/pgcoord uses them):
 // they read pg_locks and pg_stat_activity through the Client's pool, hold
 // nothing, and need no privilege beyond CONNECT to list locks. What the
-// server shows of other roles' backends (application name, client address,
-// times) is hidden from a role that is neither a superuser, a member of
-// that role nor of pg_read_all_stats; such fields are then empty.
+// server shows of other roles' backends (client address, times) is hidden
+// from a role that is neither a superuser, a member of that role nor of
+// pg_read_all_stats; such fields are then empty. Their application names
+// show.
 
 // LockMode is the mode of an advisory lock: exclusive or shared.
 type LockMode uint8
@@ -65,11 +66,11 @@ type LockInfo struct {
 	//     start of the statement that waits (query_start). pgcoord's own
 	//     blocking acquires wait in slices of a few seconds, each a new
 	//     statement, so for them Since is the start of the current slice.
-	//   - A holder: PostgreSQL does not record when a lock was granted.
-	//     Since is the start of the holder's transaction if it is in one
-	//     (xact_start: a transaction-level lock is no older), else the time
-	//     its connection was opened (backend_start). The lock has been held
-	//     for at most time.Since(Since).
+	//   - A holder: PostgreSQL does not record when a lock was granted,
+	//     nor whether it is session- or transaction-level (a session lock
+	//     may be older than the transaction its backend is in). Since is
+	//     the time the holder's connection was opened (backend_start). The
+	//     lock has been held for at most time.Since(Since).
 	//
 	// It is the zero Time when the server does not say.
 	Since time.Time
@@ -107,7 +108,7 @@ SELECT l.classid::int8, l.objid::int8, l.objsubid, l.mode = 'ShareLock', l.grant
 	CASE WHEN a.client_port = -1 THEN 'local'
 		WHEN a.client_addr IS NULL THEN ''
 		ELSE host(a.client_addr) || ':' || a.client_port END,
-	CASE WHEN l.granted THEN coalesce(a.xact_start, a.backend_start)
+	CASE WHEN l.granted THEN a.backend_start
 		ELSE coalesce((to_jsonb(l) ->> 'waitstart')::timestamptz, a.query_start) END
 FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 WHERE l.locktype = 'advisory'
@@ -191,8 +192,8 @@ const terminateWait = 10 * time.Second
 // backend it signalled has exited and its locks are free; a later backend
 // with the same pid is told apart by its start and left alone.
 //
-// ctx bounds the whole call, including the wait for the backend to exit
-// (at most 10 seconds when ctx has no earlier deadline). Errors:
+// ctx bounds the whole call, including the wait for the backend to exit;
+// when ctx has no deadline, the call gives up after 10 seconds. Errors:
 // ErrForeignBackend; an error naming the missing privilege, wrapping the
 // server's *pgconn.PgError (SQLSTATE 42501), when the Client's role may
 // not signal that backend (it needs to be a member of the backend's role

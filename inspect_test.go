@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -449,4 +450,103 @@ func connectWithPID(t *testing.T, ctx context.Context, cfg *pgx.ConnConfig, pid 
 	}
 	t.Fatalf("no backend got pid %d in 50 connects", pid)
 	return nil
+}
+
+// A holder's Since is no later than the moment its lock was taken, also
+// for a session lock whose backend has since begun a transaction: it is
+// the backend's start, not the transaction's.
+func TestLocksSinceOfSessionLockInLaterTransaction(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	op := newTestClient(t, dsn)
+	raw := pgtest.Conn(t, dsn)
+	k := Int64Key(4242)
+	var takenBy time.Time // the server's clock just after the lock was granted
+	if err := raw.QueryRow(ctx, "SELECT pg_advisory_lock(4242) IS NOT NULL, clock_timestamp()").Scan(new(bool), &takenBy); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Eventually(t, testTimeout, "the server's clock to pass the lock's grant", func() bool {
+		var later bool
+		if err := raw.QueryRow(ctx, "SELECT clock_timestamp() > $1", takenBy).Scan(&later); err != nil {
+			t.Fatal(err)
+		}
+		return later
+	})
+	tx, err := raw.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	var xactStart, backendStart time.Time
+	if err := tx.QueryRow(ctx, "SELECT xact_start, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()").Scan(&xactStart, &backendStart); err != nil {
+		t.Fatal(err)
+	}
+	if !xactStart.After(takenBy) {
+		t.Fatalf("the transaction started at %v, not after the lock was taken (%v)", xactStart, takenBy)
+	}
+	got, err := op.Locks(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	i := slices.IndexFunc(got, func(li LockInfo) bool { return li.Key == k && li.Granted })
+	if i < 0 {
+		t.Fatalf("Locks did not list the held key %v: %+v", k, got)
+	}
+	if since := got[i].Since; since.After(takenBy) || !since.Equal(backendStart) {
+		t.Errorf("the holder's Since is %v; the lock was held by %v, its backend started at %v", since, takenBy, backendStart)
+	}
+}
+
+// Terminate of a backend that does not exit (stopped with SIGSTOP) ends
+// with ctx's deadline, or after 10 seconds when ctx has none, with an
+// error that says the backend was signalled; once it runs again, the
+// backend exits.
+func TestTerminateGivesUpOnBackendThatDoesNotExit(t *testing.T) {
+	ctx := testCtx(t)
+	dsn := pgtest.DB(t)
+	holder := newTestClient(t, dsn)
+	op := newTestClient(t, dsn)
+	k := HashKey("stuck-stopped")
+	l, err := holder.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := l.s.PID()
+	if err := syscall.Kill(int(pid), syscall.SIGSTOP); err != nil {
+		pgtest.SkipOrFail(t, "cannot stop backend %d (the test stops it as root on the server's machine): %v", pid, err)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(int(pid), syscall.SIGCONT) })
+
+	for _, c := range []struct {
+		name     string
+		deadline time.Duration // 0: none
+		bound    time.Duration
+	}{{"ctx with a deadline", 2 * time.Second, 2 * time.Second}, {"ctx without a deadline", 0, terminateWait}} {
+		tctx := context.Background()
+		if c.deadline > 0 {
+			var cancel context.CancelFunc
+			tctx, cancel = context.WithTimeout(tctx, c.deadline)
+			defer cancel()
+		}
+		// Should Terminate not give up, the backend runs again and exits,
+		// and Terminate returns.
+		watchdog := time.AfterFunc(c.bound+10*time.Second, func() { _ = syscall.Kill(int(pid), syscall.SIGCONT) })
+		start := time.Now()
+		err := op.Terminate(tctx, pid)
+		took := time.Since(start)
+		watchdog.Stop()
+		if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "signalled, but it has not exited yet") {
+			t.Errorf("%s: Terminate of a stopped backend: %v; want ctx's deadline and a word that it was signalled", c.name, err)
+		}
+		if took < c.bound || took > c.bound+10*time.Second {
+			t.Errorf("%s: Terminate gave up after %v; want %v", c.name, took.Round(time.Millisecond), c.bound)
+		}
+	}
+	heldOnlyBy(t, dsn, k, pid)
+	if err := syscall.Kill(int(pid), syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Eventually(t, testTimeout, "the signalled backend to exit once it runs", func() bool {
+		return len(grantedTo(t, dsn, k)) == 0
+	})
 }

@@ -177,8 +177,8 @@ func printLocks(e *env, locks []lockRow, now time.Time) error {
 			state, nWait = "held", strconv.Itoa(waiters[l.Key])
 			if since != "" {
 				// PostgreSQL does not record when a lock was granted: the
-				// time is since the holder's transaction or connection
-				// began, an upper bound.
+				// time is since the holder's connection was opened, an
+				// upper bound.
 				since = "<=" + since
 			}
 		}
@@ -236,6 +236,9 @@ func releaseCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		}
 		if *pid <= 0 || *pid > 1<<31-1 {
 			return usagef("release: give the backend's process ID with --pid N")
+		}
+		if n := len(*app); n == 0 || n > 63 {
+			return usagef("release: --app must be an application_name of 1 to 63 bytes, got %d bytes", n)
 		}
 		c, closeAll, err := openClient(ctx, e, pgcoord.WithApplicationName(*app), pgcoord.WithKeyNames(demoNames()))
 		if err != nil {
@@ -309,7 +312,10 @@ func migrateCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		if len(args) > 0 {
 			return usagef("migrate takes no arguments")
 		}
-		pool, err := openSchemaPool(ctx, e, *schema)
+		if err := checkSchema(*schema); err != nil {
+			return err
+		}
+		pool, err := openPool(ctx, e, 0) // a migration waits for its locks
 		if err != nil {
 			return err
 		}

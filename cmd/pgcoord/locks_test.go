@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord"
@@ -304,5 +305,51 @@ func TestBinaryLocksWaitsMarksCycles(t *testing.T) {
 	pat := fmt.Sprintf(`(?s)^pid %d(?: \(\S*\))? waits \S+ for int64:\d \(exclusive\); holds int64:\d\n└─ pid %d .*\n   └─ pid %d .*CYCLE`, lo, hi, lo)
 	if r.code != exitOK || !regexp.MustCompile(pat).MatchString(r.stdout) {
 		t.Errorf("locks --waits: exit %d; want the cycle %d -> %d -> %d marked:\n%s%s", r.code, lo, hi, lo, r.stdout, r.stderr)
+	}
+}
+
+// A held lock's time in "locks --json" is no later than the moment the
+// lock was taken, also for a session lock whose backend has since begun a
+// transaction: it is the backend's start, not the transaction's.
+func TestLocksSinceOfSessionLockInLaterTransaction(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	raw := pgtest.Conn(t, db)
+	var takenBy, backendStart time.Time
+	if err := raw.QueryRow(ctx, "SELECT pg_advisory_lock(5150) IS NOT NULL, clock_timestamp(), backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()").Scan(new(bool), &takenBy, &backendStart); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Eventually(t, testTimeout, "the server's clock to pass the lock's grant", func() bool {
+		var later bool
+		if err := raw.QueryRow(ctx, "SELECT clock_timestamp() > $1", takenBy).Scan(&later); err != nil {
+			t.Fatal(err)
+		}
+		return later
+	})
+	execSQL(t, raw, "BEGIN")
+	execSQL(t, raw, "SELECT 1")
+	defer execSQL(t, raw, "ROLLBACK")
+
+	code, out, errOut := cli(t, db, "locks", "--json")
+	if code != exitOK {
+		t.Fatalf("locks --json: exit %d, %q", code, errOut)
+	}
+	found := false
+	for _, row := range jsonLines(t, out) {
+		if row["key"] != pgcoord.Int64Key(5150).String() || row["granted"] != true {
+			continue
+		}
+		found = true
+		since, err := time.Parse(time.RFC3339Nano, fmt.Sprint(row["since"]))
+		if err != nil {
+			t.Fatalf("since %v: %v", row["since"], err)
+		}
+		if since.After(takenBy) || !since.Equal(backendStart) {
+			t.Errorf("the holder's since is %v; the lock was held by %v, its backend started at %v", since, takenBy, backendStart)
+		}
+	}
+	if !found {
+		t.Fatalf("no held row for int64:5150 in %s", out)
 	}
 }

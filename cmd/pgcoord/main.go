@@ -25,6 +25,7 @@ import (
 	"os/signal"
 	"runtime/debug"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 	"text/tabwriter"
@@ -312,6 +313,10 @@ func fail(stderr io.Writer, err error) int {
 	case errors.Is(err, pgcoord.ErrNoLeader):
 		fmt.Fprintln(stderr, "pgcoord:", strings.TrimPrefix(err.Error(), "pgcoord: "))
 		return exitNone
+	case isLockTimeout(err):
+		fmt.Fprintf(stderr, "pgcoord: %s\n(another session holds a lock on one of pgcoord's tables, as ALTER TABLE, VACUUM FULL and LOCK TABLE take: pg_locks shows which; try again once it has ended)\n",
+			strings.TrimPrefix(err.Error(), "pgcoord: "))
+		return exitFailure
 	}
 	fmt.Fprintln(stderr, "pgcoord:", strings.TrimPrefix(err.Error(), "pgcoord: "))
 	return exitFailure
@@ -352,9 +357,10 @@ is named by "name" in every command's output.
 
 Exit codes:
   0  success
-  1  failure: the database refused or failed (including a failed connect),
-     or a refusal by pgcoord (release of a backend that is not pgcoord's
-     without --force)
+  1  failure: the database refused or failed (including a failed connect,
+     and a table of pgcoord's that another session kept locked for 5s
+     while a command that reads it waited), or a refusal by pgcoord
+     (release of a backend that is not pgcoord's without --force)
   2  usage: unknown command or flag, bad flag value (an empty --schema,
      say), missing, extra or empty argument (an empty election name or
      NAME), unparsable connection string
@@ -473,13 +479,21 @@ func (e *env) where(cfg *pgconn.Config) string {
 	return "no --db given and DATABASE_URL not set, so " + src + target
 }
 
+// readLockTimeout bounds how long a command that reads pgcoord's tables
+// waits for a lock on one of them: another session's ALTER TABLE, VACUUM
+// FULL or LOCK TABLE would otherwise hold it up unseen, for as long as
+// that session likes. The connection string's lock_timeout, if it sets
+// one, wins.
+const readLockTimeout = 5 * time.Second
+
 // openSchemaPool checks schema, the --schema of a command that reads
-// pgcoord's tables, and opens the pool as openPool does.
+// pgcoord's tables, and opens the pool as openPool does, with
+// readLockTimeout.
 func openSchemaPool(ctx context.Context, e *env, schema string) (*pgxpool.Pool, error) {
 	if err := checkSchema(schema); err != nil {
 		return nil, err
 	}
-	return openPool(ctx, e)
+	return openPool(ctx, e, readLockTimeout)
 }
 
 // encodeLines writes vs to w as JSON, one object per line.
@@ -494,8 +508,10 @@ func encodeLines[T any](w io.Writer, vs []T) error {
 }
 
 // openPool connects to the database, with an application name that shows
-// what the connection is, within the connect timeout.
-func openPool(ctx context.Context, e *env) (*pgxpool.Pool, error) {
+// what the connection is, within the connect timeout. A lockTimeout above
+// 0 is the connections' lock_timeout, unless the connection settings set
+// one.
+func openPool(ctx context.Context, e *env, lockTimeout time.Duration) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(e.db)
 	if err != nil {
 		if e.dbSource == "" {
@@ -505,6 +521,9 @@ func openPool(ctx context.Context, e *env) (*pgxpool.Pool, error) {
 	}
 	if cfg.ConnConfig.RuntimeParams["application_name"] == "" {
 		cfg.ConnConfig.RuntimeParams["application_name"] = cmp.Or(e.appName, "pgcoord-cli")
+	}
+	if _, set := cfg.ConnConfig.RuntimeParams["lock_timeout"]; !set && lockTimeout > 0 {
+		cfg.ConnConfig.RuntimeParams["lock_timeout"] = strconv.FormatInt(lockTimeout.Milliseconds(), 10)
 	}
 	timeout := e.connectTimeout
 	if !e.timeoutSet && cfg.ConnConfig.ConnectTimeout > 0 {
@@ -537,7 +556,7 @@ func openPool(ctx context.Context, e *env) (*pgxpool.Pool, error) {
 
 // openClient opens a pool and a Client on it; close closes both.
 func openClient(ctx context.Context, e *env, opts ...pgcoord.Option) (c *pgcoord.Client, closeAll func(), err error) {
-	pool, err := openPool(ctx, e)
+	pool, err := openPool(ctx, e, 0)
 	if err != nil {
 		return nil, nil, err
 	}

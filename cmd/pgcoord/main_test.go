@@ -308,6 +308,82 @@ func TestRelease(t *testing.T) {
 	if code, _, errOut := cli(t, db, "release", "--pid", "2147483000"); code != exitFailure || !strings.Contains(errOut, "no backend") {
 		t.Errorf("release of no backend: exit %d, %q", code, errOut)
 	}
+
+	// A bad --app is a usage error, found before anything is connected
+	// or terminated.
+	for _, app := range []string{"", strings.Repeat("a", 64)} {
+		code, out, errOut := cli(t, db, "release", "--pid", foreign, "--app", app)
+		if code != exitUsage || !strings.Contains(errOut, "--app must be") || out != "" {
+			t.Errorf("release --app %q: exit %d, %q, %q; want %d and a message about --app", app, code, out, errOut, exitUsage)
+		}
+	}
+}
+
+// The commands that read pgcoord's tables wait for a lock on one of them
+// for readLockTimeout, then fail with a message that says what holds them
+// up, instead of waiting unseen while another session holds the table
+// (here a LOCK TABLE, as an ALTER TABLE or a VACUUM FULL would); migrate,
+// which must have its locks, waits.
+func TestReadCommandsGiveUpOnLockedTables(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*testTimeout)
+	defer cancel()
+	if code, _, errOut := cli(t, db, "migrate"); code != exitOK {
+		t.Fatalf("migrate: exit %d, %q", code, errOut)
+	}
+	locker := pgtest.Conn(t, db)
+	execSQL(t, locker, "BEGIN")
+	execSQL(t, locker, "LOCK TABLE "+pgcoord.DefaultSchema+".leaders, "+pgcoord.DefaultSchema+".semaphores IN ACCESS EXCLUSIVE MODE")
+	var wg sync.WaitGroup
+	for _, args := range [][]string{{"locks"}, {"elections"}, {"leader", "jobs"}, {"semaphores"}} {
+		wg.Go(func() { readWhileLocked(t, db, args) })
+	}
+	wg.Wait()
+
+	// migrate waits for its table until the lock is gone.
+	execSQL(t, locker, "ROLLBACK")
+	execSQL(t, locker, "BEGIN")
+	execSQL(t, locker, "LOCK TABLE "+pgcoord.DefaultSchema+".schema_version IN ACCESS EXCLUSIVE MODE")
+	done := make(chan int, 1)
+	go func() {
+		code, _, _ := cli(t, db, "migrate")
+		done <- code
+	}()
+	watch := pgtest.Conn(t, db)
+	pgtest.Eventually(t, testTimeout, "migrate to wait for the locked table", func() bool {
+		var n int
+		err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+			WHERE NOT l.granted AND l.locktype = 'relation' AND a.application_name = 'pgcoord-cli'`).Scan(&n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n > 0
+	})
+	execSQL(t, locker, "ROLLBACK")
+	select {
+	case code := <-done:
+		if code != exitOK {
+			t.Errorf("migrate after the lock was gone: exit %d", code)
+		}
+	case <-ctx.Done():
+		t.Fatal("migrate did not return after the lock was gone")
+	}
+}
+
+// readWhileLocked runs the read command args, which must give up on a
+// locked table of pgcoord's after readLockTimeout, saying why.
+func readWhileLocked(t *testing.T, db string, args []string) {
+	t.Helper()
+	start := time.Now()
+	code, out, errOut := cli(t, db, args...)
+	took := time.Since(start)
+	if code != exitFailure || !strings.Contains(errOut, "lock timeout") || !strings.Contains(errOut, "another session holds a lock on one of pgcoord's tables") {
+		t.Errorf("%v while pgcoord's tables are locked: exit %d after %v, %q, %q; want %d and a message that says why",
+			args, code, took.Round(time.Millisecond), out, errOut, exitFailure)
+	}
+	if took < readLockTimeout {
+		t.Errorf("%v gave up after %v, before its lock timeout of %v", args, took.Round(time.Millisecond), readLockTimeout)
+	}
 }
 
 // holdersOf returns the pids that hold k in pg_locks.

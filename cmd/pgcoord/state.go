@@ -123,7 +123,7 @@ const locksStateSQL = `SELECT l.classid::int8, l.objid::int8, l.objsubid, l.mode
 	CASE WHEN a.client_port = -1 THEN 'local'
 		WHEN a.client_addr IS NULL THEN ''
 		ELSE host(a.client_addr) || ':' || a.client_port END,
-	CASE WHEN l.granted THEN coalesce(a.xact_start, a.backend_start)
+	CASE WHEN l.granted THEN a.backend_start
 		ELSE coalesce((to_jsonb(l) ->> 'waitstart')::timestamptz, a.query_start) END,
 	CASE WHEN l.granted OR l.pid IS NULL THEN '{}'::int4[] ELSE pg_blocking_pids(l.pid) END
 FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
@@ -414,6 +414,13 @@ func cmpTime(a, b *time.Time) int {
 func isUndefinedTable(err error) bool {
 	var pe *pgconn.PgError
 	return errors.As(err, &pe) && (pe.Code == "42P01" || pe.Code == "3F000")
+}
+
+// isLockTimeout reports whether err says that a statement gave up waiting
+// for a lock (lock_timeout).
+func isLockTimeout(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "55P03"
 }
 
 // checkName returns a usage error unless v is a name pgcoord accepts for

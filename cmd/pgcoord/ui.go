@@ -34,9 +34,6 @@ func uiCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		if len(args) > 0 {
 			return usagef("ui takes no arguments")
 		}
-		if err := checkSchema(*schema); err != nil {
-			return err
-		}
 		if *interval < 100*time.Millisecond || *interval > time.Hour {
 			return usagef("ui: --interval must be 100ms to 1h, got %v", *interval)
 		}
@@ -45,7 +42,7 @@ func uiCmd(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			return err
 		}
 		e.appName = "pgcoord-ui"
-		pool, err := openPool(ctx, e)
+		pool, err := openSchemaPool(ctx, e, *schema)
 		if err != nil {
 			return err
 		}
