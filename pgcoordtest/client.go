@@ -51,8 +51,8 @@ func (ci *clientInfo) record(b pgtest.Backend) {
 //
 // Unlike pgcoord.New's, its Clients are known to [TerminateBackends].
 // An error of the Client's close fails t, unless connString is that of a
-// [Proxy] the test left blackholed, where the close cannot confirm its
-// releases: it is logged then.
+// [Proxy] whose connections the test blackholed, cut or healed, where the
+// close may not be able to confirm its releases: it is logged then.
 func Client(t testing.TB, connString string, opts ...pgcoord.Option) *pgcoord.Client {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(connString)
@@ -102,11 +102,11 @@ func Client(t testing.TB, connString string, opts ...pgcoord.Option) *pgcoord.Cl
 		err := c.Close(ctx)
 		switch {
 		case err == nil:
-		case blackholedProxy(connString):
-			// The test cut the network on purpose: the release cannot
-			// be confirmed, and the server frees the locks when the
-			// proxy closes the connections.
-			t.Logf("pgcoordtest: close Client behind a blackholed Proxy: %v", err)
+		case droppedProxy(connString):
+			// The test dropped the network on purpose: the release
+			// cannot be confirmed, and the server frees the locks when
+			// the proxy closes the connections.
+			t.Logf("pgcoordtest: close Client behind a Proxy that dropped its connections: %v", err)
 		default:
 			t.Errorf("pgcoordtest: close Client: %v", err)
 		}

@@ -22,18 +22,21 @@ type Proxy struct {
 	connString string
 	target     string      // the connection string given to NewProxy
 	blackholed atomic.Bool // between Blackhole and Heal
+	dropped    atomic.Bool // Blackhole, Cut or Heal has been called
 }
 
 // proxies maps the ConnString of every running Proxy to it, so that the
-// cleanup of a Client made on it knows whether the test left its network
-// blackholed.
+// cleanup of a Client made on it knows whether the test dropped its
+// network.
 var proxies sync.Map // string -> *Proxy
 
-// blackholedProxy reports whether connString is the ConnString of a
-// running Proxy that is blackholed.
-func blackholedProxy(connString string) bool {
+// droppedProxy reports whether connString is the ConnString of a running
+// Proxy whose connections the test has blackholed, cut or healed: the
+// Client on it may not have noticed yet that they were closed, or it may
+// be unable to reach the server at all.
+func droppedProxy(connString string) bool {
 	p, ok := proxies.Load(connString)
-	return ok && p.(*Proxy).blackholed.Load()
+	return ok && p.(*Proxy).dropped.Load()
 }
 
 // direct returns connString, or when it is the ConnString of a running
@@ -52,10 +55,11 @@ func direct(connString string) string {
 
 // NewProxy starts a proxy to the server of connString and stops it,
 // closing every connection, in t.Cleanup. It fails t when connString does
-// not parse or no port is free. A test may end with its proxy blackholed:
-// the cleanup of a [Client] made on its ConnString then logs, instead of
-// reporting as an error, that the Client's close could not confirm its
-// releases.
+// not parse or no port is free. A test may end with its proxy blackholed,
+// or right after [Proxy.Cut] or [Proxy.Heal] closed its connections: once
+// any of the three has been called, the cleanup of a [Client] made on its
+// ConnString logs, instead of reporting as an error, that the Client's
+// close could not confirm its releases.
 func NewProxy(t testing.TB, connString string) *Proxy {
 	t.Helper()
 	p := pgtest.NewProxy(t, connString)
@@ -79,6 +83,7 @@ func (p *Proxy) ConnString() string { return p.connString }
 // Blackhole stops forwarding on every connection, present and future,
 // keeping them open on both sides.
 func (p *Proxy) Blackhole() {
+	p.dropped.Store(true)
 	p.blackholed.Store(true)
 	p.p.Blackhole()
 }
@@ -86,12 +91,16 @@ func (p *Proxy) Blackhole() {
 // Cut closes every connection on both sides, as a partition that ends
 // with both sides giving up does; new connections go through as before
 // (unless the proxy is blackholed).
-func (p *Proxy) Cut() { p.p.CloseAll() }
+func (p *Proxy) Cut() {
+	p.dropped.Store(true)
+	p.p.CloseAll()
+}
 
 // Heal ends a Blackhole: it closes every connection (their streams lost
 // bytes while silent) and forwards again on new ones, as when the network
 // comes back and the clients reconnect.
 func (p *Proxy) Heal() {
+	p.dropped.Store(true)
 	p.p.Heal()
 	p.blackholed.Store(false)
 }

@@ -11,17 +11,27 @@ import (
 )
 
 // A test may end while its Proxy is blackholed and its Client still
-// holds a lock: the Client's close then cannot confirm the release, which
-// is what the test asked for, and neither fails the test nor holds up its
-// cleanup. The Client's close gives up after its loss deadline and makes
-// pgx send a cancel request on a new connection through the proxy while
-// the proxy stops; that connection must not keep the proxy's cleanup
-// waiting for the server, which closes it only after
-// authentication_timeout (60 s). A few rounds, since the cancel request
-// races with the proxy's stop.
-func TestProxyBlackholedAtTheEndOfATest(t *testing.T) {
-	for round := range 4 {
-		test := &exampleT{name: "TestEndsBlackholed"}
+// holds a lock, or right after Cut or Heal closed the Client's
+// connections, before the Client has noticed: the Client's close then
+// cannot confirm the release, which is what the test asked for, and
+// neither fails the test nor holds up its cleanup. Behind a blackhole, the
+// Client's close gives up after its loss deadline and makes pgx send a
+// cancel request on a new connection through the proxy while the proxy
+// stops; that connection must not keep the proxy's cleanup waiting for the
+// server, which closes it only after authentication_timeout (60 s). A few
+// rounds, since the cancel request races with the proxy's stop.
+func TestProxyDroppedAtTheEndOfATest(t *testing.T) {
+	endings := []struct {
+		name string
+		drop func(*pgcoordtest.Proxy)
+	}{
+		{"blackholed", (*pgcoordtest.Proxy).Blackhole},
+		{"cut", (*pgcoordtest.Proxy).Cut},
+		{"healed", func(p *pgcoordtest.Proxy) { p.Blackhole(); p.Heal() }},
+	}
+	for round := range 6 {
+		ending := endings[round%len(endings)]
+		test := &exampleT{name: "TestEnds" + ending.name}
 		start := time.Now()
 		done := make(chan struct{})
 		go func() {
@@ -30,10 +40,10 @@ func TestProxyBlackholedAtTheEndOfATest(t *testing.T) {
 			dsn := pgcoordtest.DB(test)
 			p := pgcoordtest.NewProxy(test, dsn)
 			c := pgcoordtest.Client(test, p.ConnString(), short...)
-			if _, err := c.Lock(ctxT(test), pgcoord.HashKey("blackholed at the end")); err != nil {
+			if _, err := c.Lock(ctxT(test), pgcoord.HashKey("dropped at the end")); err != nil {
 				test.Fatal(err)
 			}
-			p.Blackhole()
+			ending.drop(p)
 		}()
 		select {
 		case <-done:
@@ -42,7 +52,7 @@ func TestProxyBlackholedAtTheEndOfATest(t *testing.T) {
 		}
 		elapsed := time.Since(start)
 		if test.Failed() {
-			t.Fatalf("round %d: a test that ended with its Proxy blackholed failed (see its output above)", round)
+			t.Fatalf("round %d: a test that ended with its Proxy %s failed (see its output above)", round, ending.name)
 		}
 		if elapsed > 15*time.Second {
 			t.Fatalf("round %d: the test and its cleanup took %v; want about the loss deadline (1 s)", round, elapsed)
