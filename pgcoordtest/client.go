@@ -125,6 +125,12 @@ func Client(t testing.TB, connString string, opts ...pgcoord.Option) *pgcoord.Cl
 // Locks end with [pgcoord.ErrLockLost], as when an operator or a failover
 // ends them.
 //
+// It ends the backends c has opened by the time it is called: one that c
+// is still opening (for a Lock, run at the same time, that needs a
+// connection of its own) is not among them, and lives on. Call it once c
+// holds, or waits for, what the test means to end: a waiter shows in
+// pg_locks.
+//
 // For a Client made on a [Proxy]'s ConnString, TerminateBackends connects
 // to the server behind the proxy, so it ends the backends even while the
 // proxy is blackholed.
