@@ -3,10 +3,15 @@ package pgcoordtest
 import (
 	"context"
 	"fmt"
+	"net"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -29,17 +34,96 @@ var clients struct {
 
 // clientInfo is what TerminateBackends needs of a Client.
 type clientInfo struct {
-	connString string // the server's, past any Proxy
-	poolApp    string // application_name of the pool's own connections
+	connString string      // the server's, past any Proxy
+	poolApp    string      // application_name of the pool's own connections
+	terminated atomic.Bool // TerminateBackends has ended backends of the Client
 
 	mu       sync.Mutex
-	backends []pgtest.Backend // every backend opened through the Client's pool config
+	backends []pgtest.Backend      // every backend opened through the Client's pool config
+	opening  map[*opening]struct{} // connects under way, whose backends are not recorded yet
 }
 
-func (ci *clientInfo) record(b pgtest.Backend) {
+// opening is one dial of a connect of the Client's, from the call of the
+// dialer until AfterConnect records the backend, or the connect fails and
+// its socket is closed.
+type opening struct {
+	since time.Time
+	conn  net.Conn // nil while the dial runs
+}
+
+func (ci *clientInfo) record(b pgtest.Backend, conn net.Conn) {
 	ci.mu.Lock()
 	defer ci.mu.Unlock()
 	ci.backends = append(ci.backends, b)
+	for o := range ci.opening {
+		if o.conn == conn {
+			delete(ci.opening, o)
+		}
+	}
+}
+
+// dialer wraps dial so that each dial is under way in ci from its call
+// until the connect has ended.
+func (ci *clientInfo) dialer(dial pgconn.DialFunc) pgconn.DialFunc {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		o := &opening{since: time.Now()}
+		ci.mu.Lock()
+		ci.opening[o] = struct{}{}
+		ci.mu.Unlock()
+		conn, err := dial(ctx, network, addr)
+		ci.mu.Lock()
+		defer ci.mu.Unlock()
+		if err != nil {
+			delete(ci.opening, o)
+		} else {
+			o.conn = conn
+		}
+		return conn, err
+	}
+}
+
+// settle waits, for at most settleWait, until every connect that was under
+// way at start has ended: its backend recorded, or its socket closed.
+func (ci *clientInfo) settle(start time.Time) {
+	pgtest.Poll(settleWait, func() bool {
+		ci.mu.Lock()
+		defer ci.mu.Unlock()
+		left := 0
+		for o := range ci.opening {
+			switch {
+			case o.conn != nil && socketClosed(o.conn):
+				delete(ci.opening, o) // the connect failed
+			case o.since.Before(start):
+				left++
+			}
+		}
+		return left == 0
+	})
+}
+
+// settleWait bounds how long TerminateBackends waits for the Client's
+// connects under way to end.
+const settleWait = 10 * time.Second
+
+// socketClosed reports whether conn has been closed.
+func socketClosed(conn net.Conn) bool {
+	sc, ok := conn.(syscall.Conn)
+	if !ok {
+		return false
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return true
+	}
+	return rc.Control(func(uintptr) {}) != nil
+}
+
+// netConn returns the socket under conn's TLS, if any.
+func netConn(conn net.Conn) net.Conn {
+	if tc, ok := conn.(interface{ NetConn() net.Conn }); ok {
+		return tc.NetConn()
+	}
+	return conn
 }
 
 // Client returns a [pgcoord.Client] with opts on a pool of its own for
@@ -50,9 +134,10 @@ func (ci *clientInfo) record(b pgtest.Backend) {
 // refuses opts.
 //
 // Unlike pgcoord.New's, its Clients are known to [TerminateBackends].
-// An error of the Client's close fails t, unless connString is that of a
-// [Proxy] whose connections the test blackholed, cut or healed, where the
-// close may not be able to confirm its releases: it is logged then.
+// An error of the Client's close fails t, unless the test ended the
+// Client's backends ([TerminateBackends]) or connString is that of a
+// [Proxy] whose connections the test blackholed, cut or healed: the close
+// may then be unable to confirm its releases, which is logged.
 func Client(t testing.TB, connString string, opts ...pgcoord.Option) *pgcoord.Client {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(connString)
@@ -61,18 +146,33 @@ func Client(t testing.TB, connString string, opts ...pgcoord.Option) *pgcoord.Cl
 	}
 	// TerminateBackends talks to the server directly, past any Proxy, so
 	// that it works while the proxy is blackholed.
-	ci := &clientInfo{connString: direct(connString), poolApp: cfg.ConnConfig.RuntimeParams["application_name"]}
+	ci := &clientInfo{connString: direct(connString), poolApp: cfg.ConnConfig.RuntimeParams["application_name"], opening: map[*opening]struct{}{}}
 	// The Client opens its dedicated backends through the pool's connect
 	// path, AfterConnect included, so this sees them as well as the
 	// pool's own connections. Each is recorded with its start, so that a
 	// later backend that gets an ended one's pid is not taken for it.
+	// Each connect's dials are followed from the dialer on, so that
+	// TerminateBackends can wait for a connect under way to end.
+	before := cfg.BeforeConnect
+	cfg.BeforeConnect = func(ctx context.Context, cc *pgx.ConnConfig) error {
+		if before != nil {
+			if err := before(ctx, cc); err != nil {
+				return err
+			}
+		}
+		if cc.DialFunc == nil {
+			cc.DialFunc = (&net.Dialer{}).DialContext
+		}
+		cc.DialFunc = ci.dialer(cc.DialFunc)
+		return nil
+	}
 	after := cfg.AfterConnect
 	cfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
 		b, err := pgtest.ThisBackend(ctx, conn)
 		if err != nil {
 			return fmt.Errorf("pgcoordtest: %w", err)
 		}
-		ci.record(b)
+		ci.record(b, netConn(conn.PgConn().Conn()))
 		if after != nil {
 			return after(ctx, conn)
 		}
@@ -107,6 +207,10 @@ func Client(t testing.TB, connString string, opts ...pgcoord.Option) *pgcoord.Cl
 			// cannot be confirmed, and the server frees the locks when
 			// the proxy closes the connections.
 			t.Logf("pgcoordtest: close Client behind a Proxy that dropped its connections: %v", err)
+		case ci.terminated.Load():
+			// The test ended the backends on purpose, and the Client
+			// may not have noticed yet.
+			t.Logf("pgcoordtest: close Client whose backends TerminateBackends ended: %v", err)
 		default:
 			t.Errorf("pgcoordtest: close Client: %v", err)
 		}
@@ -125,11 +229,10 @@ func Client(t testing.TB, connString string, opts ...pgcoord.Option) *pgcoord.Cl
 // Locks end with [pgcoord.ErrLockLost], as when an operator or a failover
 // ends them.
 //
-// It ends the backends c has opened by the time it is called: one that c
-// is still opening (for a Lock, run at the same time, that needs a
-// connection of its own) is not among them, and lives on. Call it once c
-// holds, or waits for, what the test means to end: a waiter shows in
-// pg_locks.
+// It ends the backends c has opened by the time it is called, and those c
+// is opening then (for a Lock, run at the same time, that needs a
+// connection of its own): it waits for such a connect to end, for at most
+// 10 seconds.
 //
 // For a Client made on a [Proxy]'s ConnString, TerminateBackends connects
 // to the server behind the proxy, so it ends the backends even while the
@@ -146,9 +249,11 @@ func TerminateBackends(t testing.TB, c *pgcoord.Client) []int32 {
 	if ci == nil {
 		t.Fatal("pgcoordtest: TerminateBackends: the Client was not made by pgcoordtest.Client (or was already closed)")
 	}
+	ci.settle(time.Now())
 	ci.mu.Lock()
 	backends := append([]pgtest.Backend(nil), ci.backends...)
 	ci.mu.Unlock()
+	ci.terminated.Store(true)
 	ended, err := pgtest.Terminated(ci.connString, backends, ci.poolApp)
 	if err != nil {
 		t.Fatalf("pgcoordtest: TerminateBackends: %v", err)

@@ -2,6 +2,7 @@ package pgcoordtest_test
 
 import (
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -174,5 +175,51 @@ func TestClientDoesNotConnect(t *testing.T) {
 	}
 	if n != 0 {
 		t.Fatalf("%d connections to the database after Client; want none", n)
+	}
+}
+
+// TerminateBackends also ends a backend the Client is opening as it is
+// called: a Lock on a key another Client holds, started just before, needs
+// a connection of its own to wait on. Whatever the stagger between the two,
+// no backend of the Client that started before TerminateBackends was called
+// is left when it returns.
+func TestTerminateBackendsEndsABackendBeingOpened(t *testing.T) {
+	dsn := pgcoordtest.DB(t)
+	other := pgcoordtest.Client(t, dsn, pgcoord.WithApplicationName("other"))
+	key := pgcoord.HashKey("contended")
+	if _, err := other.Lock(ctxT(t), key); err != nil {
+		t.Fatal(err)
+	}
+	admin := connect(t, dsn)
+	count := func(t *testing.T, extra string, args ...any) int {
+		var n int
+		err := admin.QueryRow(ctxT(t), `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND application_name = 'pgcoord' `+extra, args...).Scan(&n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	for round := range 20 {
+		t.Run(fmt.Sprint("round", round), func(t *testing.T) {
+			pgtest.Eventually(t, 10*time.Second, "the backends of earlier rounds to exit", func() bool { return count(t, "") == 0 })
+			c := pgcoordtest.Client(t, dsn, short...)
+			if _, err := c.Lock(ctxT(t), pgcoord.HashKey("own", fmt.Sprint(round))); err != nil {
+				t.Fatal(err)
+			}
+			go func() { _, _ = c.Lock(ctxT(t), key) }()
+			// Not a wait for an outcome: a stagger that moves the call
+			// across the few milliseconds in which the waiting backend
+			// is being opened.
+			time.Sleep(time.Duration(round) * 500 * time.Microsecond)
+			var before time.Time
+			if err := admin.QueryRow(ctxT(t), "SELECT clock_timestamp()").Scan(&before); err != nil {
+				t.Fatal(err)
+			}
+			ended := pgcoordtest.TerminateBackends(t, c)
+			if n := count(t, "AND backend_start < $1", before); n != 0 {
+				t.Fatalf("%d backend(s) of the Client that started before TerminateBackends was called are still running after it returned (it ended %v)", n, ended)
+			}
+		})
 	}
 }

@@ -12,7 +12,8 @@ import (
 
 // A test may end while its Proxy is blackholed and its Client still
 // holds a lock, or right after Cut or Heal closed the Client's
-// connections, before the Client has noticed: the Client's close then
+// connections, or TerminateBackends ended its backends, before the Client
+// has noticed: the Client's close then
 // cannot confirm the release, which is what the test asked for, and
 // neither fails the test nor holds up its cleanup. Behind a blackhole, the
 // Client's close gives up after its loss deadline and makes pgx send a
@@ -20,16 +21,17 @@ import (
 // stops; that connection must not keep the proxy's cleanup waiting for the
 // server, which closes it only after authentication_timeout (60 s). A few
 // rounds, since the cancel request races with the proxy's stop.
-func TestProxyDroppedAtTheEndOfATest(t *testing.T) {
+func TestTestMayEndRightAfterAFault(t *testing.T) {
 	endings := []struct {
 		name string
-		drop func(*pgcoordtest.Proxy)
+		drop func(testing.TB, *pgcoordtest.Proxy, *pgcoord.Client)
 	}{
-		{"blackholed", (*pgcoordtest.Proxy).Blackhole},
-		{"cut", (*pgcoordtest.Proxy).Cut},
-		{"healed", func(p *pgcoordtest.Proxy) { p.Blackhole(); p.Heal() }},
+		{"blackholed", func(_ testing.TB, p *pgcoordtest.Proxy, _ *pgcoord.Client) { p.Blackhole() }},
+		{"cut", func(_ testing.TB, p *pgcoordtest.Proxy, _ *pgcoord.Client) { p.Cut() }},
+		{"healed", func(_ testing.TB, p *pgcoordtest.Proxy, _ *pgcoord.Client) { p.Blackhole(); p.Heal() }},
+		{"terminated", func(t testing.TB, _ *pgcoordtest.Proxy, c *pgcoord.Client) { pgcoordtest.TerminateBackends(t, c) }},
 	}
-	for round := range 6 {
+	for round := range 8 {
 		ending := endings[round%len(endings)]
 		test := &exampleT{name: "TestEnds" + ending.name}
 		start := time.Now()
@@ -43,7 +45,7 @@ func TestProxyDroppedAtTheEndOfATest(t *testing.T) {
 			if _, err := c.Lock(ctxT(test), pgcoord.HashKey("dropped at the end")); err != nil {
 				test.Fatal(err)
 			}
-			ending.drop(p)
+			ending.drop(test, p, c)
 		}()
 		select {
 		case <-done:
@@ -52,7 +54,7 @@ func TestProxyDroppedAtTheEndOfATest(t *testing.T) {
 		}
 		elapsed := time.Since(start)
 		if test.Failed() {
-			t.Fatalf("round %d: a test that ended with its Proxy %s failed (see its output above)", round, ending.name)
+			t.Fatalf("round %d: a test that ended with its Client %s failed (see its output above)", round, ending.name)
 		}
 		if elapsed > 15*time.Second {
 			t.Fatalf("round %d: the test and its cleanup took %v; want about the loss deadline (1 s)", round, elapsed)
