@@ -465,13 +465,7 @@ func TestLocksSinceOfSessionLockInLaterTransaction(t *testing.T) {
 	if err := raw.QueryRow(ctx, "SELECT pg_advisory_lock(4242) IS NOT NULL, clock_timestamp()").Scan(new(bool), &takenBy); err != nil {
 		t.Fatal(err)
 	}
-	pgtest.Eventually(t, testTimeout, "the server's clock to pass the lock's grant", func() bool {
-		var later bool
-		if err := raw.QueryRow(ctx, "SELECT clock_timestamp() > $1", takenBy).Scan(&later); err != nil {
-			t.Fatal(err)
-		}
-		return later
-	})
+	pgtest.AwaitClockPast(t, ctx, raw, takenBy, testTimeout)
 	tx, err := raw.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)

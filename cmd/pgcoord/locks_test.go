@@ -320,13 +320,7 @@ func TestLocksSinceOfSessionLockInLaterTransaction(t *testing.T) {
 	if err := raw.QueryRow(ctx, "SELECT pg_advisory_lock(5150) IS NOT NULL, clock_timestamp(), backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()").Scan(new(bool), &takenBy, &backendStart); err != nil {
 		t.Fatal(err)
 	}
-	pgtest.Eventually(t, testTimeout, "the server's clock to pass the lock's grant", func() bool {
-		var later bool
-		if err := raw.QueryRow(ctx, "SELECT clock_timestamp() > $1", takenBy).Scan(&later); err != nil {
-			t.Fatal(err)
-		}
-		return later
-	})
+	pgtest.AwaitClockPast(t, ctx, raw, takenBy, testTimeout)
 	execSQL(t, raw, "BEGIN")
 	execSQL(t, raw, "SELECT 1")
 	defer execSQL(t, raw, "ROLLBACK")

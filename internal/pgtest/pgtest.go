@@ -317,6 +317,20 @@ func Eventually(t testing.TB, timeout time.Duration, msg string, cond func() boo
 	}
 }
 
+// AwaitClockPast waits, for at most timeout, until the clock of conn's
+// server has passed at, so that what the test does next starts strictly
+// later than at by the server's reckoning; it fails t otherwise.
+func AwaitClockPast(t testing.TB, ctx context.Context, conn *pgx.Conn, at time.Time, timeout time.Duration) {
+	t.Helper()
+	Eventually(t, timeout, "the server's clock to pass "+at.String(), func() bool {
+		var past bool
+		if err := conn.QueryRow(ctx, "SELECT clock_timestamp() > $1", at).Scan(&past); err != nil {
+			t.Fatalf("pgcoord: pgtest: read the server's clock: %v", err)
+		}
+		return past
+	})
+}
+
 // Poll is Eventually that reports whether cond became true within timeout
 // instead of failing the test, for a caller that reports the failure itself
 // (or from another goroutine).
