@@ -274,6 +274,10 @@ func (c *Client) terminate(ctx context.Context, pid int32, force bool) error {
 			OR (EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1)
 				AND NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND backend_start IS DISTINCT FROM $2))`, pid, started).Scan(&alive)
 		if err != nil {
+			if ctx.Err() != nil {
+				// ctx ended while the poll was under way.
+				return errorf("terminate backend %d: signalled, but it has not exited yet: %w", pid, context.Cause(ctx))
+			}
 			return errorf("terminate backend %d: signalled, but could not see it exit: %w", pid, err)
 		}
 		if !alive {
