@@ -547,7 +547,9 @@ var binaryResults = []int16{pgx.BinaryFormatCode}
 // queryRow is conn.QueryRow(ctx, sql, args...).Scan(dest...) for a
 // statement of one key, whose arguments are int64, int32 or string and
 // whose scanned columns are booleans; a nil dest skips its column. It
-// returns pgx.ErrNoRows if the statement returned no row. The caller holds
+// returns pgx.ErrNoRows if the statement returned no row. It runs the
+// statement from its cached description, as pgx does, so the server is not
+// asked to describe the result again. The caller holds
 // the session's connection. A connection with a pgx tracer goes through
 // pgx, so that the tracer sees every statement, as does anything else
 // queryRow does not encode.
@@ -568,7 +570,7 @@ func (s *Session) queryRow(ctx context.Context, conn *pgx.Conn, sql string, args
 			return pgxRow(ctx, conn, sql, args, dest)
 		}
 	}
-	rr := conn.PgConn().ExecPrepared(ctx, sd.Name, params, formats, binaryResults)
+	rr := conn.PgConn().ExecStatement(ctx, sd, params, formats, binaryResults)
 	rows := 0
 	var scanErr error
 	for rr.NextRow() {
