@@ -549,10 +549,10 @@ var binaryResults = []int16{pgx.BinaryFormatCode}
 // whose scanned columns are booleans; a nil dest skips its column. It
 // returns pgx.ErrNoRows if the statement returned no row. It runs the
 // statement from its cached description, as pgx does, so the server is not
-// asked to describe the result again. The caller holds
-// the session's connection. A connection with a pgx tracer goes through
-// pgx, so that the tracer sees every statement, as does anything else
-// queryRow does not encode.
+// asked to describe the result again. The caller holds the session's
+// connection. A connection with a pgx tracer goes through pgx, so that the
+// tracer sees every statement, as does anything else queryRow does not
+// encode.
 func (s *Session) queryRow(ctx context.Context, conn *pgx.Conn, sql string, args []any, dest ...*bool) error {
 	if len(args) > wireMaxArgs || s.traced {
 		return pgxRow(ctx, conn, sql, args, dest)
