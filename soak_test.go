@@ -467,7 +467,7 @@ func (h *soakHistory) operations(ops map[string]bool, f *soakFigures) []porcupin
 			f.acquired++
 			f.target(call.Target).acquired++
 			f.maxFence[call.Target] = max(f.maxFence[call.Target], ret.Fence)
-			out = append(out, h.releaseOperation(id, call.Target, ret, f))
+			out = append(out, h.releaseOperation(id, call, f))
 		case call.Op == "acquire":
 			in.Holder = id
 			f.acquireUnknown++
@@ -495,13 +495,17 @@ func (h *soakHistory) operations(ops map[string]bool, f *soakFigures) []porcupin
 	return out
 }
 
-// releaseOperation is the end of the hold that the acquire id returned
-// (acquired): within its release when that was clean, otherwise after the
-// acquire and no later than endBy.
-func (h *soakHistory) releaseOperation(id, target string, acquired soakEvent, f *soakFigures) porcupine.Operation {
-	op := porcupine.Operation{Input: soakInput{Op: "release", Target: target, Holder: id}, Call: acquired.T, Output: soakOutput{}, Return: h.endBy(id)}
-	rcall, called := h.calls[id+"/release"]
-	if rret, ok := h.rets[id+"/release"]; called && ok && rret.Result == "ok" {
+// releaseOperation is the end of the hold that the acquire id (called)
+// returned: within its release when that was clean, otherwise
+// at any time after the acquire was called and no later than endBy. A
+// hold that was not released cleanly may have ended before its acquire
+// returned: a child paused between the grant and the return while its
+// backend was terminated resumes and returns a lock already lost, which no
+// lock can prevent (its writes are refused as stale).
+func (h *soakHistory) releaseOperation(id string, called soakEvent, f *soakFigures) porcupine.Operation {
+	op := porcupine.Operation{Input: soakInput{Op: "release", Target: called.Target, Holder: id}, Call: called.T, Output: soakOutput{}, Return: h.endBy(id)}
+	rcall, ok := h.calls[id+"/release"]
+	if rret, returned := h.rets[id+"/release"]; ok && returned && rret.Result == "ok" {
 		op.Call, op.Return = rcall.T, rret.T
 		f.released++
 	} else {
@@ -556,6 +560,7 @@ func TestFaultSoakChecker(t *testing.T) {
 	}{
 		{"legal", []porcupine.Operation{acq("a", 0, 1, 1), write("a", 2, 3, 1, "ok"), rel("a", 4, 5), acq("b", 6, 7, 0), acq("c", 8, 9, 3), write("c", 10, 11, 3, "ok"), rel("c", 12, 13)}, true, true},
 		{"lost holder's stale write", []porcupine.Operation{acq("a", 0, 1, 1), rel("a", 1, 20), acq("b", 4, 5, 2), write("a", 6, 7, 1, "stale"), write("b", 6, 7, 2, "ok"), rel("b", 8, 9)}, true, true},
+		{"holder paused between its grant and its return", []porcupine.Operation{acq("a", 0, 10, 1), rel("a", 0, 30), acq("b", 4, 5, 2), write("b", 6, 7, 2, "ok"), rel("b", 8, 9), write("a", 11, 12, 1, "stale")}, true, true},
 		{"cut short", []porcupine.Operation{acq("a", 0, 1, 1), write("a", 2, never, 1, "ok"), rel("a", 1, never), acq("b", 4, 5, 2), write("b", 6, 7, 2, "ok")}, true, true},
 		{"skipped fence", []porcupine.Operation{acq("a", 0, 1, 1), write("a", 2, 3, 1, "ok"), rel("a", 3, never), acq("b", 4, 5, 3), write("a", 6, 7, 1, "stale"), write("b", 6, 7, 3, "ok")}, false, true},
 		{"interleaved writes", []porcupine.Operation{acq("a", 0, 1, 1), rel("a", 1, never), acq("b", 2, 3, 2), write("a", 4, 5, 1, "ok")}, false, false},
