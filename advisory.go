@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"sync"
 	"time"
 )
 
@@ -316,8 +317,9 @@ func (c *Client) acquire(ctx context.Context, s *Session, keys []Key, shared, tr
 // previous holder of a key before this acquire, and this acquire before
 // the lock's end.
 func (c *Client) acquireGated(ctx context.Context, s *Session, r request, start time.Time) (*Lock, error) {
-	ctx, cancel := c.acquireCtx(ctx)
-	defer cancel()
+	actx := c.acquireCtx(ctx)
+	defer actx.end()
+	ctx = actx
 	observed := !start.IsZero()
 	shared, try := r.shared, r.try
 	var queued func()
@@ -419,21 +421,72 @@ func (c *Client) acquireErr(ctx context.Context, r request, err error) error {
 // acquireCtx derives the context of an acquire: it ends with ctx or when
 // the Client closes, whichever is first. Statements of the acquire run on
 // ctx alone (see stmtCtx): the Client's Close cuts their connections, and
-// the lease bounds them, so they need not watch the Client too.
-func (c *Client) acquireCtx(ctx context.Context) (context.Context, context.CancelFunc) {
-	if ctx.Done() == nil {
-		// ctx never ends: the acquire ends only with the Client, at the
-		// cost of no goroutine, timer or registration.
-		return &acquireContext{Context: closingContext{values: ctx, closing: c.closing}, stmt: ctx}, func() {}
-	}
-	merged, cancel := context.WithCancelCause(ctx)
-	stop := context.AfterFunc(c.closing, func() { cancel(ErrClosed) })
-	return &acquireContext{Context: merged, stmt: ctx}, func() { stop(); cancel(nil) }
+// the lease bounds them, so they need not watch the Client too. The
+// caller calls its end once the acquire has returned.
+func (c *Client) acquireCtx(ctx context.Context) *acquireContext {
+	return &acquireContext{stmt: ctx, closing: c.closing}
 }
 
-// An acquireContext bounds an acquire (Context) and remembers the caller's
-// context, which bounds the acquire's statements.
+// An acquireContext bounds an acquire: it ends with the caller's context
+// (stmt), which bounds the acquire's statements, or when the Client closes
+// (closing), whichever is first. The two are joined only once something
+// waits on the acquire's context, asks why it ended or derives a context
+// from it: an acquire whose waits and statements all go straight through,
+// the common case, costs no context, goroutine or registration with
+// either.
 type acquireContext struct {
-	context.Context
-	stmt context.Context
+	stmt    context.Context
+	closing context.Context
+
+	mu     sync.Mutex
+	joined context.Context         // nil until join
+	cancel context.CancelCauseFunc // nil if stmt never ends
+	stop   func() bool             // unregisters cancel from closing
+	ended  bool                    // end was called
 }
+
+// join returns the joined context, made on first use.
+func (a *acquireContext) join() context.Context {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.joined != nil {
+		return a.joined
+	}
+	if a.stmt.Done() == nil {
+		// stmt never ends: the acquire ends only with the Client, at
+		// the cost of no goroutine, timer or registration.
+		a.joined = closingContext{values: a.stmt, closing: a.closing}
+		return a.joined
+	}
+	joined, cancel := context.WithCancelCause(a.stmt)
+	a.joined, a.cancel = joined, cancel
+	switch {
+	case a.ended:
+		cancel(nil)
+	case a.closing.Err() != nil:
+		cancel(ErrClosed) // at once: AfterFunc would set the cause later
+	default:
+		a.stop = context.AfterFunc(a.closing, func() { cancel(ErrClosed) })
+	}
+	return joined
+}
+
+// end releases the joined context, if any; a context joined after end is
+// already cancelled, as the acquire's context was once it returned.
+func (a *acquireContext) end() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.ended = true
+	if a.cancel != nil {
+		if a.stop != nil {
+			a.stop()
+		}
+		a.cancel(nil)
+	}
+}
+
+// Deadline is the caller's: the Client's closing has none.
+func (a *acquireContext) Deadline() (time.Time, bool) { return a.stmt.Deadline() }
+func (a *acquireContext) Done() <-chan struct{}       { return a.join().Done() }
+func (a *acquireContext) Err() error                  { return a.join().Err() }
+func (a *acquireContext) Value(key any) any           { return a.join().Value(key) }

@@ -563,3 +563,63 @@ func TestLimitsHoldConnectionsAndNeverDeadlockOverlappingLockAll(t *testing.T) {
 	}
 	t.Logf("at most %d connections", maxSeen)
 }
+
+// Promise (Client.Close): acquires that keep trying to reach a server that
+// is down (Lock, LockAll, Semaphore.Acquire), their retry interval grown to
+// its longest, end with ErrClosed as soon as Close begins, not at their
+// next retry: Close, which waits for them, returns well within one retry
+// interval.
+func TestCloseEndsAcquiresRetryingWhileServerDown(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	srv := pgtest.NewServer(t)
+	dsn := srv.DB(t)
+	if err := Migrate(ctx, pgtest.Pool(t, dsn)); err != nil {
+		t.Fatal(err)
+	}
+	c, err := New(pgtest.Pool(t, dsn), WithLossDeadline(time.Second), WithHeartbeat(250*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustUnlock(t, mustLockOf(t, ctx, c, HashKey("x", "y")))
+	srv.Stop(t)
+	defer srv.Start(t)
+	calls := map[string]func() error{
+		"Lock":        func() error { _, err := c.Lock(ctx, HashKey("down", "one")); return err },
+		"LockAll":     func() error { _, err := c.LockAll(ctx, HashKey("down", "a"), HashKey("down", "b")); return err },
+		"Sem.Acquire": func() error { _, err := c.Semaphore("down", 1).Acquire(ctx); return err },
+	}
+	type ended struct {
+		name string
+		err  error
+	}
+	results := make(chan ended, len(calls))
+	for name, call := range calls {
+		go func() { results <- ended{name, call()} }()
+	}
+	waiting := time.Now()
+	if !pgtest.Poll(testTimeout, func() bool {
+		return c.Stat().QueuedWaits >= len(calls) && time.Since(waiting) > 3*maxRetryInterval
+	}) {
+		t.Fatalf("the acquires did not queue to retry while the server was down: %+v", c.Stat())
+	}
+	start := time.Now()
+	if err := c.Close(context.Background()); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+	// Each acquire sleeps up to maxRetryInterval between tries; ended by
+	// Close, they all return at once, and Close with them.
+	if took := time.Since(start); took > maxRetryInterval/3 {
+		t.Errorf("Close took %v with acquires retrying, want them ended at once (a retry interval is %v)", took, maxRetryInterval)
+	}
+	for range calls {
+		select {
+		case r := <-results:
+			if !errors.Is(r.err, ErrClosed) {
+				t.Errorf("%s retrying during Close: %v, want ErrClosed", r.name, r.err)
+			}
+		case <-time.After(2 * maxRetryInterval):
+			t.Fatal("an acquire retrying during Close did not return")
+		}
+	}
+}

@@ -101,10 +101,17 @@ const yieldAfter = 10 * time.Millisecond
 func (s *Session) block(ctx context.Context, st blockingStatement) error {
 	select {
 	case s.waitTurn <- struct{}{}:
-	case <-ctx.Done():
-		return context.Cause(ctx)
-	case <-s.done:
-		return s.Err()
+	default:
+		// Wait for the turn. (Taken at once, it asks nothing of ctx: an
+		// acquire's context joins the Client's only for a wait, see
+		// acquireContext.)
+		select {
+		case s.waitTurn <- struct{}{}:
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		case <-s.done:
+			return s.Err()
+		}
 	}
 	defer func() { <-s.waitTurn }()
 	last := len(st.args) - 1
@@ -148,7 +155,10 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 			})
 		} else {
 			// Any end of ctx ends the slice at once, with ctx's cause.
-			sctx, cancel = context.WithCancelCause(ctx)
+			// An acquire's slice watches the caller's context alone:
+			// the Client's Close ends the session, which interrupts the
+			// slice with ErrClosed (see Session.end).
+			sctx, cancel = context.WithCancelCause(stmtCtx(ctx))
 		}
 		// The server ends the statement within the slice; should it not
 		// answer (a loaded server, a lock it waits for that lock_timeout
@@ -254,10 +264,14 @@ func (s *Session) grabForWait(ctx context.Context, interrupt func(error), quick 
 	for {
 		select {
 		case s.use <- struct{}{}:
-		case <-ctx.Done():
-			return context.Cause(ctx)
-		case <-s.done:
-			return s.Err()
+		default:
+			select {
+			case s.use <- struct{}{}:
+			case <-ctx.Done():
+				return context.Cause(ctx)
+			case <-s.done:
+				return s.Err()
+			}
 		}
 		s.state.Lock()
 		if s.err != nil {

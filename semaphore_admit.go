@@ -68,8 +68,9 @@ func (s *Semaphore) take(ctx context.Context, try bool) (*Permit, error) {
 		return nil, s.fail(ctx, op, err)
 	}
 	defer c.wg.Done()
-	ctx, cancel := c.acquireCtx(ctx)
-	defer cancel()
+	actx := c.acquireCtx(ctx)
+	defer actx.end()
+	ctx = actx
 
 	p, adm, err := s.admitRiding(ctx, try)
 	switch {
