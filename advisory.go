@@ -471,8 +471,9 @@ func (a *acquireContext) join() context.Context {
 	return joined
 }
 
-// end releases the joined context, if any; a context joined after end is
-// already cancelled, as the acquire's context was once it returned.
+// end releases the joined context, if any. A context joined after end is
+// already cancelled, as the acquire's context was once it returned; one
+// whose caller's context never ends ends with the Client, as before.
 func (a *acquireContext) end() {
 	a.mu.Lock()
 	defer a.mu.Unlock()

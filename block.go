@@ -156,8 +156,10 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 		} else {
 			// Any end of ctx ends the slice at once, with ctx's cause.
 			// An acquire's slice watches the caller's context alone:
-			// the Client's Close ends the session, which interrupts the
-			// slice with ErrClosed (see Session.end).
+			// the Client's Close ends every session it tracks, and a
+			// session's end interrupts its slice with ErrClosed (see
+			// Session.end). A session that no Client tracks would need
+			// the acquire's whole context here.
 			sctx, cancel = context.WithCancelCause(stmtCtx(ctx))
 		}
 		// The server ends the statement within the slice; should it not
