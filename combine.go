@@ -241,7 +241,7 @@ func (s *Session) settleCall(ctx context.Context, c *keyCall) (bool, error) {
 
 // callOne runs fn of k alone while the caller holds the connection.
 func (s *Session) callOne(ctx context.Context, fn string, k Key) (ok bool, err error) {
-	sql, args := singleKeySQL(fn, "SELECT %s", k, s.pid)
+	sql, args := singleKeySQL(fn, selectForm, k, s.pid)
 	err = s.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 		return s.wrongBackend(s.queryRow(ctx, conn, sql, args, &ok))
 	})

@@ -7,7 +7,7 @@ import (
 	"iter"
 	"slices"
 	"strings"
-	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -524,7 +524,7 @@ func lockSQL(fn string, keys []Key) (string, []any) {
 // unlockSQL releases keys: one boolean column per key.
 func unlockSQL(fn string, keys []Key, pid int32) (string, []any) {
 	if len(keys) == 1 {
-		return singleKeySQL(fn, "SELECT %s", keys[0], pid)
+		return singleKeySQL(fn, selectForm, keys[0], pid)
 	}
 	var b strings.Builder
 	b.WriteString("SELECT ")
@@ -538,7 +538,7 @@ func unlockSQL(fn string, keys []Key, pid int32) (string, []any) {
 // order, and only as far as needed).
 func trySQL(fn string, keys []Key, pid int32) (string, []any) {
 	if len(keys) == 1 {
-		return singleKeySQL(fn, "SELECT %s", keys[0], pid)
+		return singleKeySQL(fn, selectForm, keys[0], pid)
 	}
 	var b strings.Builder
 	args := tryCase(&b, fn, keys, make([]any, 0, 2*len(keys)+1))
@@ -569,7 +569,7 @@ func tryCase(b *strings.Builder, fn string, keys []Key, args []any) []any {
 // in.
 func waitSQL(fn string, keys []Key, pid int32) (string, []any) {
 	if len(keys) == 1 {
-		sql, args := singleKeySQL(fn, "SELECT set_config('lock_timeout', $%d, true), %s", keys[0], pid)
+		sql, args := singleKeySQL(fn, waitForm, keys[0], pid)
 		return sql, append(args, "")
 	}
 	var b strings.Builder
@@ -586,53 +586,89 @@ func waitSQL(fn string, keys []Key, pid int32) (string, []any) {
 // without the setting of lock_timeout (see blockingStatement.bare).
 func tryThenWaitSQL(k Key, shared bool, pid int32) (sql, bare string, args []any) {
 	_, _, pair := k.Pair()
-	ck := singleKey{"try-then-wait", lockFunc(shared, false), pair}
-	texts, ok := singleKeyCache.Load(ck)
-	if !ok {
+	slot := &tryThenWaitTexts[b2i(shared)][b2i(pair)]
+	texts := slot.Load()
+	if texts == nil {
 		list, args := k.sqlArgs(1, nil)
 		format := "SELECT %s, CASE WHEN %s(%s) THEN true ELSE %s(%s) IS NULL END WHERE pg_backend_pid() = $%d"
 		setting := fmt.Sprintf("set_config('lock_timeout', $%d, true)", len(args)+2)
-		texts, _ = singleKeyCache.LoadOrStore(ck, [2]string{
+		texts = &[2]string{
 			fmt.Sprintf(format, setting, lockFunc(shared, true), list, lockFunc(shared, false), list, len(args)+1),
 			fmt.Sprintf(format, "NULL", lockFunc(shared, true), list, lockFunc(shared, false), list, len(args)+1),
-		})
+		}
+		slot.Store(texts)
 	}
-	t := texts.([2]string)
 	if a, b, pair := k.Pair(); pair {
-		return t[0], t[1], []any{a, b, pid, ""}
+		return texts[0], texts[1], []any{a, b, pid, ""}
 	}
-	return t[0], t[1], []any{k.v, pid, ""}
+	return texts[0], texts[1], []any{k.v, pid, ""}
 }
+
+// tryThenWaitTexts caches tryThenWaitSQL's texts, by mode (shared) and
+// key form (pair).
+var tryThenWaitTexts [2][2]atomic.Pointer[[2]string]
 
 // singleKeySQL builds the statement for one key from a cache: the common
 // case builds no SQL. format has a %s for the key's call and guard, and
 // may have a %d before it for the number of the argument after them.
 func singleKeySQL(fn, format string, k Key, pid int32) (string, []any) {
 	_, _, pair := k.Pair()
-	ck := singleKey{fn, format, pair}
-	sql, ok := singleKeyCache.Load(ck)
-	if !ok {
+	var slot *atomic.Pointer[string]
+	if f, ff := slices.Index(keyFuncs[:], fn), slices.Index(singleKeyForms[:], format); f >= 0 && ff >= 0 {
+		slot = &singleKeyTexts[f][ff][b2i(pair)]
+	}
+	var sql *string
+	if slot != nil {
+		sql = slot.Load()
+	}
+	if sql == nil {
 		var b strings.Builder
 		args := selectKeys(&b, fn, []Key{k}, nil)
 		text, args := guard(&b, args, pid)
 		if strings.Contains(format, "%d") {
-			sql, _ = singleKeyCache.LoadOrStore(ck, fmt.Sprintf(format, len(args)+1, text))
+			text = fmt.Sprintf(format, len(args)+1, text)
 		} else {
-			sql, _ = singleKeyCache.LoadOrStore(ck, fmt.Sprintf(format, text))
+			text = fmt.Sprintf(format, text)
+		}
+		sql = &text
+		if slot != nil {
+			slot.Store(sql)
 		}
 	}
 	if a, b, pair := k.Pair(); pair {
-		return sql.(string), []any{a, b, pid}
+		return *sql, []any{a, b, pid}
 	}
-	return sql.(string), []any{k.v, pid}
+	return *sql, []any{k.v, pid}
 }
 
-type singleKey struct {
-	fn, format string
-	pair       bool
-}
+// keyFuncs are the advisory lock functions of one key that the lock core
+// calls, and singleKeyForms the statements singleKeySQL puts one call in;
+// singleKeyTexts caches the texts of each, by key form (pair), built on
+// first use. (A function or form not listed is built every time.)
+var (
+	keyFuncs = [...]string{
+		"pg_try_advisory_lock", "pg_try_advisory_lock_shared",
+		"pg_advisory_lock", "pg_advisory_lock_shared",
+		"pg_advisory_unlock", "pg_advisory_unlock_shared",
+	}
+	singleKeyForms = [...]string{selectForm, waitForm}
+	singleKeyTexts [len(keyFuncs)][len(singleKeyForms)][2]atomic.Pointer[string]
+)
 
-var singleKeyCache sync.Map
+// The forms of singleKeySQL: the call alone, and the call after the
+// setting of the statement's lock_timeout (waitSQL).
+const (
+	selectForm = "SELECT %s"
+	waitForm   = "SELECT set_config('lock_timeout', $%d, true), %s"
+)
+
+// b2i is 1 for true and 0 for false.
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
 
 func lockFunc(shared, try bool) string {
 	switch {

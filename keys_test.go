@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"testing"
 
@@ -78,6 +79,29 @@ func TestKeyBasics(t *testing.T) {
 			slow, slowArgs := guard(&b, selectKeys(&b, fn, []Key{k}, nil), 7)
 			if fast != slow || fmt.Sprint(fastArgs) != fmt.Sprint(slowArgs) {
 				t.Errorf("unlockSQL(%s, %v) = %q %v, builder gives %q %v", fn, k, fast, fastArgs, slow, slowArgs)
+			}
+		}
+	}
+	// Every function of one key the lock core calls, in each form, has
+	// its text cached once built, for each key form.
+	fns := []string{unlockFunc(false), unlockFunc(true)}
+	for _, shared := range []bool{false, true} {
+		for _, try := range []bool{false, true} {
+			fns = append(fns, lockFunc(shared, try))
+		}
+	}
+	for _, fn := range fns {
+		for fi, form := range singleKeyForms {
+			for _, k := range []Key{Int64Key(-3), PairKey(-1, 2)} {
+				f := slices.Index(keyFuncs[:], fn)
+				if f < 0 {
+					t.Fatalf("%s is not among keyFuncs: its statements are built anew each time", fn)
+				}
+				first, _ := singleKeySQL(fn, form, k, 7)
+				_, _, pair := k.Pair()
+				if cached := singleKeyTexts[f][fi][b2i(pair)].Load(); cached == nil || *cached != first {
+					t.Errorf("singleKeySQL(%s, %q, %v) = %q, cached %v", fn, form, k, first, cached)
+				}
 			}
 		}
 	}
