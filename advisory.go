@@ -233,7 +233,7 @@ func (l *Lock) do(ctx context.Context, fn func(ctx context.Context) error) error
 	go func() {
 		defer close(watched)
 		select {
-		case <-l.done:
+		case <-l.Done():
 			cancel(l.Err())
 		case <-fnDone:
 		}
@@ -489,5 +489,23 @@ func (a *acquireContext) end() {
 // Deadline is the caller's: the Client's closing has none.
 func (a *acquireContext) Deadline() (time.Time, bool) { return a.stmt.Deadline() }
 func (a *acquireContext) Done() <-chan struct{}       { return a.join().Done() }
-func (a *acquireContext) Err() error                  { return a.join().Err() }
 func (a *acquireContext) Value(key any) any           { return a.join().Value(key) }
+
+// Err is the joined context's error; before the two are joined it tells
+// the same without joining them: the caller's error, or Canceled once the
+// Client closes.
+func (a *acquireContext) Err() error {
+	a.mu.Lock()
+	joined, ended := a.joined != nil, a.ended
+	a.mu.Unlock()
+	if joined || ended {
+		return a.join().Err()
+	}
+	if err := a.stmt.Err(); err != nil {
+		return err
+	}
+	if a.closing.Err() != nil {
+		return context.Canceled
+	}
+	return nil
+}

@@ -121,9 +121,7 @@ func (s *Session) sendCalls(ctx context.Context, fn string, k Key, own *keyCall)
 		s.passCalls()
 		return false, err
 	}
-	if ctx.Done() != nil {
-		ctx = context.WithoutCancel(ctx) // see run
-	}
+	ctx = detached(ctx) // see run
 	s.state.Lock()
 	n := min(len(s.calls.queue), maxKeysCombined-1)
 	if n == 0 {

@@ -284,6 +284,19 @@ func (s *Session) lose(cause error) {
 // ctx. A blocking acquire that waits on the connection is interrupted and
 // resumes after. The caller must call release.
 func (s *Session) grab(ctx context.Context) error {
+	select {
+	case s.use <- struct{}{}:
+		// Free: no statement runs, so there is nothing to interrupt and
+		// nobody to queue behind (a caller that waited for the
+		// connection is handed it as it is released, before anyone
+		// else can take it here).
+		if err := s.Err(); err != nil {
+			<-s.use
+			return err
+		}
+		return nil
+	default:
+	}
 	s.state.Lock()
 	if s.err != nil {
 		s.state.Unlock()
@@ -380,10 +393,19 @@ func (s *Session) run(ctx context.Context, f func(ctx context.Context, conn *pgx
 		return err
 	}
 	defer s.release()
+	return s.exec(detached(ctx), f)
+}
+
+// detached returns a context with ctx's values that never ends, for a
+// statement that runs to its answer once sent (see run). For an acquire's
+// context, whose statements run on the caller's context (see stmtCtx),
+// that is the caller's, detached, and the acquire's is left unjoined.
+func detached(ctx context.Context) context.Context {
+	ctx = stmtCtx(ctx)
 	if ctx.Done() != nil {
 		ctx = context.WithoutCancel(ctx)
 	}
-	return s.exec(ctx, f)
+	return ctx
 }
 
 // exec runs f while the caller holds the connection. An answer from the
