@@ -253,7 +253,7 @@ func (c *Client) handoff(l *Lock) bool {
 		if _, ok := s.locks[l]; !ok || s.err != nil {
 			return nil
 		}
-		next := &Lock{s: s, keys: l.keys, done: make(chan struct{})} // claimed by its acquire
+		next := &Lock{s: s, keys: l.keys} // claimed by its acquire
 		if s.c.observed() {
 			next.since = time.Now()
 		}

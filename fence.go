@@ -336,7 +336,7 @@ func (s *Session) issueFence(ctx context.Context, l *Lock) error {
 	defer cancel(nil)
 	go func() {
 		select {
-		case <-l.done:
+		case <-l.Done():
 			cancel(l.Err())
 		case <-ctx.Done():
 		}

@@ -332,7 +332,7 @@ func (q *hookQueue) permitAcquired(sem *Semaphore, try bool, start time.Time, p 
 	}
 	q.permits.Store(p.l, p)
 	select {
-	case <-p.l.done:
+	case <-p.l.Done():
 		// It ended before it was registered: its backend's end found
 		// nothing to report.
 		why := p.l.Err()

@@ -24,11 +24,15 @@ type Lock struct {
 	releasing bool  // Unlock has begun
 	gated     bool  // claimed: the lock, not its acquire, owns its keys' in-process gates (see claim)
 	endUntold bool  // it ended before its claim, which reports the end after the acquire
-	done      chan struct{}
+	// done is Done's channel, made on first use (most locks are unlocked
+	// without anyone waiting on it); closed is set, and done closed if
+	// made, once the lock has ended and then has run (see finishThen).
+	done   chan struct{}
+	closed bool
 }
 
 func newLock(s *Session, r request) *Lock {
-	l := &Lock{s: s, keys: r.keys, shared: r.shared, done: make(chan struct{})}
+	l := &Lock{s: s, keys: r.keys, shared: r.shared}
 	l.unreported.Store(r.internal)
 	if s.c.observed() {
 		l.since = time.Now()
@@ -49,7 +53,17 @@ func (l *Lock) Fence() Term { return Term(l.fence) }
 
 // Done returns a channel that is closed when the lock ends: by Unlock, by
 // the end of its session or Client, or by loss.
-func (l *Lock) Done() <-chan struct{} { return l.done }
+func (l *Lock) Done() <-chan struct{} {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.done == nil {
+		l.done = make(chan struct{})
+		if l.closed {
+			close(l.done)
+		}
+	}
+	return l.done
+}
 
 // Err returns nil while the lock is held. After Done is closed it returns
 // an error wrapping [ErrLockLost] (and the cause) if the lock was lost,
@@ -85,7 +99,13 @@ func (l *Lock) finishThen(why error, report bool, then func(gated bool)) bool {
 	if then != nil {
 		then(gated)
 	}
-	close(l.done)
+	l.mu.Lock()
+	l.closed = true
+	done := l.done
+	l.mu.Unlock()
+	if done != nil {
+		close(done)
+	}
 	return true
 }
 
@@ -187,7 +207,7 @@ func (l *Lock) Unlock(ctx context.Context) error {
 	if err := s.c.enter(); err != nil {
 		// Close has begun: it ends the lock, and reports its end,
 		// before it returns.
-		<-l.done
+		<-l.Done()
 		return errorf("unlock %s: %w", keyList(l.keys), l.Err())
 	}
 	// Close waits for the release, and its report, from here on.
@@ -198,7 +218,7 @@ func (l *Lock) Unlock(ctx context.Context) error {
 	s.state.Unlock()
 	if !mine {
 		// The session ended meanwhile and is ending this lock.
-		<-l.done
+		<-l.Done()
 		return errorf("unlock %s: %w", keyList(l.keys), l.Err())
 	}
 	// The release is bounded by the session's lease: with no answer

@@ -398,7 +398,7 @@ func (p *Permit) Release(ctx context.Context) error {
 	b.state.Unlock()
 	if !mine {
 		// The backend ended meanwhile and is ending the permit.
-		<-l.done
+		<-l.Done()
 		return s.fail(ctx, "release", l.Err())
 	}
 	err := b.run(context.WithoutCancel(ctx), func(ctx context.Context, conn *pgx.Conn) error {

@@ -368,7 +368,7 @@ func (b *Session) adopt(k Key) (*Lock, error) {
 			b.keys[k] = &keyHold{n: 1}
 			// No gate: the row lock of semaphore_acquire, not this
 			// process, decides who takes a slot.
-			l := &Lock{s: b, keys: []Key{k}, done: make(chan struct{})}
+			l := &Lock{s: b, keys: []Key{k}}
 			l.unreported.Store(true) // a permit, not a Lock of the hooks
 			b.locks[l] = struct{}{}
 			b.state.Unlock()
