@@ -200,14 +200,18 @@ func compareKeys(x, y Key) int {
 // returns an error wrapping ErrInvalidKey if keys is empty or holds an
 // invalid key.
 func canonicalKeys(keys []Key) ([]Key, error) {
-	if len(keys) == 0 {
+	switch len(keys) {
+	case 0:
 		return nil, errorf("%w: no keys given", ErrInvalidKey)
+	case 1:
+		if err := keys[0].check(); err != nil {
+			return nil, err
+		}
+		return []Key{keys[0]}, nil
 	}
 	for i, k := range keys {
-		if err := k.check(); err != nil && len(keys) > 1 {
+		if err := k.check(); err != nil {
 			return nil, errorf("key %d of %d: %w", i+1, len(keys), err)
-		} else if err != nil {
-			return nil, err
 		}
 	}
 	out := slices.Clone(keys)
