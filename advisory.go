@@ -491,9 +491,10 @@ func (a *acquireContext) Deadline() (time.Time, bool) { return a.stmt.Deadline()
 func (a *acquireContext) Done() <-chan struct{}       { return a.join().Done() }
 func (a *acquireContext) Value(key any) any           { return a.join().Value(key) }
 
-// Err is the joined context's error; before the two are joined it tells
-// the same without joining them: the caller's error, or Canceled once the
-// Client closes.
+// Err is the joined context's error. Before the two are joined it asks
+// the caller's context, and joins them only once the Client has closed
+// first: the joined context then ends with ErrClosed as its cause, and
+// Err stays what it first was whatever the caller's context does later.
 func (a *acquireContext) Err() error {
 	a.mu.Lock()
 	joined, ended := a.joined != nil, a.ended
@@ -505,7 +506,7 @@ func (a *acquireContext) Err() error {
 		return err
 	}
 	if a.closing.Err() != nil {
-		return context.Canceled
+		return a.join().Err()
 	}
 	return nil
 }
