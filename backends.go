@@ -276,10 +276,7 @@ func (c *Client) take(ctx context.Context, r request) (*Lock, error) {
 		case err == nil:
 			return l, nil
 		case ctx.Err() != nil:
-			if last != nil && !errors.Is(err, last) {
-				err = withLastConnErr(err, last)
-			}
-			return nil, err
+			return nil, endedWhileRetrying(ctx, err, last)
 		case errors.Is(err, errRoute) && routed < maxRoutes:
 			routed++
 			continue

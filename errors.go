@@ -149,6 +149,21 @@ func withLastConnErr(err, last error) error {
 	return &lastConnError{errorf("%w (last connection error: %w)", err, last)}
 }
 
+// endedWhileRetrying is the error of a call that kept trying to reach the
+// server until ctx ended: ctx's cause joined with the last connection
+// error. err is the last attempt's error; when that attempt failed for the
+// server, not for ctx (ctx ended while it was under way), it is the last
+// connection error, and ctx's cause still comes first.
+func endedWhileRetrying(ctx context.Context, err, last error) error {
+	if cause := ctxCause(ctx); cause != nil && !errors.Is(err, cause) && connectionTrouble(err) {
+		err, last = cause, err
+	}
+	if last != nil && !errors.Is(err, last) {
+		err = withLastConnErr(err, last)
+	}
+	return err
+}
+
 // ctxCause is context.Cause(ctx), also in the moment after ctx's deadline
 // passed and before ctx's timer ended it (a dial, a read or a wait slice
 // cut to the deadline can time out first): it then waits for the timer,

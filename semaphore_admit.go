@@ -143,9 +143,7 @@ func (s *Semaphore) admitRiding(ctx context.Context, try bool) (*Permit, admissi
 			}
 			fallthrough
 		default:
-			if last != nil && !errors.Is(err, last) {
-				err = withLastConnErr(err, last)
-			}
+			err = endedWhileRetrying(ctx, err, last)
 		}
 		return p, adm, err
 	}
