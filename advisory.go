@@ -450,6 +450,12 @@ func (a *acquireContext) join() context.Context {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.joined != nil {
+		if a.cancel != nil && a.closing.Err() != nil {
+			// The Client has closed: end the joined context now, not
+			// when AfterFunc's goroutine runs, so that whoever asks
+			// sees ErrClosed at once. (A no-op if it ended before.)
+			a.cancel(ErrClosed)
+		}
 		return a.joined
 	}
 	if a.stmt.Done() == nil {

@@ -155,8 +155,13 @@ func withLastConnErr(err, last error) error {
 // server, not for ctx (ctx ended while it was under way), it is the last
 // connection error, and ctx's cause still comes first.
 func endedWhileRetrying(ctx context.Context, err, last error) error {
-	if cause := ctxCause(ctx); cause != nil && !errors.Is(err, cause) && connectionTrouble(err) {
-		err, last = cause, err
+	if cause := ctxCause(ctx); cause != nil && !errors.Is(err, cause) {
+		// The attempt under way as ctx ended failed for the server, or
+		// was cut short with ctx: either way ctx's end is the error.
+		if connectionTrouble(err) {
+			last = err
+		}
+		err = cause
 	}
 	if last != nil && !errors.Is(err, last) {
 		err = withLastConnErr(err, last)
