@@ -10,6 +10,7 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"math/rand/v2"
 	"net"
@@ -577,42 +578,66 @@ func TestCloseEndsAcquiresRetryingWhileServerDown(t *testing.T) {
 	if err := Migrate(ctx, pgtest.Pool(t, dsn)); err != nil {
 		t.Fatal(err)
 	}
-	c, err := New(pgtest.Pool(t, dsn), WithLossDeadline(time.Second), WithHeartbeat(250*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
+	// Three Clients, whose acquires all start together and so retry in
+	// step. They are closed a third of a retry interval apart: were the
+	// acquires ended only by their next retry, at most one Close could
+	// come within a sixth of an interval of it.
+	const clients = 3
+	cs := make([]*Client, clients)
+	for i := range cs {
+		c, err := New(pgtest.Pool(t, dsn), WithLossDeadline(time.Second), WithHeartbeat(250*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		mustUnlock(t, mustLockOf(t, ctx, c, HashKey("x", fmt.Sprint(i))))
+		cs[i] = c
 	}
-	mustUnlock(t, mustLockOf(t, ctx, c, HashKey("x", "y")))
 	srv.Stop(t)
 	defer srv.Start(t)
-	calls := map[string]func() error{
-		"Lock":        func() error { _, err := c.Lock(ctx, HashKey("down", "one")); return err },
-		"LockAll":     func() error { _, err := c.LockAll(ctx, HashKey("down", "a"), HashKey("down", "b")); return err },
-		"Sem.Acquire": func() error { _, err := c.Semaphore("down", 1).Acquire(ctx); return err },
-	}
 	type ended struct {
 		name string
 		err  error
 	}
-	results := make(chan ended, len(calls))
-	for name, call := range calls {
-		go func() { results <- ended{name, call()} }()
+	results := make(chan ended, 3*clients)
+	for i, c := range cs {
+		calls := map[string]func() error{
+			"Lock": func() error { _, err := c.Lock(ctx, HashKey("down", fmt.Sprint(i))); return err },
+			"LockAll": func() error {
+				_, err := c.LockAll(ctx, HashKey("down", "a", fmt.Sprint(i)), HashKey("down", "b", fmt.Sprint(i)))
+				return err
+			},
+			"Sem.Acquire": func() error { _, err := c.Semaphore(fmt.Sprint("down", i), 1).Acquire(ctx); return err },
+		}
+		for name, call := range calls {
+			go func() { results <- ended{fmt.Sprintf("%s of Client %d", name, i), call()} }()
+		}
 	}
 	waiting := time.Now()
 	if !pgtest.Poll(testTimeout, func() bool {
-		return c.Stat().QueuedWaits >= len(calls) && time.Since(waiting) > 3*maxRetryInterval
+		for _, c := range cs {
+			if c.Stat().QueuedWaits < 3 {
+				return false
+			}
+		}
+		return time.Since(waiting) > 3*maxRetryInterval
 	}) {
-		t.Fatalf("the acquires did not queue to retry while the server was down: %+v", c.Stat())
+		t.Fatal("the acquires did not queue to retry while the server was down")
 	}
-	start := time.Now()
-	if err := c.Close(context.Background()); err != nil {
-		t.Errorf("Close: %v", err)
+	base := time.Now()
+	for i, c := range cs {
+		// A deliberate offset between the Closes, not a wait for an
+		// outcome: it moves each Close to another point of the retry
+		// interval (see above).
+		time.Sleep(time.Until(base.Add(time.Duration(i) * maxRetryInterval / clients)))
+		start := time.Now()
+		if err := c.Close(context.Background()); err != nil {
+			t.Errorf("Close of Client %d: %v", i, err)
+		}
+		if took := time.Since(start); took > maxRetryInterval/6 {
+			t.Errorf("Close of Client %d took %v with acquires retrying, want them ended at once (a retry interval is %v)", i, took, maxRetryInterval)
+		}
 	}
-	// Each acquire sleeps up to maxRetryInterval between tries; ended by
-	// Close, they all return at once, and Close with them.
-	if took := time.Since(start); took > maxRetryInterval/3 {
-		t.Errorf("Close took %v with acquires retrying, want them ended at once (a retry interval is %v)", took, maxRetryInterval)
-	}
-	for range calls {
+	for range 3 * clients {
 		select {
 		case r := <-results:
 			if !errors.Is(r.err, ErrClosed) {
