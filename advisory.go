@@ -503,16 +503,10 @@ func (a *acquireContext) Value(key any) any           { return a.join().Value(ke
 // Err stays what it first was whatever the caller's context does later.
 func (a *acquireContext) Err() error {
 	a.mu.Lock()
-	joined, ended := a.joined != nil, a.ended
+	untouched := a.joined == nil && !a.ended
 	a.mu.Unlock()
-	if joined || ended {
-		return a.join().Err()
+	if untouched && a.closing.Err() == nil {
+		return a.stmt.Err()
 	}
-	if err := a.stmt.Err(); err != nil {
-		return err
-	}
-	if a.closing.Err() != nil {
-		return a.join().Err()
-	}
-	return nil
+	return a.join().Err()
 }
