@@ -217,8 +217,8 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 		// intact).
 		yielded := errors.Is(cause, errYield)
 		interrupted := (yielded || errors.Is(cause, errSliceOver)) &&
-			(pgCode(err) == "57014" || errors.Is(err, context.Canceled) && !s.conn.IsClosed())
-		sliceEnded := interrupted || pgCode(err) == "55P03" && st.glance == 0 || err == errNotDurable
+			(sqlState(err) == "57014" || errors.Is(err, context.Canceled) && !s.conn.IsClosed())
+		sliceEnded := interrupted || sqlState(err) == "55P03" && st.glance == 0 || err == errNotDurable
 		if err == nil || ctx.Err() != nil || s.Err() != nil || !sliceEnded {
 			s.release()
 			if err == errNotDurable {

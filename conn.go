@@ -215,7 +215,7 @@ func permanentConnectError(err error) bool {
 	if errors.Is(err, ErrTransactionPooling) || errors.Is(err, errConnConfig) {
 		return true
 	}
-	code := pgCode(err)
+	code := sqlState(err)
 	return strings.HasPrefix(code, "28") || code == "3D000" || code == "42501" || code == "42704" || code == "22023"
 }
 
@@ -326,7 +326,7 @@ func (c *Client) dial(ctx context.Context) (*pgx.Conn, error) {
 // connectError explains a failed connect; running out of connection slots
 // wraps ErrTooManyConnections.
 func connectError(err error) error {
-	if pgCode(err) == "53300" {
+	if sqlState(err) == "53300" {
 		return errorf("open connection: %w: the server has no free connection slot (SQLSTATE 53300); raise max_connections, close idle connections elsewhere, or lower WithMaxWaits: %w", ErrTooManyConnections, err)
 	}
 	return errorf("open connection: %w", err)

@@ -403,7 +403,7 @@ func (c *Client) blockAway(ctx context.Context, home *Session, st, away blocking
 	poll := minPollInterval
 	for {
 		err := home.block(ctx, st)
-		if code := pgCode(err); code != "55P03" && code != "40P01" || home.Err() != nil {
+		if code := sqlState(err); code != "55P03" && code != "40P01" || home.Err() != nil {
 			return err
 		}
 		b, done, err := c.waitBackend(ctx)

@@ -214,7 +214,7 @@ func newTestRole(t testing.TB, dsn, prefix string) (role, roleDSN string) {
 	admin := pgtest.Conn(t, dsn)
 	role = fmt.Sprintf("%s_%d_%d", prefix, os.Getpid(), time.Now().UnixNano()%1e9)
 	if _, err := admin.Exec(testCtx(t), "CREATE ROLE "+role+" LOGIN"); err != nil {
-		if pgCode(err) == "42501" {
+		if sqlState(err) == "42501" {
 			pgtest.SkipOrFail(t, "this test needs a role of its own, and the test server's role may not create roles: %v", err)
 		}
 		t.Fatalf("create role: %v", err)

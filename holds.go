@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // What a backend holds, and the statements that change it
@@ -450,18 +449,6 @@ func (s *Session) wrongBackend(err error) error {
 	return err
 }
 
-// pgCode returns the SQLSTATE of err, or "".
-func pgCode(err error) string {
-	if err == nil {
-		return ""
-	}
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		return pe.Code
-	}
-	return ""
-}
-
 func containsKey(keys []Key, k Key) bool {
 	for _, x := range keys {
 		if x == k {
@@ -687,27 +674,6 @@ func unlockFunc(shared bool) string {
 		return "pg_advisory_unlock_shared"
 	}
 	return "pg_advisory_unlock"
-}
-
-func keyList(keys []Key) string {
-	name := func(k Key) string {
-		if k.check() != nil {
-			return "Key{}" // the zero Key, whose String is "invalid"
-		}
-		return k.String()
-	}
-	if len(keys) == 1 {
-		return name(keys[0])
-	}
-	const shown = 4
-	s := make([]string, 0, shown+1)
-	for _, k := range keys[:min(len(keys), shown)] {
-		s = append(s, name(k))
-	}
-	if len(keys) > shown {
-		s = append(s, fmt.Sprintf("and %d more", len(keys)-shown))
-	}
-	return "[" + strings.Join(s, " ") + "]"
 }
 
 // sqlArgs returns the SQL argument list text for k starting at placeholder

@@ -250,7 +250,7 @@ func (c *Client) terminate(ctx context.Context, pid int32, force bool) error {
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return errorf("terminate backend %d: no backend of the server has that pid", pid)
-	case pgCode(err) == "42501":
+	case sqlState(err) == "42501":
 		return errorf("terminate backend %d: permission denied: the role must be a member of the backend's role or of pg_signal_backend (and only a superuser may end a superuser's backend): %w", pid, err)
 	case err != nil:
 		return pgError("terminate backend "+strconv.Itoa(int(pid)), err)

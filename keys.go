@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"cmp"
 	"encoding/binary"
+	"fmt"
 	"slices"
 	"strconv"
 	"strings"
@@ -245,4 +246,27 @@ func (k *Key) UnmarshalText(text []byte) error {
 	}
 	*k = v
 	return nil
+}
+
+// keyList names keys as errors and logs do: one key by its String, more in
+// brackets, the first few of a long list and how many more there are.
+func keyList(keys []Key) string {
+	name := func(k Key) string {
+		if k.check() != nil {
+			return "Key{}" // the zero Key, whose String is "invalid"
+		}
+		return k.String()
+	}
+	if len(keys) == 1 {
+		return name(keys[0])
+	}
+	const shown = 4
+	s := make([]string, 0, shown+1)
+	for _, k := range keys[:min(len(keys), shown)] {
+		s = append(s, name(k))
+	}
+	if len(keys) > shown {
+		s = append(s, fmt.Sprintf("and %d more", len(keys)-shown))
+	}
+	return "[" + strings.Join(s, " ") + "]"
 }

@@ -245,7 +245,7 @@ func TestObserveRetriesFailedResync(t *testing.T) {
 	// The read fails: Observe says why, once.
 	select {
 	case info, ok := <-obs:
-		if !ok || info.Err == nil || pgCode(info.Err) != "42501" || info.Term != 0 {
+		if !ok || info.Err == nil || sqlState(info.Err) != "42501" || info.Term != 0 {
 			t.Fatalf("observed %+v (channel open: %v), want the read's error (SQLSTATE 42501)", info, ok)
 		}
 	case <-ctx.Done():

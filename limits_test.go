@@ -61,7 +61,7 @@ func TestConnectionSlotsExhausted(t *testing.T) {
 	for {
 		conn, err := pgx.Connect(ctx, dsn)
 		if err != nil {
-			if pgCode(err) != "53300" {
+			if sqlState(err) != "53300" {
 				t.Fatal(err)
 			}
 			break

@@ -14,12 +14,15 @@ import (
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 )
 
-// Liveness settings
+// Liveness
 //
 // The bounds every dedicated connection lives by, derived from the loss
 // deadline L and the heartbeat H: the server's own bound S on a silent
 // client, and the settings a lock connection sets on its backend so that
-// the server ends it within S and no role default ends a holder.
+// the server ends it within S and no role default ends a holder. Then how a
+// Session proves its connection alive: a heartbeat every H while nothing
+// else runs on it, and a lease that loses the Session once nothing has
+// been answered for L.
 
 // serverBound returns S, the time after which the server drops the backend
 // of a client it has heard nothing from, given the client loss deadline L.
@@ -144,4 +147,71 @@ func setupSQL(c *config, major int, pid int32) (string, []any) {
 // values, cannot already be cancelled, and ends after d.
 func withoutCancel(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.WithoutCancel(ctx), d)
+}
+
+// heartbeat proves the connection alive every interval, unless a statement
+// is running on it (which proves it, or fails, by itself).
+func (s *Session) heartbeat() {
+	defer close(s.hbDone)
+	t := time.NewTicker(s.c.cfg.heartbeat)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.stopHB:
+			return
+		case <-t.C:
+		}
+		select {
+		case s.use <- struct{}{}:
+		default:
+			continue // busy: the statement proves the connection alive
+		}
+		if s.Err() != nil {
+			<-s.use
+			return
+		}
+		s.state.Lock()
+		deadline := s.lastOK.Add(s.c.cfg.lossDeadline)
+		s.state.Unlock()
+		ctx, cancel := context.WithDeadline(context.Background(), deadline)
+		err := s.exec(ctx, s.ping)
+		cancel()
+		<-s.use
+		if err != nil {
+			s.lose(errorf("heartbeat: %w", err))
+		}
+	}
+}
+
+const pingSQL = "SELECT pg_backend_pid()"
+
+// ping proves the connection alive with one round trip, and that the
+// backend behind it is still the one that holds the session's locks.
+func (s *Session) ping(ctx context.Context, conn *pgx.Conn) error {
+	var pid int32
+	if err := conn.QueryRow(ctx, pingSQL).Scan(&pid); err != nil {
+		return err
+	}
+	if pid != s.pid {
+		return errorf("%w: backend pid changed from %d to %d", ErrTransactionPooling, s.pid, pid)
+	}
+	return nil
+}
+
+// checkLease runs when nothing has proved the connection alive for the
+// loss deadline, whatever runs on it.
+func (s *Session) checkLease() {
+	s.state.Lock()
+	age := time.Since(s.lastOK)
+	if s.err != nil {
+		s.state.Unlock()
+		return
+	}
+	if age < s.c.cfg.lossDeadline {
+		s.lease.Reset(s.c.cfg.lossDeadline - age)
+		s.state.Unlock()
+		return
+	}
+	s.state.Unlock()
+	s.lose(errorf("no answer from the server for %v (loss deadline %v)", age.Round(time.Millisecond), s.c.cfg.lossDeadline))
 }

@@ -80,7 +80,7 @@ func TestLongWaitSurvivesRoleStatementTimeout(t *testing.T) {
 	if got := settingThrough(t, control, "statement_timeout"); got != "50ms" {
 		t.Fatalf("statement_timeout = %q on an ordinary connection of the role, want 50ms", got)
 	}
-	if _, err := control.Exec(ctx, "SELECT pg_sleep(1)"); pgCode(err) != "57014" {
+	if _, err := control.Exec(ctx, "SELECT pg_sleep(1)"); sqlState(err) != "57014" {
 		t.Fatalf("a 1 s statement of the role: %v, want SQLSTATE 57014 (statement timeout)", err)
 	}
 

@@ -712,7 +712,7 @@ func TestCombinedTriesOnFullLockTableHoldExactlyWhatTheySay(t *testing.T) {
 				switch {
 				case err == nil:
 					got = append(got, l)
-				case errors.Is(err, ErrTooManyLocks) || pgCode(err) == "53200":
+				case errors.Is(err, ErrTooManyLocks) || sqlState(err) == "53200":
 					full++
 				default:
 					t.Errorf("try %v: %v, want a lock or ErrTooManyLocks", k, err)

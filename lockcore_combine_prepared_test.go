@@ -447,7 +447,7 @@ func TestCombinedPreparedStatementOnFullLockTableAnswersEachCall(t *testing.T) {
 			}
 		case c.err == nil:
 			t.Errorf("try %v of a free key said no", c.key)
-		case pgCode(c.err) == "53200" || errors.Is(c.err, ErrTooManyLocks):
+		case sqlState(c.err) == "53200" || errors.Is(c.err, ErrTooManyLocks):
 			full++
 			if holds {
 				t.Errorf("try %v failed (%v), pg_locks shows it granted to backend %d", c.key, c.err, s.pid)

@@ -167,7 +167,7 @@ func TestCombinedStatementFailureCostsNoOtherKey(t *testing.T) {
 		a := <-tryDone[i]
 		if a.err != nil {
 			failed++
-			if pgCode(a.err) != "53200" {
+			if sqlState(a.err) != "53200" {
 				t.Errorf("try %v: %v, want out of shared memory or an answer", k, a.err)
 			}
 		}

@@ -74,7 +74,7 @@ func setDeadlockTimeout(t testing.TB, dsn string, d time.Duration) time.Duration
 	}
 	sql := fmt.Sprintf("ALTER DATABASE %s SET deadlock_timeout = '%dms'", pgx.Identifier{db}.Sanitize(), d.Milliseconds())
 	if _, err := conn.Exec(ctx, sql); err != nil {
-		if pgCode(err) != "42501" {
+		if sqlState(err) != "42501" {
 			t.Fatal(err)
 		}
 		t.Logf("deadlock_timeout stays at 1s: %v", err)

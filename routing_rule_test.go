@@ -389,7 +389,7 @@ func TestFenceGlanceNoSpuriousDeadlock(t *testing.T) {
 			t.Fatal(err)
 		}
 		_, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", x.v)
-		switch pgCode(err) {
+		switch sqlState(err) {
 		case "55P03":
 		case "40P01":
 			t.Fatalf("attempt %d: the transaction's wait for %v, which backend %d holds, ended in a deadlock: %v; the application has no cycle (backend %d waits for a row: %v)",

@@ -567,7 +567,7 @@ func (s *Semaphore) fail(ctx context.Context, op string, err error) error {
 // the semaphores' tables, function or schema are missing (SQLSTATE 42P01,
 // 42883 or 3F000).
 func (c *Client) notMigratedSemaphore(err error) error {
-	switch pgCode(err) {
+	switch sqlState(err) {
 	case "42P01", "42883", "3F000":
 		return fmt.Errorf("%w (schema %s has no semaphores): %w", ErrNotMigrated, c.cfg.quotedSchema(), err)
 	}
@@ -577,4 +577,4 @@ func (c *Client) notMigratedSemaphore(err error) error {
 // lockTimedOut reports whether a statement gave up waiting for a lock
 // (SQLSTATE 55P03): the semaphore's row was locked for longer than a wait
 // slice, by a transaction that changes it.
-func lockTimedOut(err error) bool { return pgCode(err) == "55P03" }
+func lockTimedOut(err error) bool { return sqlState(err) == "55P03" }

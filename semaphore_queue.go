@@ -205,7 +205,7 @@ func (s *Semaphore) await(ctx context.Context, q *Lock, sub *subscription) (p *P
 		// semaphore full: the head waits for a notification, unless the
 		// watch took some meanwhile.
 		return p, p == nil && stopWatch(), nil
-	case pgCode(err) == "42883" || pgCode(err) == "42501":
+	case sqlState(err) == "42883" || sqlState(err) == "42501":
 		// The schema predates semaphore_await, or the role may not
 		// execute it: wait for notifications.
 		c.noAwait.Store(true)
@@ -224,7 +224,7 @@ func (s *Semaphore) await(ctx context.Context, q *Lock, sub *subscription) (p *P
 		return nil, false, b.Err()
 	case ctx.Err() != nil:
 		return nil, false, context.Cause(ctx)
-	case errors.Is(context.Cause(wctx), errLookAgain) || pgCode(err) == "40P01":
+	case errors.Is(context.Cause(wctx), errLookAgain) || sqlState(err) == "40P01":
 		// The limit changed, or the server ended the wait to break a
 		// cycle of waits among heads of several semaphores: look again.
 		return nil, true, nil

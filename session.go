@@ -351,7 +351,7 @@ func (s *Session) prepare(ctx context.Context, sts []preparedStatement) error {
 	return s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 		for _, st := range sts {
 			if _, err := conn.Prepare(ctx, st.sql, st.sql); err != nil {
-				if pgCode(err) == "55P03" {
+				if sqlState(err) == "55P03" {
 					// A table is locked (a migration, VACUUM FULL): the
 					// statement is prepared when it first runs instead.
 					return nil
@@ -367,7 +367,7 @@ func (s *Session) prepare(ctx context.Context, sts []preparedStatement) error {
 			// errors when it runs.
 			args := append([]any{pgx.QueryExecModeExec}, st.plan...)
 			if _, err := conn.Exec(ctx, "EXPLAIN (COSTS OFF) "+st.sql, args...); err != nil {
-				if pgCode(err) != "" {
+				if sqlState(err) != "" {
 					continue
 				}
 				return err
@@ -460,73 +460,6 @@ func (s *Session) answeredAt() time.Time {
 	s.state.Lock()
 	defer s.state.Unlock()
 	return s.lastOK
-}
-
-// heartbeat proves the connection alive every interval, unless a statement
-// is running on it (which proves it, or fails, by itself).
-func (s *Session) heartbeat() {
-	defer close(s.hbDone)
-	t := time.NewTicker(s.c.cfg.heartbeat)
-	defer t.Stop()
-	for {
-		select {
-		case <-s.stopHB:
-			return
-		case <-t.C:
-		}
-		select {
-		case s.use <- struct{}{}:
-		default:
-			continue // busy: the statement proves the connection alive
-		}
-		if s.Err() != nil {
-			<-s.use
-			return
-		}
-		s.state.Lock()
-		deadline := s.lastOK.Add(s.c.cfg.lossDeadline)
-		s.state.Unlock()
-		ctx, cancel := context.WithDeadline(context.Background(), deadline)
-		err := s.exec(ctx, s.ping)
-		cancel()
-		<-s.use
-		if err != nil {
-			s.lose(errorf("heartbeat: %w", err))
-		}
-	}
-}
-
-const pingSQL = "SELECT pg_backend_pid()"
-
-// ping proves the connection alive with one round trip, and that the
-// backend behind it is still the one that holds the session's locks.
-func (s *Session) ping(ctx context.Context, conn *pgx.Conn) error {
-	var pid int32
-	if err := conn.QueryRow(ctx, pingSQL).Scan(&pid); err != nil {
-		return err
-	}
-	if pid != s.pid {
-		return errorf("%w: backend pid changed from %d to %d", ErrTransactionPooling, s.pid, pid)
-	}
-	return nil
-}
-
-// checkLease runs when nothing has proved the connection alive for the
-// loss deadline, whatever runs on it.
-func (s *Session) checkLease() {
-	s.state.Lock()
-	age := time.Since(s.lastOK)
-	if s.err != nil {
-		s.state.Unlock()
-		return
-	}
-	if age < s.c.cfg.lossDeadline {
-		s.lease.Reset(s.c.cfg.lossDeadline - age)
-		s.state.Unlock()
-		return
-	}
-	s.state.Unlock()
-	s.lose(errorf("no answer from the server for %v (loss deadline %v)", age.Round(time.Millisecond), s.c.cfg.lossDeadline))
 }
 
 // backendEnded reports whether err is the server ending the backend

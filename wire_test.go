@@ -98,7 +98,7 @@ func TestQueryRowDirect(t *testing.T) {
 		err := on(func(ctx context.Context, conn *pgx.Conn) error { return s.queryRow(ctx, conn, sql, args, nil, &took) })
 		return took, err
 	}
-	if _, err := ttw(held); pgCode(err) != "55P03" {
+	if _, err := ttw(held); sqlState(err) != "55P03" {
 		t.Fatalf("wait of 20 ms for a key held elsewhere: %v, want lock_timeout (55P03)", err)
 	}
 	heldOnlyBy(t, dsn, held, otherPID)
