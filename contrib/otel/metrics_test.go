@@ -462,3 +462,50 @@ func TestDefaults(t *testing.T) {
 		t.Errorf("DefaultBuckets = %v, want %v", pgcoordotel.DefaultBuckets, want)
 	}
 }
+
+// Past WithMaxNames semaphores, the attribute is "other": the data points
+// stay bounded, each returns to 0, and the semaphores beyond the bound
+// add up under "other".
+func TestMetricsSemaphoreNamesBounded(t *testing.T) {
+	ctx := contribtest.Ctx(t)
+	_, pool := contribtest.Migrated(t)
+	m, reader := newMetrics(t, pgcoordotel.WithMaxNames(2))
+	c := contribtest.NewClient(t, pool, m.Option())
+	const n = 6
+	var ps []*pgcoord.Permit
+	for i := range n {
+		p, err := c.Semaphore(fmt.Sprintf("sem-%d", i), 1).TryAcquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ps = append(ps, p)
+	}
+	until(t, reader, map[string]float64{
+		`pgcoord.permit.held{pgcoord.semaphore.name=sem-0}`: 1,
+		`pgcoord.permit.held{pgcoord.semaphore.name=sem-1}`: 1,
+		`pgcoord.permit.held{pgcoord.semaphore.name=other}`: n - 2,
+	})
+	for _, p := range ps {
+		if err := p.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	vs := until(t, reader, map[string]float64{
+		`pgcoord.permit.held{pgcoord.semaphore.name=sem-0}`:                       0,
+		`pgcoord.permit.held{pgcoord.semaphore.name=sem-1}`:                       0,
+		`pgcoord.permit.held{pgcoord.semaphore.name=other}`:                       0,
+		`pgcoord.permit.acquires{pgcoord.result=ok,pgcoord.semaphore.name=other}`: n - 2,
+		`pgcoord.permit.wait.duration_count{pgcoord.semaphore.name=other}`:        n - 2,
+	})
+	for _, name := range []string{"pgcoord.permit.held", "pgcoord.permit.acquires", "pgcoord.permit.wait.duration_count"} {
+		count := 0
+		for k := range vs {
+			if len(k) > len(name) && k[:len(name)+1] == name+"{" {
+				count++
+			}
+		}
+		if count != 3 {
+			t.Errorf("%d data points of %s, want 3 (2 names and other)", count, name)
+		}
+	}
+}

@@ -459,3 +459,49 @@ func TestDefaults(t *testing.T) {
 		t.Errorf("DefaultBuckets = %v, want %v", pgcoordprom.DefaultBuckets, want)
 	}
 }
+
+// Past WithMaxNames semaphores, the label is "other": the series stay
+// bounded, the gauge of every label returns to 0, and the counts of the
+// semaphores beyond the bound add up under "other".
+func TestCollectorSemaphoreLabelsBounded(t *testing.T) {
+	ctx := contribtest.Ctx(t)
+	_, pool := contribtest.Migrated(t)
+	m, err := pgcoordprom.New(pgcoordprom.WithMaxNames(2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(m)
+	c := contribtest.NewClient(t, pool, m.Option())
+	const n = 6
+	var held []*pgcoord.Permit
+	for i := range n {
+		p, err := c.Semaphore(fmt.Sprintf("sem-%d", i), 1).TryAcquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, p)
+	}
+	until(t, reg, map[string]float64{
+		`pgcoord_permits_held{semaphore="sem-0"}`: 1,
+		`pgcoord_permits_held{semaphore="sem-1"}`: 1,
+		`pgcoord_permits_held{semaphore="other"}`: n - 2,
+	})
+	for _, p := range held {
+		if err := p.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	until(t, reg, map[string]float64{
+		`pgcoord_permits_held{semaphore="sem-0"}`:                      0,
+		`pgcoord_permits_held{semaphore="sem-1"}`:                      0,
+		`pgcoord_permits_held{semaphore="other"}`:                      0,
+		`pgcoord_permit_acquires_total{result="ok",semaphore="other"}`: n - 2,
+	})
+	vs := values(t, reg)
+	for _, name := range []string{"pgcoord_permits_held", "pgcoord_permit_acquires_total", "pgcoord_permit_acquire_wait_seconds_count"} {
+		if got := series(vs, name); got != 3 {
+			t.Errorf("%d series of %s, want 3 (2 names and other)", got, name)
+		}
+	}
+}

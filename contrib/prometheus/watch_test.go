@@ -2,7 +2,6 @@ package pgcoordprom_test
 
 import (
 	"errors"
-	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -134,52 +133,6 @@ func TestCollectorTwoClientsOneClosed(t *testing.T) {
 	}
 	if n := contribtest.SlotsHeld(t, dsn, semA); n != 0 {
 		t.Errorf("pg_locks: %d slots held at the end, want 0", n)
-	}
-}
-
-// Past WithMaxNames semaphores, the label is "other": the series stay
-// bounded, the gauge of every label returns to 0, and the counts of the
-// semaphores beyond the bound add up under "other".
-func TestCollectorSemaphoreLabelsBounded(t *testing.T) {
-	ctx := contribtest.Ctx(t)
-	_, pool := contribtest.Migrated(t)
-	m, err := pgcoordprom.New(pgcoordprom.WithMaxNames(2))
-	if err != nil {
-		t.Fatal(err)
-	}
-	reg := prometheus.NewPedanticRegistry()
-	reg.MustRegister(m)
-	c := contribtest.NewClient(t, pool, m.Option())
-	const n = 6
-	var held []*pgcoord.Permit
-	for i := range n {
-		p, err := c.Semaphore(fmt.Sprintf("sem-%d", i), 1).TryAcquire(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		held = append(held, p)
-	}
-	until(t, reg, map[string]float64{
-		`pgcoord_permits_held{semaphore="sem-0"}`: 1,
-		`pgcoord_permits_held{semaphore="sem-1"}`: 1,
-		`pgcoord_permits_held{semaphore="other"}`: n - 2,
-	})
-	for _, p := range held {
-		if err := p.Release(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
-	until(t, reg, map[string]float64{
-		`pgcoord_permits_held{semaphore="sem-0"}`:                      0,
-		`pgcoord_permits_held{semaphore="sem-1"}`:                      0,
-		`pgcoord_permits_held{semaphore="other"}`:                      0,
-		`pgcoord_permit_acquires_total{result="ok",semaphore="other"}`: n - 2,
-	})
-	vs := values(t, reg)
-	for _, name := range []string{"pgcoord_permits_held", "pgcoord_permit_acquires_total", "pgcoord_permit_acquire_wait_seconds_count"} {
-		if got := series(vs, name); got != 3 {
-			t.Errorf("%d series of %s, want 3 (2 names and other)", got, name)
-		}
 	}
 }
 
