@@ -737,3 +737,87 @@ func TestElectionRequestResignDuringHandoverWait(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A candidate wins the lock, records its term and waits for the guard (held
+// elsewhere); its lock backend is terminated, which its Client would notice
+// only at its next heartbeat (10 s). Another candidate wins the lock and
+// records a newer term. When the guard comes free, whichever of the two
+// gets it first: the first candidate never leads the term whose lock it
+// lost, so no older term begins after a newer one. It campaigns on and
+// leads a term newer than the other's, after the other resigned.
+func TestElectionCandidateThatLostItsLockWhileWaitingForTheGuardNeverLeadsThatTerm(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	pool := pgtest.Pool(t, dsn)
+	const name = "lost-before-guard"
+	key := electionKey(DefaultSchema, name)
+	guardKey := HashKey("pgcoord.election.guard", DefaultSchema, name)
+	squatter := pgtest.Conn(t, dsn)
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+
+	a := newTestClient(t, dsn, WithLossDeadline(20*time.Second), WithHeartbeat(10*time.Second))
+	aNext := goCampaign(ctx, a.Election(name))
+	pgtest.Eventually(t, testTimeout, "the first candidate records its term and waits for the guard", func() bool {
+		return rowTerm(ctx, pool, DefaultSchema, name) > 0 && len(grantedTo(t, dsn, key)) == 1 && waitingOn(t, dsn, guardKey) >= 1
+	})
+	lost := rowTerm(ctx, pool, DefaultSchema, name)
+	terminateBackend(t, pool, grantedTo(t, dsn, key)[0])
+
+	b := newTestClient(t, dsn, WithLossDeadline(time.Second), WithHeartbeat(100*time.Millisecond))
+	bNext := goCampaign(ctx, b.Election(name))
+	pgtest.Eventually(t, testTimeout, "the second candidate records a newer term", func() bool {
+		return rowTerm(ctx, pool, DefaultSchema, name) > lost
+	})
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+
+	// The second candidate leads (at once, or once the first has given
+	// the guard back), and resigns.
+	rb := receiveCampaign(t, bNext, "the second candidate")
+	if rb.err != nil {
+		t.Fatalf("second candidate: %v", rb.err)
+	}
+	select {
+	case ra := <-aNext:
+		t.Fatalf("the first candidate led term %v (%v) while the second led term %d; the lock of term %d was lost before it began",
+			termOf(ra), ra.err, rb.ld.Term(), lost)
+	default:
+	}
+	if rb.ld.Term() <= lost {
+		t.Fatalf("second candidate leads term %d, want newer than %d", rb.ld.Term(), lost)
+	}
+	if err := rb.ld.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	resigned := time.Now()
+
+	ra := receiveCampaign(t, aNext, "the first candidate, after the second resigned")
+	if ra.err != nil {
+		t.Fatalf("first candidate: %v", ra.err)
+	}
+	if ra.ld.Term() <= rb.ld.Term() {
+		t.Fatalf("broken promise: the first candidate leads term %d, not newer than the second's %d (its lock of term %d was lost before it began)",
+			ra.ld.Term(), rb.ld.Term(), lost)
+	}
+	if ra.at.Before(resigned) && !rb.ld.cancelledAt().Before(ra.at) {
+		t.Fatalf("the first candidate began at %v, before the second's context was cancelled", ra.at)
+	}
+	if term, _, _ := leaderRow(t, pool, name); term != ra.ld.Term() {
+		t.Fatalf("leaders row: term %d, want %d", term, ra.ld.Term())
+	}
+	if err := ra.ld.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	notHeld(t, dsn, key)
+}
+
+func termOf(r campaignResult) any {
+	if r.ld == nil {
+		return nil
+	}
+	return r.ld.Term()
+}

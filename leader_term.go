@@ -15,7 +15,8 @@ import (
 // A candidate that wins the election's lock becomes the leader in steps:
 // it issues the term (the election key's next fence) and records itself in
 // the leaders row (Election.record), waits for the predecessor to be gone
-// (the guard, or the wait the row asks for), and only then starts. While it
+// (the guard, or the wait the row asks for), proves on the lock's backend
+// that it still holds the lock, and only then starts. While it
 // leads, Leadership.watch ends the term on a loss of either connection, a
 // resign request, or ctx, and Leadership.end cancels the leader's context
 // before it frees anything, so the next leader never overlaps it.
@@ -185,6 +186,23 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 		}
 		if e.resignRecorded(l, term) {
 			return fail(g, errAskedWhileWaiting{term})
+		}
+	}
+	if g != nil {
+		// The guard may have come after the term was recorded, and the
+		// lock may have been lost meanwhile without this Client knowing
+		// yet: a successor could then have won the lock, taken the guard
+		// first, led and freed the guard again, all before this candidate
+		// got the guard. A round trip on the lock's backend, now that the
+		// guard is held, proves that the backend still holds the lock, so
+		// that no successor has won it since this candidate did; from here
+		// on a successor also needs this guard.
+		if err := l.s.run(ctx, l.s.ping); err != nil {
+			if ctx.Err() != nil {
+				return fail(g, context.Cause(ctx))
+			}
+			l.s.lose(errorf("election %q: lock backend: %w", e.name, err))
+			return fail(g, errLostWhileWinning)
 		}
 	}
 	if l.Err() != nil || g != nil && g.Err() != nil {
