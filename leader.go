@@ -177,7 +177,7 @@ func defaultIdentity(appName string) string {
 // # Bounds
 //
 // With the defaults (heartbeat 1 s, loss deadline L = 5 s):
-//   - leader's process killed: a waiting candidate leads one round trip
+//   - leader's process killed: a waiting candidate leads two round trips
 //     after the server has freed the lock and the guard, which it does as
 //     the killed process's backends exit (they notice the closed sockets
 //     at once; their exits take milliseconds, more on a busy server);
@@ -413,10 +413,14 @@ func (e *Election) campaignRound() time.Duration { return e.c.cfg.lossDeadline }
 // (a restart, a switchover, a failover, a window with no primary),
 // Campaign waits as a blocking Lock does, and goes on once a primary
 // answers. With a synchronous standby, the term is handed out only once
-// the standby has confirmed its commit (see WithFence). Campaign returns
-// ctx's error when ctx ends first (joined with the last connection error,
-// if any), ErrClosed after Close, an error wrapping ErrNotMigrated without
-// the tables of Migrate, and the server's other errors.
+// the standby has confirmed its commit (see WithFence). Once it holds the
+// guard, a candidate proves with one round trip on its lock's connection
+// that it still holds the lock; should that connection stop answering
+// then, the end of ctx is seen within the loss deadline, when the session
+// is given up. Campaign returns ctx's error when ctx ends first (joined
+// with the last connection error, if any), ErrClosed after Close, an error
+// wrapping ErrNotMigrated without the tables of Migrate, and the server's
+// other errors.
 func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 	if ctx == nil {
 		return nil, errorf("campaign election %q: ctx is nil", e.name)

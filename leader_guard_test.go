@@ -5,11 +5,16 @@ package pgcoord
 // it is still cancelled within its loss deadline on a silent network, the
 // guard waits of a Client's elections do not wait for each other, and a lost
 // guard session ends every leadership of its Client before a follower takes
-// over. Each test reads the outcome back from pg_locks and the leaders row.
+// over; the proof that a candidate still holds its lock once it holds the
+// guard neither leads when it cannot be answered nor disturbs a shared
+// backend. Each test reads the outcome back from pg_locks and the leaders
+// row.
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -198,5 +203,196 @@ func TestElectionManyElectionsGuardSessionLost(t *testing.T) {
 		if err := r.ld.Resign(ctx); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// guardProofStalled sets up a candidate (loss deadline l, heartbeat h) that
+// has won the election's lock, recorded its term and taken the guard, and
+// whose proof on the lock's backend (the ping once the guard is held)
+// cannot be answered: the lock's backend was paused (SIGSTOP) before the
+// guard came free. It returns the candidate's Client, its campaign's
+// channel and cancel, the election's key and a function that resumes the
+// backend.
+func guardProofStalled(t *testing.T, dsn, name string, loss, beat time.Duration) (*Client, <-chan campaignResult, context.CancelFunc, Key, func()) {
+	t.Helper()
+	ctx := testCtx(t)
+	pool := pgtest.Pool(t, dsn)
+	key := electionKey(DefaultSchema, name)
+	guardKey := HashKey("pgcoord.election.guard", DefaultSchema, name)
+	squatter := pgtest.Conn(t, dsn)
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+	a := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(beat))
+	cctx, cancel := context.WithCancel(ctx)
+	t.Cleanup(cancel)
+	next := goCampaign(cctx, a.Election(name))
+	pgtest.Eventually(t, testTimeout, "the candidate records its term and waits for the guard", func() bool {
+		return rowTerm(ctx, pool, DefaultSchema, name) > 0 && len(grantedTo(t, dsn, key)) == 1 && waitingOn(t, dsn, guardKey) >= 1
+	})
+	obs := pgtest.Conn(t, dsn)
+	_, resume := pauseBackend(t, obs, grantedTo(t, dsn, key)[0], func(state, _, _ string) bool { return state == "idle" })
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Eventually(t, testTimeout, "the candidate takes the guard", func() bool {
+		pid := guardSessionPID(a)
+		got := grantedTo(t, dsn, guardKey)
+		return pid != 0 && len(got) == 1 && got[0] == pid
+	})
+	select {
+	case r := <-next:
+		t.Fatalf("the campaign returned (%v, %v) although its lock's backend cannot answer the proof", termOf(r), r.err)
+	default:
+	}
+	return a, next, cancel, key, resume
+}
+
+// The candidate's campaign ctx ends while its proof on the lock's backend
+// waits for an answer that does not come (the backend is paused). The
+// ping runs to its answer once sent, so the campaign returns when the
+// lease gives the backend up: within L, with ctx's error, and it never
+// leads. Once the backend runs again, the lock is free.
+func TestElectionGuardProofStalledCtxEnds(t *testing.T) {
+	t.Parallel()
+	dsn := migratedDB(t)
+	const loss = 3 * time.Second
+	_, next, cancel, key, resume := guardProofStalled(t, dsn, "proof-stalled-cancel", loss, 1500*time.Millisecond)
+	start := time.Now()
+	cancel()
+	r := receiveCampaign(t, next, "cancelled while the proof stalls")
+	took := time.Since(start)
+	t.Logf("Campaign returned %v after its ctx ended: %v", took.Round(time.Millisecond), r.err)
+	if r.ld != nil || !errors.Is(r.err, context.Canceled) {
+		t.Fatalf("Campaign = term %v, %v; want context.Canceled and no leadership", termOf(r), r.err)
+	}
+	if took > loss+time.Second {
+		t.Errorf("Campaign returned %v after its ctx ended, want within L = %v (+1 s)", took, loss)
+	}
+	resume()
+	// The resumed backend finds its connection cut and exits.
+	pgtest.Eventually(t, testTimeout, "the resumed backend frees the election's lock", func() bool {
+		return len(lockState(t, dsn)[key]) == 0
+	})
+}
+
+// The candidate's Client closes while its proof on the lock's backend
+// waits for an answer that does not come (the backend is paused). Close
+// returns within L (it cuts the connection it could not release cleanly,
+// and says so), the campaign returns ErrClosed, and it never leads.
+func TestElectionGuardProofStalledClientCloses(t *testing.T) {
+	t.Parallel()
+	dsn := migratedDB(t)
+	const loss = 3 * time.Second
+	a, next, _, key, resume := guardProofStalled(t, dsn, "proof-stalled-close", loss, 1500*time.Millisecond)
+	start := time.Now()
+	err := a.Close(testCtx(t))
+	took := time.Since(start)
+	t.Logf("Close returned after %v: %v", took.Round(time.Millisecond), err)
+	if took > loss+time.Second {
+		t.Errorf("Close took %v while the proof stalled, want within L = %v (+1 s)", took, loss)
+	}
+	r := receiveCampaign(t, next, "closed while the proof stalls")
+	if r.ld != nil || !errors.Is(r.err, ErrClosed) {
+		t.Fatalf("Campaign = term %v, %v; want ErrClosed and no leadership", termOf(r), r.err)
+	}
+	resume()
+	// The resumed backend finds its connection cut and exits.
+	pgtest.Eventually(t, testTimeout, "the resumed backend frees the election's lock", func() bool {
+		return len(lockState(t, dsn)[key]) == 0
+	})
+}
+
+// The election's lock lives on a Client's only shared backend, beside
+// locks of other goroutines, while goroutines keep trying and freeing
+// other keys on it. When the guard comes free, the candidate's proof on
+// that backend gets its turn among them: it leads promptly, and the
+// backend's other locks live on (the proof neither loses nor disturbs
+// them).
+func TestElectionGuardProofOnBusySharedBackend(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn := migratedDB(t)
+	const name = "proof-shared"
+	key := electionKey(DefaultSchema, name)
+	guardKey := HashKey("pgcoord.election.guard", DefaultSchema, name)
+	squatter := pgtest.Conn(t, dsn)
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+	a := newTestClient(t, dsn, WithSharedBackends(1), WithLossDeadline(2*time.Second), WithHeartbeat(200*time.Millisecond))
+	var held []*Lock
+	for i := range 3 {
+		l, err := a.Lock(ctx, HashKey("proof-shared", "held", fmt.Sprint(i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, l)
+	}
+	pid := lockBackendPID(held[0])
+	next := goCampaign(ctx, a.Election(name))
+	pgtest.Eventually(t, testTimeout, "the candidate wins on the shared backend and waits for the guard", func() bool {
+		got := grantedTo(t, dsn, key)
+		return len(got) == 1 && got[0] == pid && waitingOn(t, dsn, guardKey) >= 1
+	})
+
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var busy sync.Map
+	for g := range 4 {
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				l, err := a.TryLock(ctx, HashKey("proof-shared", "busy", fmt.Sprint(g, i%7)))
+				if err != nil {
+					if !errors.Is(err, ErrLocked) {
+						busy.Store(g, err)
+						return
+					}
+					continue
+				}
+				if err := l.Unlock(ctx); err != nil {
+					busy.Store(g, err)
+					return
+				}
+			}
+		})
+	}
+	defer func() { close(stop); wg.Wait() }()
+
+	released := time.Now()
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+	r := receiveCampaign(t, next, "the candidate on the busy shared backend")
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	took := r.at.Sub(released)
+	t.Logf("led %v after the guard came free", took.Round(time.Millisecond))
+	if took > 2*time.Second {
+		t.Errorf("led %v after the guard came free, want within 2 s", took)
+	}
+	if got := lockBackendPID(r.ld.lock); got != pid {
+		t.Errorf("leadership on backend %d, want the shared backend %d", got, pid)
+	}
+	for _, l := range held {
+		if err := l.Err(); err != nil {
+			t.Errorf("a lock on the shared backend was lost: %v", err)
+		}
+	}
+	busy.Range(func(g, err any) bool {
+		t.Errorf("goroutine %v: %v", g, err)
+		return true
+	})
+	if err := r.ld.Resign(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range held {
+		mustUnlock(t, l)
 	}
 }
