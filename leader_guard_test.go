@@ -218,11 +218,7 @@ func guardProofStalled(t *testing.T, dsn, name string, loss, beat time.Duration)
 	ctx := testCtx(t)
 	pool := pgtest.Pool(t, dsn)
 	key := electionKey(DefaultSchema, name)
-	guardKey := HashKey("pgcoord.election.guard", DefaultSchema, name)
-	squatter := pgtest.Conn(t, dsn)
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
-		t.Fatal(err)
-	}
+	guardKey, freeGuard := holdGuard(t, dsn, name)
 	a := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(beat))
 	cctx, cancel := context.WithCancel(ctx)
 	t.Cleanup(cancel)
@@ -232,9 +228,7 @@ func guardProofStalled(t *testing.T, dsn, name string, loss, beat time.Duration)
 	})
 	obs := pgtest.Conn(t, dsn)
 	_, resume := pauseBackend(t, obs, grantedTo(t, dsn, key)[0], func(state, _, _ string) bool { return state == "idle" })
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
-		t.Fatal(err)
-	}
+	freeGuard()
 	pgtest.Eventually(t, testTimeout, "the candidate takes the guard", func() bool {
 		pid := guardSessionPID(a)
 		got := grantedTo(t, dsn, guardKey)
@@ -315,11 +309,7 @@ func TestElectionGuardProofOnBusySharedBackend(t *testing.T) {
 	dsn := migratedDB(t)
 	const name = "proof-shared"
 	key := electionKey(DefaultSchema, name)
-	guardKey := HashKey("pgcoord.election.guard", DefaultSchema, name)
-	squatter := pgtest.Conn(t, dsn)
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
-		t.Fatal(err)
-	}
+	guardKey, freeGuard := holdGuard(t, dsn, name)
 	a := newTestClient(t, dsn, WithSharedBackends(1), WithLossDeadline(2*time.Second), WithHeartbeat(200*time.Millisecond))
 	var held []*Lock
 	for i := range 3 {
@@ -365,9 +355,7 @@ func TestElectionGuardProofOnBusySharedBackend(t *testing.T) {
 	defer func() { close(stop); wg.Wait() }()
 
 	released := time.Now()
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
-		t.Fatal(err)
-	}
+	freeGuard()
 	r := receiveCampaign(t, next, "the candidate on the busy shared backend")
 	if r.err != nil {
 		t.Fatal(r.err)

@@ -752,11 +752,7 @@ func TestElectionCandidateThatLostItsLockWhileWaitingForTheGuardNeverLeadsThatTe
 	pool := pgtest.Pool(t, dsn)
 	const name = "lost-before-guard"
 	key := electionKey(DefaultSchema, name)
-	guardKey := HashKey("pgcoord.election.guard", DefaultSchema, name)
-	squatter := pgtest.Conn(t, dsn)
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
-		t.Fatal(err)
-	}
+	guardKey, freeGuard := holdGuard(t, dsn, name)
 
 	a := newTestClient(t, dsn, WithLossDeadline(20*time.Second), WithHeartbeat(10*time.Second))
 	aNext := goCampaign(ctx, a.Election(name))
@@ -771,9 +767,7 @@ func TestElectionCandidateThatLostItsLockWhileWaitingForTheGuardNeverLeadsThatTe
 	pgtest.Eventually(t, testTimeout, "the second candidate records a newer term", func() bool {
 		return rowTerm(ctx, pool, DefaultSchema, name) > lost
 	})
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
-		t.Fatal(err)
-	}
+	freeGuard()
 
 	// The second candidate leads (at once, or once the first has given
 	// the guard back), and resigns.
@@ -820,4 +814,22 @@ func termOf(r campaignResult) any {
 		return nil
 	}
 	return r.ld.Term()
+}
+
+// holdGuard holds the guard of election name on a connection of its own, as
+// a previous leader that has not freed it would; free frees it.
+func holdGuard(t *testing.T, dsn, name string) (guardKey Key, free func()) {
+	t.Helper()
+	ctx := testCtx(t)
+	guardKey = HashKey("pgcoord.election.guard", DefaultSchema, name)
+	squatter := pgtest.Conn(t, dsn)
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
+		t.Fatal(err)
+	}
+	return guardKey, func() {
+		t.Helper()
+		if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
+			t.Fatal(err)
+		}
+	}
 }

@@ -197,11 +197,10 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 		// guard is held, proves that the backend still holds the lock, so
 		// that no successor has won it since this candidate did; from here
 		// on a successor also needs this guard.
-		if err := l.s.run(ctx, l.s.ping); err != nil {
+		if err := l.s.prove(ctx, "election "+strconv.Quote(e.name)); err != nil {
 			if ctx.Err() != nil {
 				return fail(g, context.Cause(ctx))
 			}
-			l.s.lose(errorf("election %q: lock backend: %w", e.name, err))
 			return fail(g, errLostWhileWinning)
 		}
 	}

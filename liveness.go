@@ -198,6 +198,23 @@ func (s *Session) ping(ctx context.Context, conn *pgx.Conn) error {
 	return nil
 }
 
+// prove proves with one round trip, at a moment the caller chooses, that
+// the session's backend is alive and still the one that holds its keys
+// (see ping); ctx bounds only the wait for the connection. If the proof
+// fails for any reason but ctx's end, the session is lost, with op naming
+// the caller in its cause, and the session's error is returned.
+func (s *Session) prove(ctx context.Context, op string) error {
+	err := s.run(ctx, s.ping)
+	if err == nil || ctx.Err() != nil {
+		return err
+	}
+	s.lose(errorf("%s: %w", op, err))
+	if e := s.Err(); e != nil {
+		return e
+	}
+	return err
+}
+
 // checkLease runs when nothing has proved the connection alive for the
 // loss deadline, whatever runs on it.
 func (s *Session) checkLease() {

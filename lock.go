@@ -230,13 +230,7 @@ func (l *Lock) Unlock(ctx context.Context) error {
 		// The backend may have ended unnoticed (terminated, its
 		// connection broken) since it last answered: a ping proves it
 		// still holds them, else the session is lost and so is l.
-		err = s.run(context.WithoutCancel(ctx), s.ping)
-		if err != nil {
-			s.lose(errorf("unlock: %w", err))
-			if e := s.Err(); e != nil {
-				err = e
-			}
-		}
+		err = s.prove(context.WithoutCancel(ctx), "unlock")
 	}
 	// The release is reported before the gates let the next goroutine of
 	// this Client in, so the hooks see it before that one's acquire.
