@@ -578,73 +578,71 @@ func TestCloseEndsAcquiresRetryingWhileServerDown(t *testing.T) {
 	if err := Migrate(ctx, pgtest.Pool(t, dsn)); err != nil {
 		t.Fatal(err)
 	}
-	// Three Clients, whose acquires all start together and so retry in
-	// step. They are closed a third of a retry interval apart: were the
-	// acquires ended only by their next retry, at most one Close could
-	// come within a sixth of an interval of it.
-	const clients = 3
-	cs := make([]*Client, clients)
-	for i := range cs {
-		c, err := New(pgtest.Pool(t, dsn), WithLossDeadline(time.Second), WithHeartbeat(250*time.Millisecond))
+	// One Client for each kind of acquire, each behind a proxy of its own
+	// that counts its attempts to connect: each Client is closed right
+	// after an attempt, when its acquire has just begun to wait a whole
+	// retry interval. Were the acquire ended only by its next retry,
+	// Close would wait most of that interval.
+	calls := []struct {
+		name string
+		call func(c *Client) error
+	}{
+		{"Lock", func(c *Client) error { _, err := c.Lock(ctx, HashKey("down", "lock")); return err }},
+		{"LockAll", func(c *Client) error {
+			_, err := c.LockAll(ctx, HashKey("down", "a"), HashKey("down", "b"))
+			return err
+		}},
+		{"Semaphore.Acquire", func(c *Client) error { _, err := c.Semaphore("down", 1).Acquire(ctx); return err }},
+	}
+	cs := make([]*Client, len(calls))
+	proxies := make([]*pgtest.Proxy, len(calls))
+	for i := range calls {
+		proxies[i] = pgtest.NewProxy(t, dsn)
+		c, err := New(pgtest.Pool(t, dsn, proxies[i].Route), WithLossDeadline(time.Second), WithHeartbeat(250*time.Millisecond))
 		if err != nil {
 			t.Fatal(err)
 		}
-		mustUnlock(t, mustLockOf(t, ctx, c, HashKey("x", fmt.Sprint(i))))
+		mustUnlock(t, mustLockOf(t, ctx, c, HashKey("up", fmt.Sprint(i))))
 		cs[i] = c
 	}
 	srv.Stop(t)
 	defer srv.Start(t)
-	type ended struct {
-		name string
-		err  error
-	}
-	results := make(chan ended, 3*clients)
-	for i, c := range cs {
-		calls := map[string]func() error{
-			"Lock": func() error { _, err := c.Lock(ctx, HashKey("down", fmt.Sprint(i))); return err },
-			"LockAll": func() error {
-				_, err := c.LockAll(ctx, HashKey("down", "a", fmt.Sprint(i)), HashKey("down", "b", fmt.Sprint(i)))
-				return err
-			},
-			"Sem.Acquire": func() error { _, err := c.Semaphore(fmt.Sprint("down", i), 1).Acquire(ctx); return err },
-		}
-		for name, call := range calls {
-			go func() { results <- ended{fmt.Sprintf("%s of Client %d", name, i), call()} }()
-		}
+	results := make([]chan error, len(calls))
+	for i, k := range calls {
+		results[i] = make(chan error, 1)
+		go func() { results[i] <- k.call(cs[i]) }()
 	}
 	waiting := time.Now()
 	if !pgtest.Poll(testTimeout, func() bool {
 		for _, c := range cs {
-			if c.Stat().QueuedWaits < 3 {
+			if c.Stat().QueuedWaits < 1 {
 				return false
 			}
 		}
+		// By then every retry interval has grown to its longest.
 		return time.Since(waiting) > 3*maxRetryInterval
 	}) {
 		t.Fatal("the acquires did not queue to retry while the server was down")
 	}
-	base := time.Now()
-	for i, c := range cs {
-		// A deliberate offset between the Closes, not a wait for an
-		// outcome: it moves each Close to another point of the retry
-		// interval (see above).
-		time.Sleep(time.Until(base.Add(time.Duration(i) * maxRetryInterval / clients)))
+	for i, k := range calls {
+		n := proxies[i].Accepted()
+		if !pgtest.Poll(3*maxRetryInterval, func() bool { return proxies[i].Accepted() > n }) {
+			t.Fatalf("%s: no attempt to connect within %v while retrying", k.name, 3*maxRetryInterval)
+		}
 		start := time.Now()
-		if err := c.Close(context.Background()); err != nil {
-			t.Errorf("Close of Client %d: %v", i, err)
+		if err := cs[i].Close(context.Background()); err != nil {
+			t.Errorf("Close of the Client of %s: %v", k.name, err)
 		}
-		if took := time.Since(start); took > maxRetryInterval/6 {
-			t.Errorf("Close of Client %d took %v with acquires retrying, want them ended at once (a retry interval is %v)", i, took, maxRetryInterval)
+		if took := time.Since(start); took > maxRetryInterval/3 {
+			t.Errorf("broken promise: Close took %v with %s retrying, want it ended at once (a retry interval is %v)", took, k.name, maxRetryInterval)
 		}
-	}
-	for range 3 * clients {
 		select {
-		case r := <-results:
-			if !errors.Is(r.err, ErrClosed) {
-				t.Errorf("%s retrying during Close: %v, want ErrClosed", r.name, r.err)
+		case err := <-results[i]:
+			if !errors.Is(err, ErrClosed) {
+				t.Errorf("%s retrying during Close: %v, want ErrClosed", k.name, err)
 			}
 		case <-time.After(2 * maxRetryInterval):
-			t.Fatal("an acquire retrying during Close did not return")
+			t.Fatalf("%s retrying during Close did not return", k.name)
 		}
 	}
 }

@@ -20,6 +20,9 @@ type Proxy struct {
 	target string
 	silent atomic.Bool
 	wg     sync.WaitGroup
+	// accepted counts the connections the proxy has accepted, including
+	// those it closed at once because the server could not be reached.
+	accepted atomic.Int64
 
 	mu      sync.Mutex
 	conns   []net.Conn
@@ -52,6 +55,11 @@ func (p *Proxy) Route(cfg *pgxpool.Config) {
 	cfg.ConnConfig.Port = uint16(addr.Port)
 	cfg.ConnConfig.Fallbacks = nil
 }
+
+// Accepted returns how many connections the proxy has accepted so far,
+// including those it closed at once because the server was down: each is
+// one attempt of a client to connect.
+func (p *Proxy) Accepted() int64 { return p.accepted.Load() }
 
 // Blackhole stops forwarding on every connection, present and future.
 func (p *Proxy) Blackhole() { p.silent.Store(true) }
@@ -86,8 +94,10 @@ func (p *Proxy) accept() {
 		server, err := net.Dial("tcp", p.target)
 		if err != nil {
 			_ = client.Close()
+			p.accepted.Add(1)
 			continue
 		}
+		p.accepted.Add(1)
 		p.mu.Lock()
 		if p.stopped {
 			// Accepted just before the listener closed, and dialled
