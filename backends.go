@@ -572,33 +572,6 @@ func (c *Client) waitBackend(ctx context.Context) (*Session, func(), error) {
 	}
 }
 
-// beginGrant records that a statement which may take a key the backend's
-// records cannot show yet (a semaphore's grant) is about to run on b, so
-// that no blocking acquire claims b to wait meanwhile; endGrant ends the
-// record once the key taken is recorded as held, or released. It returns
-// errRoute, recording nothing, if b is claimed to wait already, unless the
-// caller claimed it (claimed): the grant then runs elsewhere.
-func (b *Session) beginGrant(claimed bool) error {
-	b.state.Lock()
-	defer b.state.Unlock()
-	switch {
-	case b.err != nil:
-		return b.err
-	case b.waiting && !claimed:
-		return errRoute
-	}
-	b.granting++
-	return nil
-}
-
-// endGrant ends beginGrant's record.
-func (b *Session) endGrant() {
-	b.state.Lock()
-	b.granting--
-	b.state.Unlock()
-	b.c.backendFreed()
-}
-
 // watchesContention reports whether the Client reports each wait as it
 // starts: to OnContention, or in its debug log.
 func (c *Client) watchesContention() bool {

@@ -387,16 +387,7 @@ func (p *Permit) Release(ctx context.Context) error {
 	l.mu.Unlock()
 
 	b, k := l.s, l.keys[0]
-	b.state.Lock()
-	_, mine := b.locks[l]
-	delete(b.locks, l)
-	if mine {
-		h := b.keys[k]
-		h.n = 0
-		h.busy = make(chan struct{})
-	}
-	b.state.Unlock()
-	if !mine {
+	if !b.startRelease(l, k) {
 		// The backend ended meanwhile and is ending the permit.
 		<-l.Done()
 		return s.fail(ctx, "release", l.Err())

@@ -17,8 +17,8 @@ import (
 // writes the holder's row in semaphore_holders. Semaphore.acquire tries to
 // be admitted at once and otherwise queues (semaphore_queue.go); the grant
 // runs on a backend the routing rule in backends.go allows, and
-// Session.adopt records the granted slot on its backend like any other key,
-// so it is released, and lost, with that backend.
+// Session.adopt (grants.go) records the granted slot on its backend like
+// any other key, so it is released, and lost, with that backend.
 
 // admission is what semaphore_acquire answered.
 type admission struct {
@@ -311,77 +311,8 @@ func (s *Semaphore) cleanup(ctx context.Context, b *Session, q *Lock) {
 // cleanupOn runs cleanup's statement on conn, b's connection, and reports
 // whether b holds the semaphore's queue key on the server.
 func (s *Semaphore) cleanupOn(ctx context.Context, conn *pgx.Conn, b *Session) (queueHeld bool, err error) {
-	known := []int64{} // an empty array, not NULL
-	b.state.Lock()
-	for k := range b.keys {
-		if k.kind == kindInt64 && k.v>>16 == s.prefix {
-			known = append(known, k.v)
-		}
-	}
-	b.state.Unlock()
+	known := b.heldInt64Keys(func(v int64) bool { return v>>16 == s.prefix })
 	var n int64
 	err = conn.QueryRow(ctx, s.cleanupSQL, s.prefix, known, s.name, b.pid).Scan(&n, &queueHeld)
 	return queueHeld, err
-}
-
-// ranGrant records that a grant of a semaphore runs on b, so that b's
-// close deletes the rows of the permits b holds then, and those that a
-// failed grant may leave. Every permit b adopts comes from such a grant.
-func (b *Session) ranGrant() {
-	b.state.Lock()
-	b.holderRows = true
-	b.state.Unlock()
-}
-
-// forgetReleased ends l, which the server no longer holds on b, with why,
-// and forgets its keys. The caller holds b's connection.
-func (b *Session) forgetReleased(l *Lock, why error) {
-	b.state.Lock()
-	_, mine := b.locks[l]
-	delete(b.locks, l)
-	if mine {
-		for _, k := range l.keys {
-			delete(b.keys, k)
-		}
-	}
-	b.state.Unlock()
-	if mine {
-		l.end(why) // leaves the keys' gates: the next goroutine may line up
-	}
-}
-
-// adopt records that b holds k, just taken on the server by a statement
-// of the caller's, and returns the lock. If b's records still show a
-// release of k (its statement is done, its bookkeeping not yet), adopt
-// waits for it.
-func (b *Session) adopt(k Key) (*Lock, error) {
-	for {
-		b.state.Lock()
-		if b.err != nil {
-			b.state.Unlock()
-			return nil, b.err
-		}
-		h := b.keys[k]
-		if h == nil {
-			b.keys[k] = &keyHold{n: 1}
-			// No gate: the row lock of semaphore_acquire, not this
-			// process, decides who takes a slot.
-			l := &Lock{s: b, keys: []Key{k}}
-			l.unreported.Store(true) // a permit, not a Lock of the hooks
-			b.locks[l] = struct{}{}
-			b.state.Unlock()
-			return l, nil
-		}
-		busy := h.busy
-		b.state.Unlock()
-		if busy == nil {
-			err := fmt.Errorf("%w: the server granted %s to backend %d, which records it as held already", ErrLockLost, k, b.pid)
-			b.lose(err)
-			return nil, err
-		}
-		select {
-		case <-busy:
-		case <-b.done:
-		}
-	}
 }
