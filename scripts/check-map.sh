@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Checks that CONTRIBUTING.md, the map of the code, names every source
+# file of the root package (each non-test .go file, as `name.go` in
+# backquotes) and every top-level directory that holds code (as `dir/`),
+# and that every file or directory it names in backquotes exists.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+map=CONTRIBUTING.md
+status=0
+for f in $(git ls-files -- '*.go' | grep -v / | grep -v '_test\.go$'); do
+	if ! grep -qF "\`$f\`" "$map"; then
+		echo "$map does not name $f: add it to the table of its part"
+		status=1
+	fi
+done
+for d in $(git ls-files | grep / | cut -d/ -f1 | sort -u); do
+	case "$d" in
+	.*) continue ;; # .ci and the like
+	esac
+	if ! grep -qF "\`$d/" "$map"; then
+		echo "$map does not name the directory $d/: add it to the table of the other packages"
+		status=1
+	fi
+done
+# Every `name.go` or `dir/...` in backquotes is a path that exists.
+for p in $(grep -oE '`[A-Za-z0-9_./-]+(\.go|/)`' "$map" | tr -d '`' | sort -u); do
+	case "$p" in
+	*\**) continue ;;
+	esac
+	if [ ! -e "$p" ]; then
+		echo "$map names $p, which does not exist"
+		status=1
+	fi
+done
+if [ "$status" -eq 0 ]; then
+	echo "check-map: $map names every source file of the root package and every directory"
+fi
+exit $status
