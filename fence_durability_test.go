@@ -245,16 +245,7 @@ func TestTokensWaitForSynchronousStandby(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	primary := pgtest.NewServer(t)
-	pdsn := primary.DB(t)
-	migrated(t, pdsn)
-	cfg, err := pgx.ParseConfig(pdsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	standby := primary.StartStandby(t)
-	sdsn := standby.ConnString(cfg.Database)
-	primary.RequireSynchronousStandby(t)
+	primary, standby, pdsn, sdsn := migratedWithSyncStandby(t)
 
 	opts := []Option{WithHeartbeat(100 * time.Millisecond), WithLossDeadline(time.Second)}
 	c := newTestClient(t, pdsn, opts...)
@@ -452,4 +443,22 @@ func fenceOf(l *Lock) Term {
 		return 0
 	}
 	return l.Fence()
+}
+
+// migratedWithSyncStandby starts a server of the test's own with a migrated
+// database and a synchronous standby that has confirmed it receives WAL,
+// and returns both servers and the database's connection strings on each.
+func migratedWithSyncStandby(t *testing.T) (primary, standby *pgtest.Server, pdsn, sdsn string) {
+	t.Helper()
+	primary = pgtest.NewServer(t)
+	pdsn = primary.DB(t)
+	migrated(t, pdsn)
+	cfg, err := pgx.ParseConfig(pdsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	standby = primary.StartStandby(t)
+	sdsn = standby.ConnString(cfg.Database)
+	primary.RequireSynchronousStandby(t)
+	return primary, standby, pdsn, sdsn
 }

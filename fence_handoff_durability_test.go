@@ -4,8 +4,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -19,16 +17,7 @@ import (
 func TestHandedOverLockFenceWaitsForSynchronousStandby(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
-	primary := pgtest.NewServer(t)
-	pdsn := primary.DB(t)
-	migrated(t, pdsn)
-	cfg, err := pgx.ParseConfig(pdsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	standby := primary.StartStandby(t)
-	sdsn := standby.ConnString(cfg.Database)
-	primary.RequireSynchronousStandby(t)
+	primary, standby, pdsn, sdsn := migratedWithSyncStandby(t)
 
 	c := newTestClient(t, pdsn, WithHeartbeat(100*time.Millisecond), WithLossDeadline(time.Second), WithHandoff(DefaultMaxHandoffs, time.Second))
 	k, kOther := HashKey("durable", "handoff", "k"), HashKey("durable", "handoff", "other")

@@ -6,8 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -22,16 +20,7 @@ import (
 func TestTermRecordedAwayWaitsForSynchronousStandby(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
-	primary := pgtest.NewServer(t)
-	pdsn := primary.DB(t)
-	migrated(t, pdsn)
-	cfg, err := pgx.ParseConfig(pdsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	standby := primary.StartStandby(t)
-	sdsn := standby.ConnString(cfg.Database)
-	primary.RequireSynchronousStandby(t)
+	primary, standby, pdsn, sdsn := migratedWithSyncStandby(t)
 
 	c := newTestClient(t, pdsn, WithHeartbeat(100*time.Millisecond), WithLossDeadline(time.Second))
 	e := c.Election("durable-away")
@@ -137,16 +126,7 @@ func TestTermRecordedAwayWaitsForSynchronousStandby(t *testing.T) {
 func TestCampaignCtxEndsWhileTermWaitsForSynchronousStandby(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
-	primary := pgtest.NewServer(t)
-	pdsn := primary.DB(t)
-	migrated(t, pdsn)
-	cfg, err := pgx.ParseConfig(pdsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	standby := primary.StartStandby(t)
-	sdsn := standby.ConnString(cfg.Database)
-	primary.RequireSynchronousStandby(t)
+	primary, standby, pdsn, sdsn := migratedWithSyncStandby(t)
 
 	c := newTestClient(t, pdsn, WithHeartbeat(100*time.Millisecond), WithLossDeadline(time.Second))
 	e := c.Election("durable-ctx")

@@ -21,16 +21,7 @@ import (
 func TestSessionFenceWithheldWhenOutsideCancelEndsCommitWait(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
-	primary := pgtest.NewServer(t)
-	pdsn := primary.DB(t)
-	migrated(t, pdsn)
-	cfg, err := pgx.ParseConfig(pdsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	standby := primary.StartStandby(t)
-	sdsn := standby.ConnString(cfg.Database)
-	primary.RequireSynchronousStandby(t)
+	primary, standby, pdsn, sdsn := migratedWithSyncStandby(t)
 
 	c := newTestClient(t, pdsn, WithHeartbeat(100*time.Millisecond), WithLossDeadline(time.Second))
 	sess, err := c.NewSession(ctx)

@@ -20,16 +20,7 @@ import (
 func TestTokensWithheldWhenBackendTerminatedInCommitWait(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
-	primary := pgtest.NewServer(t)
-	pdsn := primary.DB(t)
-	migrated(t, pdsn)
-	cfg, err := pgx.ParseConfig(pdsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	standby := primary.StartStandby(t)
-	sdsn := standby.ConnString(cfg.Database)
-	primary.RequireSynchronousStandby(t)
+	primary, standby, pdsn, sdsn := migratedWithSyncStandby(t)
 
 	opts := []Option{WithHeartbeat(100 * time.Millisecond), WithLossDeadline(time.Second)}
 	cE, cF := newTestClient(t, pdsn, opts...), newTestClient(t, pdsn, opts...)
