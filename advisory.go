@@ -78,6 +78,7 @@ type request struct {
 	keys    []Key
 	shared  bool
 	try     bool
+	mayWait bool // a try that a wait follows if it fails: it may join a hold whose wait is in flight
 	fence   bool
 	tried   bool                // a try of these keys just failed: wait at once
 	direct  bool                // the key was contended a moment ago: try and wait in one statement
@@ -150,9 +151,12 @@ func (c *Client) Lock(ctx context.Context, key Key, opts ...LockOption) (*Lock, 
 
 // TryLock takes key exclusively if nobody holds it, without waiting. It
 // returns an error wrapping [ErrLocked] if another holder has it, in this
-// process or any other. ctx bounds the round trip. It fails fast when the
-// server cannot be reached (after one more attempt on another connection
-// if its connection was lost). Other errors are as for Lock.
+// process or any other. ctx bounds the wait for a connection to send the
+// try on, not the round trip itself, which a cancel request would cost
+// more than: the loss deadline bounds that (a connection that does not
+// answer within it is lost). It fails fast when the server cannot be
+// reached (after one more attempt on another connection if its
+// connection was lost). Other errors are as for Lock.
 func (c *Client) TryLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
 	return c.acquire(ctx, nil, []Key{key}, false, true, opts)
 }

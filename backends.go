@@ -375,7 +375,7 @@ func (c *Client) takeOnce(ctx context.Context, r request, waiting func()) (*Lock
 		}
 	}
 	tr := r
-	tr.try = true
+	tr.try, tr.mayWait = true, !r.try
 	b, err := c.route(ctx, r)
 	if err != nil {
 		return nil, err

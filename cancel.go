@@ -23,31 +23,65 @@ import (
 // loses that guarantee; pgcoord treats a cancellation it did not ask for
 // as a broken session.
 //
+// The same rule loses a cancel that comes too early: a statement whose
+// context ends as it is sent (a slice of a wait interrupted the moment it
+// resumed, see Session.block) may reach the backend after the cancel
+// request did, while the backend still waited for it, so the cancel is
+// ignored and the statement runs on, for a lock wait until the end of its
+// slice. So the handler sends the cancel request again, at growing
+// intervals (cancelRepeat, up to maxCancelRepeat), for as long as the
+// statement runs: a repeated request, like the first, lands on this
+// statement or on an idle backend, never on a later statement, since
+// HandleUnwatchAfterCancel stops the repeats and waits for the request in
+// flight to be answered.
+//
 // If the cancel request cannot be delivered, the socket's deadline,
 // deadlineDelay after the cancel, ends the statement and the connection.
 type cancelHandler struct {
 	conn          *pgconn.PgConn
 	deadlineDelay time.Duration
 
-	sent chan struct{} // closed when the cancel request has been answered
-	stop context.CancelFunc
+	sent    chan struct{} // closed when the last cancel request has been answered
+	unwatch chan struct{} // closed by HandleUnwatchAfterCancel: no more repeats
+	stop    context.CancelFunc
 }
 
-// HandleCancel sends the cancel request at once, in the background.
+// Intervals at which a cancel request is sent again while the statement
+// runs on (see cancelHandler).
+const (
+	cancelRepeat    = 10 * time.Millisecond
+	maxCancelRepeat = 200 * time.Millisecond
+)
+
+// HandleCancel sends the cancel request at once, in the background, and
+// again while the statement runs.
 func (h *cancelHandler) HandleCancel(context.Context) {
 	deadline := time.Now().Add(h.deadlineDelay)
 	_ = h.conn.Conn().SetDeadline(deadline)
 	ctx, stop := context.WithDeadline(context.Background(), deadline)
-	h.sent, h.stop = make(chan struct{}), stop
-	go func(sent chan struct{}) {
+	h.sent, h.unwatch, h.stop = make(chan struct{}), make(chan struct{}), stop
+	go func(sent, unwatch chan struct{}) {
 		defer close(sent)
-		_ = h.conn.CancelRequest(ctx)
-	}(h.sent)
+		for wait := cancelRepeat; ; wait = min(2*wait, maxCancelRepeat) {
+			_ = h.conn.CancelRequest(ctx)
+			t := time.NewTimer(wait)
+			select {
+			case <-t.C:
+			case <-unwatch:
+				t.Stop()
+				return
+			case <-ctx.Done():
+				t.Stop()
+				return
+			}
+		}
+	}(h.sent, h.unwatch)
 }
 
 // HandleUnwatchAfterCancel returns once the server has acted on the cancel
-// request, so that it cannot cancel the connection's next statement.
+// requests sent, so that none can cancel the connection's next statement.
 func (h *cancelHandler) HandleUnwatchAfterCancel() {
+	close(h.unwatch)
 	<-h.sent
 	h.stop()
 	_ = h.conn.Conn().SetDeadline(time.Time{})

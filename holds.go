@@ -84,9 +84,23 @@ func (s *Session) reserve(ctx context.Context, r request) ([]Key, error) {
 			s.state.Unlock()
 			return nil, s.err
 		}
-		var busy chan struct{}
+		var busy, waitsSet chan struct{}
 		for _, k := range r.keys {
 			if h := s.keys[k]; h != nil && h.busy != nil {
+				if r.try && !r.mayWait {
+					if h.waits {
+						// Another acquire waits on the server for the
+						// key here, as long as it takes: a try does not
+						// wait for that.
+						s.state.Unlock()
+						return nil, errorf("%w: another acquire of this backend waits for it on the server", ErrLocked)
+					}
+					// The statement in flight may yet start to wait.
+					if h.waitsSet == nil {
+						h.waitsSet = make(chan struct{})
+					}
+					waitsSet = h.waitsSet
+				}
 				busy = h.busy
 				break
 			}
@@ -111,6 +125,7 @@ func (s *Session) reserve(ctx context.Context, r request) ([]Key, error) {
 		s.state.Unlock()
 		select {
 		case <-busy:
+		case <-waitsSet: // look again: it waits
 		case <-ctx.Done():
 			return nil, context.Cause(ctx)
 		case <-s.done:
@@ -151,6 +166,7 @@ func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, er
 				// and, if it is held, waits for it, and says which (the
 				// Client does not report contention, see
 				// watchesContention).
+				s.markWaits(chunk)
 				waited, err := s.tryThenWait(ctx, chunk[0], r.shared)
 				if err != nil {
 					return false, err
@@ -172,6 +188,7 @@ func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, er
 					s.c.contended(r, false)
 				}
 			}
+			s.markWaits(chunk)
 			if err := s.block(ctx, s.lockStatement(chunk, r.shared)); err != nil {
 				return false, err
 			}
@@ -183,6 +200,23 @@ func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, er
 		}
 	}
 	return true, nil
+}
+
+// markWaits records that the statement about to be sent for keys, which
+// the caller reserved (busy), waits for them on the server: a try of one
+// of them answers ErrLocked instead of waiting for that (see reserve).
+func (s *Session) markWaits(keys []Key) {
+	s.state.Lock()
+	for _, k := range keys {
+		if h := s.keys[k]; h != nil && h.busy != nil {
+			h.waits = true
+			if h.waitsSet != nil {
+				close(h.waitsSet)
+				h.waitsSet = nil
+			}
+		}
+	}
+	s.state.Unlock()
 }
 
 // tryKeys tries keys (at most one chunk) in order, without waiting. It
@@ -271,7 +305,7 @@ func (s *Session) settle(need []Key, l *Lock) error {
 	now := time.Now()
 	for _, k := range need {
 		h := s.keys[k]
-		h.n, h.since = 1, now
+		h.n, h.since, h.waits, h.waitsSet = 1, now, false, nil
 		close(h.busy)
 		h.busy = nil
 	}

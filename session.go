@@ -77,6 +77,12 @@ type keyHold struct {
 	busy   chan struct{}
 	since  time.Time // when the server granted the key to this backend
 	joins  int       // handles that joined the hold without asking the server
+	// waits is set while the statement in flight (busy) waits for the
+	// key on the server: a try does not wait for it (see reserve).
+	waits bool
+	// waitsSet, made by a try that waits for busy, is closed when waits
+	// is set, so that the try stops waiting (see markWaits).
+	waitsSet chan struct{}
 }
 
 // errYield interrupts a blocking acquire so that another statement can use
