@@ -232,9 +232,15 @@ func (l *Lock) Unlock(ctx context.Context) error {
 		// still holds them, else the session is lost and so is l.
 		err = s.prove(context.WithoutCancel(ctx), "unlock")
 	}
+	// A release that failed lost the session, and with it the lock: Err
+	// says so, as Unlock does, not that Unlock released it.
+	why := error(ErrNotHeld)
+	if errorIsLoss(err) {
+		why = err
+	}
 	// The release is reported before the gates let the next goroutine of
 	// this Client in, so the hooks see it before that one's acquire.
-	l.finishThen(ErrNotHeld, false, func(gated bool) {
+	l.finishThen(why, false, func(gated bool) {
 		l.released(false, err)
 		if gated {
 			l.leaveGates()
