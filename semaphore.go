@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -171,6 +172,7 @@ type Semaphore struct {
 	err      error // invalid name, limit or option: every method returns it
 
 	acquireSQL, acquireNowaitSQL, awaitSQL, cleanupSQL, releaseSQL string
+	cleanupLocksSQL, releaseLockSQL                                string // cleanupSQL and releaseSQL without the tables (see rowsFailed)
 	payload                                                        string // notification payloads about this semaphore start with it
 }
 
@@ -247,6 +249,29 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 	// slots it frees go while this backend still holds them: a row of
 	// another pid deleted here cannot be a new holder's. A data-modifying
 	// CTE that the main query does not read would run after it.)
+	// cleanupSQL without the rows: for when semaphore_holders cannot be
+	// had within the connection's lock_timeout (a session holds the
+	// table, as VACUUM FULL or a migration's ALTER TABLE would, or the
+	// rows) or cannot be written (a read-only database). The rows it
+	// leaves are a description only: their backend no longer holds their
+	// slots, so Holders ignores them and the next grant removes them.
+	s.cleanupLocksSQL = `SELECT count(pg_catalog.pg_advisory_unlock(l.k)) FILTER (WHERE l.k & 65535 <> 65535 AND l.k <> ALL ($2::int8[])),
+			coalesce(bool_or(l.k & 65535 = 65535), false)
+		FROM (SELECT (classid::bigint << 32) | objid::bigint AS k
+			FROM pg_catalog.pg_locks
+			WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND pid = pg_catalog.pg_backend_pid()
+			  AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())) l
+		WHERE l.k >> 16 = $1 AND pg_catalog.pg_backend_pid() = $3`
+	// releaseSQL without the row, for the same cases. A release that
+	// failed either did nothing (the table was locked when it was parsed
+	// or began, or the transaction is read-only) or holds its slot again,
+	// taken back by its try, while it waited to delete the row (whose
+	// lock a transaction holds); both roll back the row's deletion but
+	// not the advisory lock's calls. Either way this unlock leaves the
+	// slot not held by this backend: free, or already granted to the next
+	// waiter.
+	s.releaseLockSQL = `SELECT pg_catalog.pg_advisory_unlock($1), pg_catalog.pg_notify($2, $3) IS NOT NULL
+		WHERE pg_catalog.pg_backend_pid() = $4`
 	// The release unlocks the slot and tries it again at once. If the try
 	// fails, the slot has passed on: a head that waited for it on the
 	// server (Semaphore.await) or another acquire has it, and writes the
@@ -363,6 +388,13 @@ func (s *Semaphore) TryAcquire(ctx context.Context) (*Permit, error) {
 // is already cancelled: the release is sent with a context that keeps
 // ctx's values, bounded by the backend's lease.
 //
+// A release whose statement cannot delete the permit's row (another
+// session holds semaphore_holders or the row for longer than a wait
+// slice, as VACUUM FULL or a migration's ALTER TABLE would; the database
+// is read-only) frees the slot without it and logs a warning; the row,
+// whose backend no longer holds its slot, is ignored by Holders and
+// removed by the next grant.
+//
 // It returns an error wrapping [ErrNotHeld] if the permit was already
 // released or is being released by another call, an error wrapping
 // [ErrLockLost] or [ErrClosed] if it had ended otherwise, and an error
@@ -396,6 +428,20 @@ func (p *Permit) Release(ctx context.Context) error {
 		var ok bool
 		err := conn.QueryRow(ctx, s.releaseSQL, k.v, semaphoreChannel, s.payload+"release", s.name, int32(p.slot), b.pid).
 			Scan(&ok, nil, nil)
+		if rowsFailed(err, conn) {
+			// The statement failed on the permit's row: semaphore_holders
+			// or the row is held by another session for longer than the
+			// connection's lock_timeout, or the database does not take
+			// writes (default_transaction_read_only). Release the slot
+			// without deleting the row, instead of losing the backend and
+			// every other goroutine's lock on it.
+			cause := err
+			if err = conn.QueryRow(ctx, s.releaseLockSQL, k.v, semaphoreChannel, s.payload+"release", b.pid).Scan(nil, nil); err == nil {
+				ok = true // the slot is not held by this backend now
+				s.c.cfg.warnLogger().Warn("pgcoord: semaphore: released a permit without deleting its row",
+					"semaphore", s.name, "slot", p.slot, "pid", b.pid, "err", cause)
+			}
+		}
 		if err = b.wrongBackend(err); err == nil && !ok {
 			err = fmt.Errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, b.pid)
 		}
@@ -563,6 +609,17 @@ func (c *Client) notMigratedSemaphore(err error) error {
 		return fmt.Errorf("%w (schema %s has no semaphores): %w", ErrNotMigrated, c.cfg.quotedSchema(), err)
 	}
 	return err
+}
+
+// rowsFailed reports whether a statement of a semaphore that writes its
+// rows failed as a statement, on a connection that goes on: an error of
+// the server other than a cancel or a shutdown (class 57) or a connection
+// failure (class 08). Such a statement left the advisory locks it had not
+// reached as they were, and rolled back its row changes; the locks can be
+// put right by a statement that does not touch the tables.
+func rowsFailed(err error, conn *pgx.Conn) bool {
+	st := sqlState(err)
+	return st != "" && !strings.HasPrefix(st, "57") && !strings.HasPrefix(st, "08") && !conn.IsClosed()
 }
 
 // lockTimedOut reports whether a statement gave up waiting for a lock

@@ -245,8 +245,13 @@ func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock, claimed bo
 	if err != nil {
 		if b.Err() == nil && !errors.Is(s.c.notMigratedSemaphore(err), ErrNotMigrated) {
 			// A function that does not exist took nothing; any other
-			// failure may have come after the slot was taken.
-			s.cleanup(ctx, b, q)
+			// failure may have come after the slot was taken. A grant
+			// that waited for a lock (the semaphore's row, or a table a
+			// session holds) beyond its lock_timeout failed before its
+			// last step, the slot's lock, and its rows rolled back: the
+			// clean-up need not touch the tables, and must not wait for
+			// them a second slice while b holds other goroutines' keys.
+			s.cleanupWith(ctx, b, q, !lockTimedOut(err))
 		}
 		if e := b.Err(); e != nil {
 			return nil, adm, e
@@ -292,12 +297,22 @@ func (s *Semaphore) unadopted(ctx context.Context, conn *pgx.Conn, b *Session) {
 // their rows: what a failed semaphore_acquire may have left. If the server
 // no longer holds q, the head's queue key, q ends as lost.
 func (s *Semaphore) cleanup(ctx context.Context, b *Session, q *Lock) {
+	s.cleanupWith(ctx, b, q, true)
+}
+
+// cleanupWith is cleanup; without rows, it releases the slots only (see
+// cleanupLocksOn).
+func (s *Semaphore) cleanupWith(ctx context.Context, b *Session, q *Lock, rows bool) {
 	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
 	defer cancel()
 	var queueHeld bool
 	err := b.exec(uctx, func(ctx context.Context, conn *pgx.Conn) error {
 		var err error
-		queueHeld, err = s.cleanupOn(ctx, conn, b)
+		if rows {
+			queueHeld, err = s.cleanupOn(ctx, conn, b)
+		} else {
+			queueHeld, err = s.cleanupLocksOn(ctx, conn, b)
+		}
 		return err
 	})
 	switch {
@@ -311,8 +326,31 @@ func (s *Semaphore) cleanup(ctx context.Context, b *Session, q *Lock) {
 // cleanupOn runs cleanup's statement on conn, b's connection, and reports
 // whether b holds the semaphore's queue key on the server.
 func (s *Semaphore) cleanupOn(ctx context.Context, conn *pgx.Conn, b *Session) (queueHeld bool, err error) {
-	known := b.heldInt64Keys(func(v int64) bool { return v>>16 == s.prefix })
 	var n int64
-	err = conn.QueryRow(ctx, s.cleanupSQL, s.prefix, known, s.name, b.pid).Scan(&n, &queueHeld)
+	err = conn.QueryRow(ctx, s.cleanupSQL, s.prefix, s.knownSlots(b), s.name, b.pid).Scan(&n, &queueHeld)
+	if rowsFailed(err, conn) {
+		// The rows cannot be had within the connection's lock_timeout
+		// (another session holds semaphore_holders, or the rows) or
+		// written (a read-only database): the statement, whose unlocks
+		// come after its deletion, did nothing, so free the slots
+		// without their rows, instead of losing b and every other
+		// goroutine's lock on it.
+		return s.cleanupLocksOn(ctx, conn, b)
+	}
 	return queueHeld, err
+}
+
+// cleanupLocksOn is cleanupOn without the rows: it releases the slots of
+// the semaphore that b holds on the server but not in its records, and
+// touches no table. The rows it leaves name a backend that no longer
+// holds their slots: Holders ignores them and the next grant removes them.
+func (s *Semaphore) cleanupLocksOn(ctx context.Context, conn *pgx.Conn, b *Session) (queueHeld bool, err error) {
+	var n int64
+	err = conn.QueryRow(ctx, s.cleanupLocksSQL, s.prefix, s.knownSlots(b), b.pid).Scan(&n, &queueHeld)
+	return queueHeld, err
+}
+
+// knownSlots returns the keys of the semaphore that b records as held.
+func (s *Semaphore) knownSlots(b *Session) []int64 {
+	return b.heldInt64Keys(func(v int64) bool { return v>>16 == s.prefix })
 }
