@@ -510,6 +510,28 @@ func (c *Client) joinable(h *keyHold) bool {
 	return h.busy != nil || h.joins < c.cfg.maxHandoffs && time.Since(h.since) < c.cfg.handoffWindow
 }
 
+// needs returns the keys of r that the backend does not hold, checking
+// that r may join the others and send a statement here. The caller holds
+// s.state.
+func (s *Session) needs(r request) ([]Key, error) {
+	var need []Key
+	for _, k := range r.keys {
+		h := s.keys[k]
+		switch {
+		case h == nil:
+			need = append(need, k)
+		case !r.shared || !h.shared:
+			return nil, errorf("%s is already held on this backend in another mode", k)
+		case s.managed && !s.c.joinable(h):
+			return nil, errRoute
+		}
+	}
+	if len(need) > 0 && s.waiting && !r.waiting {
+		return nil, errRoute
+	}
+	return need, nil
+}
+
 // waitBackend picks a backend that holds nothing, and has no grant in
 // flight, for a blocking acquire and marks it as waiting, so that nothing
 // else takes a key on it; done unmarks it. It opens one while fewer than WithSharedBackends +

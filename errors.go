@@ -257,3 +257,8 @@ func (e *coordError) Unwrap() []error {
 	}
 	return nil
 }
+
+// errNotHeldBy is the error of a release of k that backend pid did not hold.
+func errNotHeldBy(k Key, pid int32) error {
+	return errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, pid)
+}

@@ -134,28 +134,6 @@ func (s *Session) reserve(ctx context.Context, r request) ([]Key, error) {
 	}
 }
 
-// needs returns the keys of r that the backend does not hold, checking
-// that r may join the others and send a statement here. The caller holds
-// s.state.
-func (s *Session) needs(r request) ([]Key, error) {
-	var need []Key
-	for _, k := range r.keys {
-		h := s.keys[k]
-		switch {
-		case h == nil:
-			need = append(need, k)
-		case !r.shared || !h.shared:
-			return nil, errorf("%s is already held on this backend in another mode", k)
-		case s.managed && !s.c.joinable(h):
-			return nil, errRoute
-		}
-	}
-	if len(need) > 0 && s.waiting && !r.waiting {
-		return nil, errRoute
-	}
-	return need, nil
-}
-
 // lockKeys takes the reserved keys on the server, in order, chunk by chunk.
 // It reports false if a try found a key held elsewhere.
 func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, error) {
@@ -451,26 +429,6 @@ func (s *Session) unlockStatement(ctx context.Context, conn *pgx.Conn, keys []Ke
 		}
 	}
 	return nil
-}
-
-// errNotHeldBy is the error of a release of k that backend pid did not hold.
-func errNotHeldBy(k Key, pid int32) error {
-	return errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, pid)
-}
-
-// drop removes a handle that never reached its caller and releases its
-// keys; its gates stay the caller's.
-func (s *Session) drop(l *Lock) {
-	s.state.Lock()
-	_, mine := s.locks[l]
-	delete(s.locks, l)
-	s.state.Unlock()
-	l.finish(ErrNotHeld)
-	if mine {
-		ctx, cancel := withoutCancel(context.Background(), s.c.cfg.lossDeadline)
-		defer cancel()
-		_ = s.releaseKeys(ctx, l.keys, l.shared)
-	}
 }
 
 // wrongBackend turns "no row" from a statement guarded by

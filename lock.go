@@ -40,6 +40,21 @@ func newLock(s *Session, r request) *Lock {
 	return l
 }
 
+// drop removes a handle that never reached its caller and releases its
+// keys; its gates stay the caller's.
+func (s *Session) drop(l *Lock) {
+	s.state.Lock()
+	_, mine := s.locks[l]
+	delete(s.locks, l)
+	s.state.Unlock()
+	l.finish(ErrNotHeld)
+	if mine {
+		ctx, cancel := withoutCancel(context.Background(), s.c.cfg.lossDeadline)
+		defer cancel()
+		_ = s.releaseKeys(ctx, l.keys, l.shared)
+	}
+}
+
 // Key returns the lock's key; for a lock from LockAll, the first key in
 // canonical order.
 func (l *Lock) Key() Key { return l.keys[0] }
