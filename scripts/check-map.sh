@@ -2,7 +2,9 @@
 # Checks that CONTRIBUTING.md, the map of the code, names every source
 # file of the root package (each non-test .go file, as `name.go` in
 # backquotes) and every top-level directory that holds code (as `dir/`),
-# and that every file or directory it names in backquotes exists.
+# and that every file or directory it names in backquotes exists; and that
+# every non-test Go file of the repository is at most 700 lines long and
+# opens with a comment (what it is for) before its first declaration.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,7 +35,18 @@ for p in $(grep -oE '`[A-Za-z0-9_./-]+(\.go|/)`' "$map" | tr -d '`' | sort -u); 
 		status=1
 	fi
 done
+for f in $(git ls-files -- '*.go' | grep -v '_test\.go$'); do
+	n=$(wc -l <"$f")
+	if [ "$n" -gt 700 ]; then
+		echo "$f has $n lines, more than 700: move a part of it to a file of its own"
+		status=1
+	fi
+	if ! awk '/^(func|type|var|const) /{ exit !c } /^\/\/ [A-Za-z]/{ c = 1 } END { exit !c }' "$f"; then
+		echo "$f does not open with a comment on what it is for before its first declaration"
+		status=1
+	fi
+done
 if [ "$status" -eq 0 ]; then
-	echo "check-map: $map names every source file of the root package and every directory"
+	echo "check-map: $map names every source file of the root package and every directory; every Go source file opens with what it is for, in at most 700 lines"
 fi
 exit $status
