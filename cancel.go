@@ -37,6 +37,10 @@ import (
 //
 // If the cancel request cannot be delivered, the socket's deadline,
 // deadlineDelay after the cancel, ends the statement and the connection.
+// CancelRequest also returns at that deadline when the server has not
+// answered, the request perhaps still on its way: then the deadline is
+// left in place, so that the connection fails its next statement before
+// sending it, rather than run one that the request may yet cancel.
 type cancelHandler struct {
 	conn          *pgconn.PgConn
 	deadlineDelay time.Duration
@@ -44,6 +48,10 @@ type cancelHandler struct {
 	sent    chan struct{} // closed when the last cancel request has been answered
 	unwatch chan struct{} // closed by HandleUnwatchAfterCancel: no more repeats
 	stop    context.CancelFunc
+	// late, read once sent is closed, reports that the last cancel
+	// request was cut by the deadline, not answered by the server: it
+	// may still be on its way to the backend.
+	late *bool
 }
 
 // Intervals at which a cancel request is sent again while the statement
@@ -59,11 +67,17 @@ func (h *cancelHandler) HandleCancel(context.Context) {
 	deadline := time.Now().Add(h.deadlineDelay)
 	_ = h.conn.Conn().SetDeadline(deadline)
 	ctx, stop := context.WithDeadline(context.Background(), deadline)
-	h.sent, h.unwatch, h.stop = make(chan struct{}), make(chan struct{}), stop
-	go func(sent, unwatch chan struct{}) {
+	h.sent, h.unwatch, h.stop, h.late = make(chan struct{}), make(chan struct{}), stop, new(bool)
+	go func(sent, unwatch chan struct{}, late *bool) {
 		defer close(sent)
 		for wait := cancelRepeat; ; wait = min(2*wait, maxCancelRepeat) {
 			_ = h.conn.CancelRequest(ctx)
+			if ctx.Err() != nil {
+				// Cut by the deadline: the server may not have
+				// answered, and the request may yet reach the backend.
+				*late = true
+				return
+			}
 			t := time.NewTimer(wait)
 			select {
 			case <-t.C:
@@ -75,14 +89,23 @@ func (h *cancelHandler) HandleCancel(context.Context) {
 				return
 			}
 		}
-	}(h.sent, h.unwatch)
+	}(h.sent, h.unwatch, h.late)
 }
 
 // HandleUnwatchAfterCancel returns once the server has acted on the cancel
 // requests sent, so that none can cancel the connection's next statement.
+//
+// A request that the deadline cut before the server answered it may still
+// reach the backend, and cancel whatever statement runs then. The
+// connection's deadline, which passed with it, is then left as it is: the
+// connection's next statement fails before it is sent, and the connection
+// is closed, instead of running a statement that a late cancel may end.
 func (h *cancelHandler) HandleUnwatchAfterCancel() {
 	close(h.unwatch)
 	<-h.sent
 	h.stop()
+	if *h.late {
+		return
+	}
 	_ = h.conn.Conn().SetDeadline(time.Time{})
 }
