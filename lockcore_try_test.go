@@ -432,3 +432,78 @@ func TestTryInterruptsFreshlyResumedWaitSlice(t *testing.T) {
 	}
 	notHeld(t, dsn, k2)
 }
+
+// The mark of a wait in flight (keyHold.waits) does not outlive the
+// wait. Once a blocking RLock's wait is granted, a TryRLock
+// of the key on the same backend joins the hold; once a wait is
+// cancelled, a TryRLock goes to the server and takes the key when it is
+// free.
+func TestTryAfterWaitEndsJoinsOrTakesAtOnce(t *testing.T) {
+	t.Parallel()
+	for _, onSession := range []bool{false, true} {
+		name := "client"
+		if onSession {
+			name = "session"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := testCtx(t)
+			dsn := pgtest.DB(t)
+			c := newTestClient(t, dsn, WithSharedBackends(1), WithMaxWaits(1))
+			rlock, tryRLock := c.RLock, c.TryRLock
+			if onSession {
+				s := newTestSession(t, c)
+				rlock, tryRLock = s.RLock, s.TryRLock
+			}
+			k := HashKey("lockcore", "waits-mark", name)
+			other := pgtest.Conn(t, dsn)
+			for round := range 2 {
+				granted := round == 0
+				if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+					t.Fatal(err)
+				}
+				wctx, cancelWait := context.WithCancel(ctx)
+				wch := goLock(func() (*Lock, error) { return rlock(wctx, k) })
+				pgtest.Eventually(t, testTimeout, "the reader waits on the server", func() bool { return waitingOn(t, dsn, k) == 1 })
+				if l, err := tryRLock(ctx, k); !errors.Is(err, ErrLocked) {
+					if err == nil {
+						_ = l.Unlock(ctx)
+					}
+					t.Fatalf("TryRLock during the wait: %v, want ErrLocked", err)
+				}
+				var waiter *Lock
+				if granted {
+					if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
+						t.Fatal(err)
+					}
+					r := receive(t, wch)
+					if r.err != nil {
+						t.Fatalf("RLock after the writer left: %v", r.err)
+					}
+					waiter = r.l
+				} else {
+					cancelWait()
+					if r := receive(t, wch); r.err == nil {
+						t.Fatal("the cancelled RLock took the key")
+					}
+					if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
+						t.Fatal(err)
+					}
+				}
+				cancelWait()
+				start := time.Now()
+				tctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+				l, err := tryRLock(tctx, k)
+				cancel()
+				if err != nil || time.Since(start) > tryBound {
+					t.Fatalf("round %d (wait granted: %v): TryRLock of a key no writer holds: %v after %v; want it taken at once (a stale mark of the wait?)", round, granted, err, time.Since(start))
+				}
+				mustUnlock(t, l)
+				if waiter != nil {
+					mustUnlock(t, waiter)
+				}
+				notHeld(t, dsn, k)
+			}
+		})
+	}
+}

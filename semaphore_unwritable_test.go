@@ -2,6 +2,9 @@ package pgcoord
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -333,4 +336,117 @@ func TestSemaphoreCloseWhileHoldersTableLocked(t *testing.T) {
 		t.Fatalf("pg_locks after Close: slots %v, queue %v", slots, queued)
 	}
 	notHeld(t, dsn, lx.Key())
+}
+
+// A release's fallback (semaphore.go, rowsFailed) passes its slot on: the
+// release statement gives its slot up, takes it back by its try (nobody
+// waits yet) and then waits for its row, which another session holds
+// (FOR UPDATE) beyond a slice. Meanwhile another Client's Acquire heads
+// the queue and waits for slot 0 (limit 1). The fallback's unlock passes
+// the slot to the head: at no time may more than one slot be granted, the
+// release returns nil, and once the row is free the head holds the only
+// permit, with nothing else left in pg_locks at the end.
+func TestSemaphoreReleaseFallbackPassesSlotToHead(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	dsn, _ := semaphoreDB(t)
+	opts := []Option{WithSharedBackends(1), WithLossDeadline(2 * time.Second), WithHeartbeat(500 * time.Millisecond)}
+	c := newTestClient(t, dsn, opts...)
+	sem := c.Semaphore("sem-fallback-head", 1)
+	p := mustAcquire(t, sem, true)
+	pid := p.l.s.PID()
+	c2 := newTestClient(t, dsn, opts...)
+	sem2 := c2.Semaphore("sem-fallback-head", 1)
+	obs := pgtest.Conn(t, dsn)
+	unlock := lockedHolders(t, ctx, dsn, true)
+
+	// Watch the slots for the whole test: never two granted.
+	stopWatch := make(chan struct{})
+	watchDone := make(chan string, 1)
+	var stopOnce sync.Once
+	stop := func() string {
+		stopOnce.Do(func() { close(stopWatch) })
+		msg := <-watchDone
+		watchDone <- msg
+		return msg
+	}
+	t.Cleanup(func() { stop() })
+	go func() {
+		most := 0
+		var seen map[int]int32
+		for {
+			select {
+			case <-stopWatch:
+				if most > 1 {
+					watchDone <- fmt.Sprintf("%d slots granted at once: %v", most, seen)
+				} else {
+					watchDone <- ""
+				}
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+			slots, _ := slotLocks(t, dsn, sem)
+			if len(slots) > most {
+				most, seen = len(slots), slots
+			}
+		}
+	}()
+
+	released := make(chan error, 1)
+	go func() { released <- p.Release(ctx) }()
+	pgtest.Eventually(t, 10*time.Second, "the release waits for its row", func() bool {
+		return waitsNotGranted(t, obs, pid, "transactionid")+waitsNotGranted(t, obs, pid, "tuple") > 0
+	})
+	acquired := make(chan result, 1)
+	go func() {
+		q, err := sem2.Acquire(ctx)
+		var l *Lock
+		if q != nil {
+			l = q.l
+		}
+		acquired <- result{l: l, err: err}
+		if err == nil {
+			<-stopWatch
+			_ = q.Release(context.Background())
+		}
+	}()
+	slot0 := sem.slotKey(0)
+	pgtest.Eventually(t, 10*time.Second, "the head waits for slot 0", func() bool { return waitingOn(t, dsn, slot0) == 1 })
+	select {
+	case err := <-released:
+		if err != nil {
+			t.Fatalf("Release whose row is locked: %v", err)
+		}
+	case <-time.After(4 * c.cfg.waitSlice()):
+		t.Fatalf("Release did not return within 4 slices")
+	}
+	if err := p.Err(); !errors.Is(err, ErrNotHeld) {
+		t.Fatalf("released permit's Err: %v", err)
+	}
+	// The head may hold slot 0 for moments (its own grant waits for the
+	// row and gives it up); the row freed, it takes the permit.
+	unlock()
+	var r result
+	select {
+	case r = <-acquired:
+	case <-time.After(testTimeout):
+		t.Fatal("the head did not get the permit after the row was freed")
+	}
+	if r.err != nil {
+		t.Fatalf("head's Acquire: %v", r.err)
+	}
+	hs, err := sem.Holders(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(hs) != 1 || hs[0].PID != r.l.s.PID() {
+		t.Fatalf("Holders after the head's grant: %+v, want the head's backend %d only", hs, r.l.s.PID())
+	}
+	if msg := stop(); msg != "" {
+		t.Fatal(msg)
+	}
+	pgtest.Eventually(t, testTimeout, "nothing left", func() bool {
+		slots, queued := slotLocks(t, dsn, sem)
+		return len(slots) == 0 && !queued
+	})
 }
