@@ -249,6 +249,7 @@ func TestSessionSettingsByServerVersion(t *testing.T) {
 		{"13.16", 13, false},
 		{"14.0", 14, true},
 		{"15.18 (Debian 15.18-0+deb12u1)", 15, true},
+		{"16.4", 16, true},
 		{"17beta1", 17, true},
 	} {
 		major := serverMajor(tc.version)
@@ -263,6 +264,9 @@ func TestSessionSettingsByServerVersion(t *testing.T) {
 		}
 		if _, ok := m["tcp_user_timeout"]; !ok {
 			t.Errorf("server %s: tcp_user_timeout missing", tc.version)
+		}
+		if v, ok := m["transaction_timeout"]; ok != (major >= 17) || ok && v != "0" {
+			t.Errorf("server %s: transaction_timeout = %q (set %v), want 0 from 17 on and absent before", tc.version, v, ok)
 		}
 	}
 }

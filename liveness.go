@@ -38,6 +38,7 @@ func serverBound(loss time.Duration) time.Duration { return 2 * loss }
 // idle_session_timeout exist from PostgreSQL 14 on; on 13 they are left
 // out (a waiter whose client died is then noticed by the server's TCP
 // keepalive, within the server bound, instead of within a second).
+// transaction_timeout exists from PostgreSQL 17 on.
 func sessionSettings(c *config, major int) map[string]string {
 	loss := c.lossDeadline
 	const interval = time.Second
@@ -74,6 +75,12 @@ func sessionSettings(c *config, major int) map[string]string {
 		// the lock for nobody.
 		m["client_connection_check_interval"] = "1000"
 		m["idle_session_timeout"] = "0"
+	}
+	if major >= 17 {
+		// A wait slice is a transaction of its own: a role's or a
+		// database's transaction_timeout would end the session in the
+		// middle of a wait, and every lock it holds with it.
+		m["transaction_timeout"] = "0"
 	}
 	return m
 }

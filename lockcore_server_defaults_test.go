@@ -12,7 +12,9 @@ import (
 
 // Database defaults that would end or refuse a lock connection's work:
 // lock_timeout of 1 ms, statement_timeout of 150 ms, idle timeouts of
-// 100 ms and 300 ms, and default_transaction_read_only. Lock connections
+// 100 ms and 300 ms (the session one from PostgreSQL 14 on), a
+// transaction_timeout of 200 ms (from 17 on), and
+// default_transaction_read_only. Lock connections
 // override the timeouts: a wait outlasts them several times and is granted,
 // and the holder's locks, idle meanwhile, stay granted to their backends.
 // A fenced acquire, whose fence cannot be written in a read-only
@@ -26,14 +28,27 @@ func TestServerDefaultsOnDatabaseDoNotEndLocks(t *testing.T) {
 		t.Fatal(err)
 	}
 	admin := pgtest.Conn(t, dsn)
-	if _, err := admin.Exec(ctx, `DO $$ BEGIN
-		EXECUTE format('ALTER DATABASE %I SET lock_timeout = %L', current_database(), '1ms');
-		EXECUTE format('ALTER DATABASE %I SET statement_timeout = %L', current_database(), '150ms');
-		EXECUTE format('ALTER DATABASE %I SET idle_in_transaction_session_timeout = %L', current_database(), '100ms');
-		EXECUTE format('ALTER DATABASE %I SET idle_session_timeout = %L', current_database(), '300ms');
-		EXECUTE format('ALTER DATABASE %I SET default_transaction_read_only = on', current_database());
-	END $$`); err != nil {
+	var version int
+	if err := admin.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&version); err != nil {
 		t.Fatal(err)
+	}
+	defaults := [][2]string{
+		{"lock_timeout", "1ms"},
+		{"statement_timeout", "150ms"},
+		{"idle_in_transaction_session_timeout", "100ms"},
+		{"default_transaction_read_only", "on"},
+	}
+	if version >= 140000 {
+		defaults = append(defaults, [2]string{"idle_session_timeout", "300ms"})
+	}
+	if version >= 170000 {
+		// Every wait slice is a transaction of its own.
+		defaults = append(defaults, [2]string{"transaction_timeout", "200ms"})
+	}
+	for _, d := range defaults {
+		if _, err := admin.Exec(ctx, `DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET `+d[0]+` = %L', current_database(), '`+d[1]+`'); END $$`); err != nil {
+			t.Fatal(err)
+		}
 	}
 	// The defaults are in force on an ordinary new connection.
 	control := pgtest.Conn(t, dsn)
