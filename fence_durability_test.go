@@ -394,8 +394,7 @@ func TestTokensWaitForSynchronousStandby(t *testing.T) {
 	}
 
 	// Failover to the standby, with nothing more sent to it.
-	primary.Kill(t)
-	standby.Promote(t)
+	failOver(t, ctx, primary, standby, c, cA, cB, cE, cD)
 	for _, h := range []struct {
 		what  string
 		k     Key
@@ -461,4 +460,19 @@ func migratedWithSyncStandby(t *testing.T) (primary, standby *pgtest.Server, pds
 	sdsn = standby.ConnString(cfg.Database)
 	primary.RequireSynchronousStandby(t)
 	return primary, standby, pdsn, sdsn
+}
+
+// failOver closes clients, whose locks are on primary, so that their
+// releases are confirmed (a Client closed after the kill could not
+// confirm them), then kills primary and promotes standby: what a test
+// checks after the failover is what the standby holds.
+func failOver(t *testing.T, ctx context.Context, primary, standby *pgtest.Server, clients ...*Client) {
+	t.Helper()
+	for _, c := range clients {
+		if err := c.Close(ctx); err != nil {
+			t.Fatalf("Close before the failover: %v", err)
+		}
+	}
+	primary.Kill(t)
+	standby.Promote(t)
 }

@@ -70,8 +70,7 @@ func TestHandedOverLockFenceWaitsForSynchronousStandby(t *testing.T) {
 	heldOnlyBy(t, pdsn, k, r.l.s.PID())
 	heldOnlyBy(t, pdsn, kOther, other.s.PID())
 	t.Logf("fence %d before, withheld up to %d, handed out %d", f1, withheldUpTo, r.l.Fence())
-	primary.Kill(t)
-	standby.Promote(t)
+	failOver(t, ctx, primary, standby, c)
 	if got := storedFence(t, ctx, sconn, k); Term(got) < r.l.Fence() {
 		t.Fatalf("fence %d was handed out, but the promoted standby holds %d", r.l.Fence(), got)
 	}

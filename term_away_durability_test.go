@@ -104,8 +104,7 @@ func TestTermRecordedAwayWaitsForSynchronousStandby(t *testing.T) {
 	}
 	heldOnlyBy(t, pdsn, e.Key(), ld.lock.s.PID())
 	t.Logf("term %d before, withheld up to %d, handed out %d", t0, withheldUpTo, ld.Term())
-	primary.Kill(t)
-	standby.Promote(t)
+	failOver(t, ctx, primary, standby, c)
 	if got := storedFence(t, ctx, sconn, e.Key()); Term(got) < ld.Term() {
 		t.Fatalf("term %d was handed out, but the promoted standby's fences row holds %d", ld.Term(), got)
 	}
@@ -165,8 +164,7 @@ func TestCampaignCtxEndsWhileTermWaitsForSynchronousStandby(t *testing.T) {
 	if int64(ld.Term()) <= withheldUpTo {
 		t.Fatalf("term %d after the standby resumed, want above every withheld one (up to %d)", ld.Term(), withheldUpTo)
 	}
-	primary.Kill(t)
-	standby.Promote(t)
+	failOver(t, ctx, primary, standby, c)
 	if got := storedFence(t, ctx, pgtest.Conn(t, sdsn), e.Key()); Term(got) < ld.Term() {
 		t.Fatalf("term %d was handed out, but the promoted standby holds %d", ld.Term(), got)
 	}

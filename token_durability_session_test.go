@@ -103,8 +103,7 @@ func TestSessionFenceWithheldWhenOutsideCancelEndsCommitWait(t *testing.T) {
 		t.Fatalf("the session's other lock was lost: %v", err)
 	}
 
-	primary.Kill(t)
-	standby.Promote(t)
+	failOver(t, ctx, primary, standby, c)
 	if got := storedFence(t, ctx, sconn, kF); Term(got) < r.l.Fence() {
 		t.Fatalf("fence %d was handed out, but the promoted standby holds only %d", r.l.Fence(), got)
 	}

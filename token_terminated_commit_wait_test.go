@@ -116,8 +116,7 @@ func TestTokensWithheldWhenBackendTerminatedInCommitWait(t *testing.T) {
 	heldOnlyBy(t, pdsn, e.Key(), ld.lock.s.PID())
 	heldOnlyBy(t, pdsn, kF, r.l.s.PID())
 
-	primary.Kill(t)
-	standby.Promote(t)
+	failOver(t, ctx, primary, standby, cE, cF)
 	if got := storedFence(t, ctx, sconn, e.Key()); Term(got) < ld.Term() {
 		t.Fatalf("term %d was handed out, but the promoted standby holds %d", ld.Term(), got)
 	}
