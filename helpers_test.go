@@ -363,3 +363,20 @@ func guardSessionPID(c *Client) int32 {
 	}
 	return c.guard.PID()
 }
+
+// clientAndSession runs test as two parallel subtests, "client" and
+// "session" (its name), for a promise that holds for the locks of a
+// Client's backends and for those of a Session.
+func clientAndSession(t *testing.T, test func(t *testing.T, name string, onSession bool)) {
+	t.Helper()
+	for _, onSession := range []bool{false, true} {
+		name := "client"
+		if onSession {
+			name = "session"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			test(t, name, onSession)
+		})
+	}
+}

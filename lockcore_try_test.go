@@ -26,54 +26,47 @@ import (
 // goroutine's wait to end.
 func TestTryRLockDoesNotWaitForAnotherReadersWait(t *testing.T) {
 	t.Parallel()
-	for _, onSession := range []bool{false, true} {
-		name := "client"
-		if onSession {
-			name = "session"
+	clientAndSession(t, func(t *testing.T, name string, onSession bool) {
+		ctx := testCtx(t)
+		dsn := pgtest.DB(t)
+		c := newTestClient(t, dsn)
+		k := HashKey("lockcore", "tryrlock-joins-wait", name)
+		other := pgtest.Conn(t, dsn)
+		if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+			t.Fatal(err)
 		}
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			ctx := testCtx(t)
-			dsn := pgtest.DB(t)
-			c := newTestClient(t, dsn)
-			k := HashKey("lockcore", "tryrlock-joins-wait", name)
-			other := pgtest.Conn(t, dsn)
-			if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
-				t.Fatal(err)
-			}
-			rlock, tryRLock := c.RLock, c.TryRLock
-			if onSession {
-				s := newTestSession(t, c)
-				rlock, tryRLock = s.RLock, s.TryRLock
-			}
-			wctx, cancelWait := context.WithCancel(ctx)
-			defer cancelWait()
-			wch := goLock(func() (*Lock, error) { return rlock(wctx, k) })
-			pgtest.Eventually(t, testTimeout, "the reader waits on the server", func() bool { return waitingOn(t, dsn, k) == 1 })
+		rlock, tryRLock := c.RLock, c.TryRLock
+		if onSession {
+			s := newTestSession(t, c)
+			rlock, tryRLock = s.RLock, s.TryRLock
+		}
+		wctx, cancelWait := context.WithCancel(ctx)
+		defer cancelWait()
+		wch := goLock(func() (*Lock, error) { return rlock(wctx, k) })
+		pgtest.Eventually(t, testTimeout, "the reader waits on the server", func() bool { return waitingOn(t, dsn, k) == 1 })
 
-			// The try's ctx is long: it must not be what ends the try.
-			start := time.Now()
-			tctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			defer cancel()
-			l, err := tryRLock(tctx, k)
-			took := time.Since(start)
-			if err == nil {
-				_ = l.Unlock(ctx)
-				t.Fatalf("TryRLock took %v while a writer elsewhere holds it", k)
-			}
-			if !errors.Is(err, ErrLocked) || took > time.Second {
-				t.Fatalf("TryRLock of a key held exclusively elsewhere, while another reader of this Client waits for it: %v after %v; want ErrLocked at once (TryRLock: \"without waiting\")", err, took)
-			}
-			cancelWait()
-			if r := receive(t, wch); r.err == nil {
-				_ = r.l.Unlock(ctx)
-			}
-			if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
-				t.Fatal(err)
-			}
-			pgtest.Eventually(t, testTimeout, "key free", func() bool { return len(lockState(t, dsn)[k]) == 0 })
-		})
-	}
+		// The try's ctx is long: it must not be what ends the try.
+		start := time.Now()
+		tctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		l, err := tryRLock(tctx, k)
+		took := time.Since(start)
+		if err == nil {
+			_ = l.Unlock(ctx)
+			t.Fatalf("TryRLock took %v while a writer elsewhere holds it", k)
+		}
+		if !errors.Is(err, ErrLocked) || took > time.Second {
+			t.Fatalf("TryRLock of a key held exclusively elsewhere, while another reader of this Client waits for it: %v after %v; want ErrLocked at once (TryRLock: \"without waiting\")", err, took)
+		}
+		cancelWait()
+		if r := receive(t, wch); r.err == nil {
+			_ = r.l.Unlock(ctx)
+		}
+		if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
+			t.Fatal(err)
+		}
+		pgtest.Eventually(t, testTimeout, "key free", func() bool { return len(lockState(t, dsn)[k]) == 0 })
+	})
 }
 
 // The same as TestTryRLockDoesNotWaitForAnotherReadersWait, with the
@@ -440,70 +433,63 @@ func TestTryInterruptsFreshlyResumedWaitSlice(t *testing.T) {
 // free.
 func TestTryAfterWaitEndsJoinsOrTakesAtOnce(t *testing.T) {
 	t.Parallel()
-	for _, onSession := range []bool{false, true} {
-		name := "client"
+	clientAndSession(t, func(t *testing.T, name string, onSession bool) {
+		ctx := testCtx(t)
+		dsn := pgtest.DB(t)
+		c := newTestClient(t, dsn, WithSharedBackends(1), WithMaxWaits(1))
+		rlock, tryRLock := c.RLock, c.TryRLock
 		if onSession {
-			name = "session"
+			s := newTestSession(t, c)
+			rlock, tryRLock = s.RLock, s.TryRLock
 		}
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			ctx := testCtx(t)
-			dsn := pgtest.DB(t)
-			c := newTestClient(t, dsn, WithSharedBackends(1), WithMaxWaits(1))
-			rlock, tryRLock := c.RLock, c.TryRLock
-			if onSession {
-				s := newTestSession(t, c)
-				rlock, tryRLock = s.RLock, s.TryRLock
+		k := HashKey("lockcore", "waits-mark", name)
+		other := pgtest.Conn(t, dsn)
+		for round := range 2 {
+			granted := round == 0
+			if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+				t.Fatal(err)
 			}
-			k := HashKey("lockcore", "waits-mark", name)
-			other := pgtest.Conn(t, dsn)
-			for round := range 2 {
-				granted := round == 0
-				if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+			wctx, cancelWait := context.WithCancel(ctx)
+			wch := goLock(func() (*Lock, error) { return rlock(wctx, k) })
+			pgtest.Eventually(t, testTimeout, "the reader waits on the server", func() bool { return waitingOn(t, dsn, k) == 1 })
+			if l, err := tryRLock(ctx, k); !errors.Is(err, ErrLocked) {
+				if err == nil {
+					_ = l.Unlock(ctx)
+				}
+				t.Fatalf("TryRLock during the wait: %v, want ErrLocked", err)
+			}
+			var waiter *Lock
+			if granted {
+				if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
 					t.Fatal(err)
 				}
-				wctx, cancelWait := context.WithCancel(ctx)
-				wch := goLock(func() (*Lock, error) { return rlock(wctx, k) })
-				pgtest.Eventually(t, testTimeout, "the reader waits on the server", func() bool { return waitingOn(t, dsn, k) == 1 })
-				if l, err := tryRLock(ctx, k); !errors.Is(err, ErrLocked) {
-					if err == nil {
-						_ = l.Unlock(ctx)
-					}
-					t.Fatalf("TryRLock during the wait: %v, want ErrLocked", err)
+				r := receive(t, wch)
+				if r.err != nil {
+					t.Fatalf("RLock after the writer left: %v", r.err)
 				}
-				var waiter *Lock
-				if granted {
-					if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
-						t.Fatal(err)
-					}
-					r := receive(t, wch)
-					if r.err != nil {
-						t.Fatalf("RLock after the writer left: %v", r.err)
-					}
-					waiter = r.l
-				} else {
-					cancelWait()
-					if r := receive(t, wch); r.err == nil {
-						t.Fatal("the cancelled RLock took the key")
-					}
-					if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
-						t.Fatal(err)
-					}
-				}
+				waiter = r.l
+			} else {
 				cancelWait()
-				start := time.Now()
-				tctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-				l, err := tryRLock(tctx, k)
-				cancel()
-				if err != nil || time.Since(start) > tryBound {
-					t.Fatalf("round %d (wait granted: %v): TryRLock of a key no writer holds: %v after %v; want it taken at once (a stale mark of the wait?)", round, granted, err, time.Since(start))
+				if r := receive(t, wch); r.err == nil {
+					t.Fatal("the cancelled RLock took the key")
 				}
-				mustUnlock(t, l)
-				if waiter != nil {
-					mustUnlock(t, waiter)
+				if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
+					t.Fatal(err)
 				}
-				notHeld(t, dsn, k)
 			}
-		})
-	}
+			cancelWait()
+			start := time.Now()
+			tctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			l, err := tryRLock(tctx, k)
+			cancel()
+			if err != nil || time.Since(start) > tryBound {
+				t.Fatalf("round %d (wait granted: %v): TryRLock of a key no writer holds: %v after %v; want it taken at once (a stale mark of the wait?)", round, granted, err, time.Since(start))
+			}
+			mustUnlock(t, l)
+			if waiter != nil {
+				mustUnlock(t, waiter)
+			}
+			notHeld(t, dsn, k)
+		}
+	})
 }
