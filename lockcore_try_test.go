@@ -384,14 +384,7 @@ func TestTryInterruptsFreshlyResumedWaitSlice(t *testing.T) {
 	c := newTestClient(t, dsn, WithLossDeadline(10*time.Second))
 	s := newTestSession(t, c)
 	k, k2 := Int64Key(77_101), Int64Key(77_102)
-	outside := pgtest.Conn(t, dsn)
-	if _, err := outside.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
-		t.Fatal(err)
-	}
-	wctx, cancelWait := context.WithCancel(ctx)
-	defer cancelWait()
-	wch := goLock(func() (*Lock, error) { return s.Lock(wctx, k) })
-	pgtest.Eventually(t, testTimeout, "the Lock waits on the server", func() bool { return waitingOn(t, dsn, k) == 1 })
+	wch, endWait := lockWaitingOn(t, ctx, dsn, s, k)
 	slice := c.cfg.waitSlice()
 	var slow []string
 	var slowest time.Duration
@@ -419,10 +412,7 @@ func TestTryInterruptsFreshlyResumedWaitSlice(t *testing.T) {
 		t.Errorf("a TryLock or Unlock waited for the blocking Lock's slice (%v) instead of interrupting it: %v", slice, slow)
 	}
 	stillWaiting(t, wch)
-	cancelWait()
-	if r := receive(t, wch); r.err == nil {
-		t.Fatalf("the Lock took %v while it is held elsewhere", k)
-	}
+	endWait()
 	notHeld(t, dsn, k2)
 }
 
@@ -492,4 +482,26 @@ func TestTryAfterWaitEndsJoinsOrTakesAtOnce(t *testing.T) {
 			notHeld(t, dsn, k)
 		}
 	})
+}
+
+// lockWaitingOn holds k on a connection of its own and starts s.Lock(k),
+// which it returns once the Lock waits on the server, with its result's
+// channel; endWait cancels the Lock and checks that it did not take k.
+func lockWaitingOn(t *testing.T, ctx context.Context, dsn string, s *Session, k Key) (wch <-chan result, endWait func()) {
+	t.Helper()
+	outside := pgtest.Conn(t, dsn)
+	if _, err := outside.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancelWait := context.WithCancel(ctx)
+	t.Cleanup(cancelWait)
+	wch = goLock(func() (*Lock, error) { return s.Lock(wctx, k) })
+	pgtest.Eventually(t, testTimeout, "the Lock waits on the server", func() bool { return waitingOn(t, dsn, k) == 1 })
+	return wch, func() {
+		t.Helper()
+		cancelWait()
+		if r := receive(t, wch); r.err == nil {
+			t.Fatalf("the Lock took %v while it is held elsewhere", k)
+		}
+	}
 }

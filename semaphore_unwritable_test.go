@@ -77,6 +77,18 @@ func checkLockKept(t *testing.T, dsn string, lx *Lock, pid int32, what string) {
 	}
 }
 
+// unlockLeavingNothing unlocks lx, the other goroutine's lock, and checks
+// that pg_locks shows no slot and no queue key of sem.
+func unlockLeavingNothing(t *testing.T, ctx context.Context, dsn string, lx *Lock, sem *Semaphore) {
+	t.Helper()
+	if err := lx.Unlock(ctx); err != nil {
+		t.Fatalf("Unlock of the other goroutine's lock: %v", err)
+	}
+	if slots, queued := slotLocks(t, dsn, sem); len(slots) != 0 || queued {
+		t.Fatalf("pg_locks at the end: slots %v, queue %v", slots, queued)
+	}
+}
+
 // Promise (backends.go, DESIGN "a shared backend is one session"): no
 // goroutine loses a lock because of another goroutine's wait or error, and
 // Release's nil means the slot is free on the server.
@@ -137,12 +149,7 @@ func releaseWhileHoldersLocked(t *testing.T, rows bool) {
 	a, b := mustAcquire(t, sem, true), mustAcquire(t, sem, true)
 	mustRelease(t, a)
 	mustRelease(t, b)
-	if err := lx.Unlock(ctx); err != nil {
-		t.Fatalf("Unlock of the other goroutine's lock: %v", err)
-	}
-	if slots, queued := slotLocks(t, dsn, sem); len(slots) != 0 || queued {
-		t.Fatalf("pg_locks at the end: slots %v, queue %v", slots, queued)
-	}
+	unlockLeavingNothing(t, ctx, dsn, lx, sem)
 }
 
 // The same attack on TryAcquire: its grant, on the shared backend, waits a
@@ -185,12 +192,7 @@ func TestSemaphoreTryAcquireWhileHoldersTableLockedKeepsOtherLocks(t *testing.T)
 		mustRelease(t, r.p)
 	}
 	mustRelease(t, mustAcquire(t, sem, true))
-	if err := lx.Unlock(ctx); err != nil {
-		t.Fatalf("Unlock of the other goroutine's lock: %v", err)
-	}
-	if slots, queued := slotLocks(t, dsn, sem); len(slots) != 0 || queued {
-		t.Fatalf("pg_locks at the end: slots %v, queue %v", slots, queued)
-	}
+	unlockLeavingNothing(t, ctx, dsn, lx, sem)
 }
 
 // The same attack with a database made read-only by default
