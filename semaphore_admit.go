@@ -251,7 +251,7 @@ func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock, claimed bo
 			// last step, the slot's lock, and its rows rolled back: the
 			// clean-up need not touch the tables, and must not wait for
 			// them a second slice while b holds other goroutines' keys.
-			s.cleanupWith(ctx, b, q, !lockTimedOut(err))
+			s.cleanup(ctx, b, q, !lockTimedOut(err))
 		}
 		if e := b.Err(); e != nil {
 			return nil, adm, e
@@ -294,15 +294,10 @@ func (s *Semaphore) unadopted(ctx context.Context, conn *pgx.Conn, b *Session) {
 
 // cleanup releases, on b (whose connection the caller holds), every slot
 // of the semaphore that b holds on the server but not in its records, and
-// their rows: what a failed semaphore_acquire may have left. If the server
-// no longer holds q, the head's queue key, q ends as lost.
-func (s *Semaphore) cleanup(ctx context.Context, b *Session, q *Lock) {
-	s.cleanupWith(ctx, b, q, true)
-}
-
-// cleanupWith is cleanup; without rows, it releases the slots only (see
-// cleanupLocksOn).
-func (s *Semaphore) cleanupWith(ctx context.Context, b *Session, q *Lock, rows bool) {
+// with rows their rows too: what a failed semaphore_acquire may have left
+// (without rows, the slots only: see cleanupLocksOn). If the server no
+// longer holds q, the head's queue key, q ends as lost.
+func (s *Semaphore) cleanup(ctx context.Context, b *Session, q *Lock, rows bool) {
 	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
 	defer cancel()
 	var queueHeld bool

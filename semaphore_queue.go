@@ -217,7 +217,7 @@ func (s *Semaphore) await(ctx context.Context, q *Lock, sub *subscription) (p *P
 	if gerr := b.grab(context.WithoutCancel(ctx)); gerr != nil {
 		return nil, false, gerr
 	}
-	s.cleanup(ctx, b, q)
+	s.cleanup(ctx, b, q, true)
 	b.release()
 	switch {
 	case b.Err() != nil:

@@ -860,7 +860,7 @@ func TestSemaphoreCleanupAfterFailedGrant(t *testing.T) {
 	if err := b.grab(ctx); err != nil {
 		t.Fatal(err)
 	}
-	sem.cleanup(ctx, b, nil)
+	sem.cleanup(ctx, b, nil, true)
 	b.release()
 	if err := b.Err(); err != nil {
 		t.Fatalf("clean-up lost the backend: %v", err)
@@ -884,7 +884,7 @@ func TestSemaphoreCleanupAfterFailedGrant(t *testing.T) {
 	if err := hb.grab(ctx); err != nil {
 		t.Fatal(err)
 	}
-	sem.cleanup(ctx, hb, q)
+	sem.cleanup(ctx, hb, q, true)
 	hb.release()
 	if err := q.Err(); err != nil {
 		t.Fatalf("clean-up ended a queue key the server holds: %v", err)
@@ -898,7 +898,7 @@ func TestSemaphoreCleanupAfterFailedGrant(t *testing.T) {
 	if err := hb.grab(ctx); err != nil {
 		t.Fatal(err)
 	}
-	sem.cleanup(ctx, hb, q)
+	sem.cleanup(ctx, hb, q, true)
 	hb.release()
 	if err := q.Err(); !errors.Is(err, ErrLockLost) {
 		t.Fatalf("queue key released on the server: Err = %v, want ErrLockLost", err)
