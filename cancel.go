@@ -45,13 +45,12 @@ type cancelHandler struct {
 	conn          *pgconn.PgConn
 	deadlineDelay time.Duration
 
-	sent    chan struct{} // closed when the last cancel request has been answered
+	sent    chan struct{} // closed when the last cancel request has been answered, or cut by the deadline
 	unwatch chan struct{} // closed by HandleUnwatchAfterCancel: no more repeats
-	stop    context.CancelFunc
-	// late, read once sent is closed, reports that the last cancel
-	// request was cut by the deadline, not answered by the server: it
-	// may still be on its way to the backend.
-	late *bool
+	// deadline, the socket's deadline, ends the cancel requests: one
+	// still unanswered then may yet reach the backend.
+	deadline context.Context
+	stop     context.CancelFunc
 }
 
 // Intervals at which a cancel request is sent again while the statement
@@ -67,16 +66,13 @@ func (h *cancelHandler) HandleCancel(context.Context) {
 	deadline := time.Now().Add(h.deadlineDelay)
 	_ = h.conn.Conn().SetDeadline(deadline)
 	ctx, stop := context.WithDeadline(context.Background(), deadline)
-	h.sent, h.unwatch, h.stop, h.late = make(chan struct{}), make(chan struct{}), stop, new(bool)
-	go func(sent, unwatch chan struct{}, late *bool) {
+	h.sent, h.unwatch, h.deadline, h.stop = make(chan struct{}), make(chan struct{}), ctx, stop
+	go func(sent, unwatch chan struct{}) {
 		defer close(sent)
 		for wait := cancelRepeat; ; wait = min(2*wait, maxCancelRepeat) {
 			_ = h.conn.CancelRequest(ctx)
 			if ctx.Err() != nil {
-				// Cut by the deadline: the server may not have
-				// answered, and the request may yet reach the backend.
-				*late = true
-				return
+				return // cut by the deadline: see HandleUnwatchAfterCancel
 			}
 			t := time.NewTimer(wait)
 			select {
@@ -89,22 +85,26 @@ func (h *cancelHandler) HandleCancel(context.Context) {
 				return
 			}
 		}
-	}(h.sent, h.unwatch, h.late)
+	}(h.sent, h.unwatch)
 }
 
 // HandleUnwatchAfterCancel returns once the server has acted on the cancel
 // requests sent, so that none can cancel the connection's next statement.
 //
-// A request that the deadline cut before the server answered it may still
-// reach the backend, and cancel whatever statement runs then. The
-// connection's deadline, which passed with it, is then left as it is: the
-// connection's next statement fails before it is sent, and the connection
-// is closed, instead of running a statement that a late cancel may end.
+// Once the deadline has passed, a request that it cut before the server
+// answered it may still reach the backend, and cancel whatever statement
+// runs then. The connection's deadline, which passed with it, is then left
+// as it is: the connection's next statement fails before it is sent, and
+// the connection is closed, instead of running a statement that a late
+// cancel may end. (A statement still running at the deadline fails with
+// it anyway; this stops one that ended just before it from being followed
+// by another.)
 func (h *cancelHandler) HandleUnwatchAfterCancel() {
 	close(h.unwatch)
 	<-h.sent
+	passed := h.deadline.Err() != nil
 	h.stop()
-	if *h.late {
+	if passed {
 		return
 	}
 	_ = h.conn.Conn().SetDeadline(time.Time{})
