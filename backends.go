@@ -597,7 +597,7 @@ func (c *Client) waitBackend(ctx context.Context) (*Session, func(), error) {
 // watchesContention reports whether the Client reports each wait as it
 // starts: to OnContention, or in its debug log.
 func (c *Client) watchesContention() bool {
-	return c.hooks != nil && c.hooks.h.OnContention != nil || c.cfg.debugging()
+	return c.hooks != nil && c.hooks.h.onContention != nil || c.cfg.debugging()
 }
 
 // contention remembers which keys the Client's blocking acquires found

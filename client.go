@@ -3,11 +3,9 @@ package pgcoord
 import (
 	"context"
 	"errors"
-	"reflect"
 	"sync"
 	"sync/atomic"
 	"time"
-	"unsafe"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -28,12 +26,8 @@ type Client struct {
 	afterConnect   func(context.Context, *pgx.Conn) error
 	connectTimeout time.Duration
 	gates          gates
-	contention     contention  // keys found held elsewhere a moment ago
-	noAwait        atomic.Bool // the schema has no semaphore_await: heads wait for notifications
-	hooks          *hookQueue  // nil without WithHooks
-	// semaphoreRecheck is how often the head of a semaphore's queue looks
-	// for a permit with no notification (semaphoreRecheck; tests set it).
-	semaphoreRecheck time.Duration
+	contention     contention // keys found held elsewhere a moment ago
+	hooks          *hookQueue // nil without WithHooks
 
 	closing context.Context // cancelled with ErrClosed by Close
 	stop    context.CancelCauseFunc
@@ -43,10 +37,7 @@ type Client struct {
 	freedMu     sync.Mutex    // guards freed
 	freed       chan struct{} // closed when a backend may have become free to wait on
 
-	notifier  notifier    // the listener connection's subscriptions
-	guardMu   sync.Mutex  // guards guard
-	guard     *Session    // holds the guards of the Client's leaderships
-	listening atomic.Bool // the listener listens now
+	coordState // the state of its elections and semaphores
 
 	mu       sync.Mutex
 	closed   bool
@@ -57,74 +48,9 @@ type Client struct {
 	opening  int
 }
 
-// New returns a Client that uses pool's connection settings. The pool stays
-// the caller's: Close does not close it, and the Client needs it open. New
-// does not touch the network. It returns an error for a nil pool, one
-// wrapping [ErrClosed] for a pool that was closed, and one for invalid or
-// conflicting options.
-func New(pool *pgxpool.Pool, opts ...Option) (*Client, error) {
-	if pool == nil {
-		return nil, errors.New("pgcoord: new client: pool is nil")
-	}
-	if poolClosed(pool) {
-		return nil, errorf("new client: the pool was closed: %w", ErrClosed)
-	}
-	return newClient(pool, false, opts)
-}
-
-// poolClosed reports whether pool was closed. pgxpool has no method that
-// tells, and asking it for a connection would open one on an open pool, so
-// poolClosed reads the channel that pgxpool's Close closes. Should a later
-// pgx name it otherwise, poolClosed reports false and the pool's first use
-// reports the closed pool instead (onPool); TestNewRefusesClosedPool fails
-// then, so the change does not go unseen.
-func poolClosed(pool *pgxpool.Pool) bool {
-	f := reflect.ValueOf(pool).Elem().FieldByName("closeChan")
-	if !f.IsValid() || f.Type() != reflect.TypeFor[chan struct{}]() {
-		return false
-	}
-	closed := *(*chan struct{})(unsafe.Pointer(f.UnsafeAddr()))
-	select {
-	case <-closed:
-		return true
-	default:
-		return false
-	}
-}
-
-// Open makes a pool for connString and returns a Client that owns it:
-// Close closes the pool. Open opens the Client's first lock connection, so
-// the first lock does not wait for one, and so a server that pgcoord
-// cannot use fails here; the pool itself connects only when a method that
-// runs on it (Leader, Locks, ...) first needs it. ctx bounds the connect.
-// Open returns errors for an unparsable connString, an unreachable server,
-// a standby ([ErrReadOnly]), a transaction pooler
-// ([ErrTransactionPooling]), and invalid or conflicting options.
-func Open(ctx context.Context, connString string, opts ...Option) (*Client, error) {
-	if _, err := newConfig(opts); err != nil {
-		return nil, err
-	}
-	pool, err := pgxpool.New(ctx, connString)
-	if err != nil {
-		return nil, errorf("Open: %w", err)
-	}
-	c, err := newClient(pool, true, opts)
-	if err != nil {
-		pool.Close()
-		return nil, err
-	}
-	if err := c.warm(ctx, 1); err != nil {
-		_ = c.Close(context.Background())
-		return nil, errorf("Open: %w", err)
-	}
-	return c, nil
-}
-
-func newClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
-	cfg, err := newConfig(opts)
-	if err != nil {
-		return nil, err
-	}
+// newClient returns a Client of pool with the settings cfg; own makes
+// Close close the pool.
+func newClient(pool *pgxpool.Pool, own bool, cfg *config) *Client {
 	pc := pool.Config()
 	c := &Client{
 		cfg:            cfg,
@@ -136,16 +62,14 @@ func newClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
 		connectTimeout: pc.ConnConfig.ConnectTimeout,
 		gates:          gates{maxHandoffs: cfg.maxHandoffs, handoffWindow: cfg.handoffWindow},
 		sessions:       make(map[*Session]struct{}),
-
-		semaphoreRecheck: semaphoreRecheck,
-		contention:       contention{memory: contentionMemory},
+		contention:     contention{memory: contentionMemory},
 	}
 	if c.connectTimeout <= 0 {
 		c.connectTimeout = serverBound(cfg.lossDeadline)
 	}
 	c.closing, c.stop = context.WithCancelCause(context.Background())
 	c.hooks = newHookQueue(cfg.hooks, cfg.warnLogger)
-	return c, nil
+	return c
 }
 
 // Close ends every session and lock of the Client (their Done channels

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -261,4 +262,12 @@ func (e *coordError) Unwrap() []error {
 // errNotHeldBy is the error of a release of k that backend pid did not hold.
 func errNotHeldBy(k Key, pid int32) error {
 	return errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, pid)
+}
+
+// quoteName quotes a name for an error message, cut to 64 bytes.
+func quoteName(name string) string {
+	if len(name) > 64 {
+		return strconv.Quote(name[:64]) + fmt.Sprintf("... (%d bytes)", len(name))
+	}
+	return strconv.Quote(name)
 }

@@ -1,13 +1,9 @@
 package pgcoord
 
 import (
-	"context"
 	"errors"
-	"fmt"
-	"log/slog"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 )
 
@@ -75,9 +71,6 @@ type Hooks struct {
 	// backend, with Kind PermitLost.
 	OnPermit func(PermitEvent)
 }
-
-// MaxPendingHookEvents bounds the events queued for a Client's hooks.
-const MaxPendingHookEvents = 4096
 
 // AcquireEvent describes the end of an acquire (Lock, TryLock, RLock,
 // TryRLock, LockAll, Do) on a Client or a Session.
@@ -186,25 +179,38 @@ type PermitEvent struct {
 
 // WithHooks sets functions called on the Client's lock events; see
 // [Hooks]. Calling WithHooks again replaces them.
-func WithHooks(h Hooks) Option {
-	return optionFunc{"WithHooks", func(c *config) error {
-		c.hooks = h
-		return nil
-	}}
+func WithHooks(h Hooks) Option { return hooksOption{h} }
+
+// hooksOption is WithHooks's option: it sets the lock hooks of the
+// Client's config, and New and Open take the rest (eventHooks).
+type hooksOption struct{ h Hooks }
+
+func (o hooksOption) apply(c *config) error {
+	h := o.h
+	var lh lockHooks
+	if f := h.OnAcquire; f != nil {
+		lh.onAcquire = func(ev acquireEvent) { f(AcquireEvent(ev)) }
+	}
+	if f := h.OnRelease; f != nil {
+		lh.onRelease = func(ev releaseEvent) { f(ReleaseEvent(ev)) }
+	}
+	if f := h.OnContention; f != nil {
+		lh.onContention = func(ev contentionEvent) { f(ContentionEvent(ev)) }
+	}
+	if f := h.OnLoss; f != nil {
+		lh.onLoss = func(ev lossEvent) { f(LossEvent(ev)) }
+	}
+	lh.queue = h.OnLeadership != nil || h.OnPermit != nil
+	c.hooks = lh
+	return nil
 }
 
-// hookQueue delivers a Client's events to its hooks on one goroutine. A
-// nil *hookQueue (no hooks set) ignores every event.
-type hookQueue struct {
-	h       Hooks
-	logger  func() *slog.Logger
-	mu      sync.Mutex
-	pending []func()
-	queued  int // events not yet delivered: pending, and the rest of the batch in delivery
-	closed  bool
-	wake    chan struct{}
-	done    chan struct{}
-	dropped atomic.Int64
+// eventHooks report the events of a Client's elections and semaphores,
+// on the Client's hook queue. A nil *eventHooks (no such hook set)
+// ignores every event.
+type eventHooks struct {
+	h Hooks
+	q *hookQueue
 
 	// permits holds the permits that an acquire returned and whose end
 	// is not reported yet (*Lock → *Permit): whoever removes one reports
@@ -212,113 +218,49 @@ type hookQueue struct {
 	permits sync.Map
 }
 
-func newHookQueue(h Hooks, logger func() *slog.Logger) *hookQueue {
-	if h.OnAcquire == nil && h.OnRelease == nil && h.OnContention == nil && h.OnLoss == nil && h.OnLeadership == nil && h.OnPermit == nil {
+// newEventHooks returns the eventHooks of the last WithHooks in opts, if
+// it sets OnLeadership or OnPermit, and has the unreported locks' ends of
+// cfg reported to it. Its queue is set once the Client is made.
+func newEventHooks(opts []Option, cfg *config) *eventHooks {
+	var h Hooks
+	for _, o := range opts {
+		if ho, ok := o.(hooksOption); ok {
+			h = ho.h
+		}
+	}
+	if h.OnLeadership == nil && h.OnPermit == nil {
 		return nil
 	}
-	q := &hookQueue{h: h, logger: logger, wake: make(chan struct{}, 1), done: make(chan struct{})}
-	go q.run()
-	return q
+	e := &eventHooks{h: h}
+	cfg.hooks.internalEnded = e.internalEnded
+	return e
 }
 
-// push queues f, or drops it when the queue is full (counted in dropped)
-// or closed (an event after Close, which no hook is left to take).
-func (q *hookQueue) push(f func()) {
-	q.mu.Lock()
-	if q.closed {
-		q.mu.Unlock()
-		return
+// internalEnded reports the end of l, if l is a permit's lock.
+func (e *eventHooks) internalEnded(l *Lock, lost bool, err error) {
+	kind := PermitReleased
+	if lost {
+		kind = PermitLost
 	}
-	if q.queued >= MaxPendingHookEvents {
-		q.mu.Unlock()
-		if q.dropped.Add(1) == 1 {
-			q.logger().Warn("pgcoord: hook events dropped: the hooks are slower than the events", "pending", MaxPendingHookEvents)
-		}
-		return
-	}
-	q.pending = append(q.pending, f)
-	q.queued++
-	q.mu.Unlock()
-	select {
-	case q.wake <- struct{}{}:
-	default:
-	}
-}
-
-// run delivers events until the queue is closed and empty.
-func (q *hookQueue) run() {
-	defer close(q.done)
-	for {
-		<-q.wake
-		for {
-			q.mu.Lock()
-			batch, closed := q.pending, q.closed
-			q.pending = nil
-			q.mu.Unlock()
-			if len(batch) == 0 {
-				if closed {
-					return
-				}
-				break
-			}
-			for _, f := range batch {
-				q.mu.Lock()
-				q.queued-- // delivering, no longer waiting
-				q.mu.Unlock()
-				q.call(f)
-			}
-		}
-	}
-}
-
-func (q *hookQueue) call(f func()) {
-	defer func() {
-		if p := recover(); p != nil {
-			q.logger().Error("pgcoord: a hook panicked", "panic", fmt.Sprint(p))
-		}
-	}()
-	f()
-}
-
-// close delivers what is queued and stops the goroutine.
-func (q *hookQueue) close() {
-	if q == nil {
-		return
-	}
-	q.mu.Lock()
-	q.closed = true
-	q.mu.Unlock()
-	select {
-	case q.wake <- struct{}{}:
-	default:
-	}
-	<-q.done
-}
-
-// droppedEvents returns how many events were dropped.
-func (q *hookQueue) droppedEvents() int64 {
-	if q == nil {
-		return 0
-	}
-	return q.dropped.Load()
+	e.permitEnded(l, kind, err)
 }
 
 // leadership reports a change of leadership of an election of the Client
 // to OnLeadership. The election code calls it whenever its elector gains
 // or loses leadership.
-func (q *hookQueue) leadership(ev LeadershipEvent) {
-	if q == nil || q.h.OnLeadership == nil {
+func (e *eventHooks) leadership(ev LeadershipEvent) {
+	if e == nil || e.h.OnLeadership == nil {
 		return
 	}
-	q.push(func() { q.h.OnLeadership(ev) })
+	e.q.push(func() { e.h.OnLeadership(ev) })
 }
 
 // permitAcquired reports the end of an acquire of sem's permit that
 // began at start, and registers the permit it returned so that its end is
 // reported once: by Release, by the end of its backend, or here if it
 // ended before it was registered.
-func (q *hookQueue) permitAcquired(sem *Semaphore, try bool, start time.Time, p *Permit, err error) {
-	if q == nil || q.h.OnPermit == nil {
+func (e *eventHooks) permitAcquired(sem *Semaphore, try bool, start time.Time, p *Permit, err error) {
+	if e == nil || e.h.OnPermit == nil {
 		return
 	}
 	ev := PermitEvent{Kind: PermitAcquired, Semaphore: sem.name, Slot: -1, Try: try, Wait: time.Since(start), Err: err}
@@ -326,11 +268,11 @@ func (q *hookQueue) permitAcquired(sem *Semaphore, try bool, start time.Time, p 
 		ev.Slot, ev.PID = p.slot, p.l.s.pid
 		p.since = time.Now()
 	}
-	q.push(func() { q.h.OnPermit(ev) })
+	e.q.push(func() { e.h.OnPermit(ev) })
 	if p == nil {
 		return
 	}
-	q.permits.Store(p.l, p)
+	e.permits.Store(p.l, p)
 	select {
 	case <-p.l.Done():
 		// It ended before it was registered: its backend's end found
@@ -340,161 +282,22 @@ func (q *hookQueue) permitAcquired(sem *Semaphore, try bool, start time.Time, p 
 		if errors.Is(why, ErrLockLost) {
 			kind = PermitLost
 		}
-		q.permitEnded(p.l, kind, why)
+		e.permitEnded(p.l, kind, why)
 	default:
 	}
 }
 
 // permitEnded reports the end of the permit whose lock is l, if l is a
 // permit whose end is not reported yet.
-func (q *hookQueue) permitEnded(l *Lock, kind PermitEventKind, err error) {
-	if q == nil || q.h.OnPermit == nil {
+func (e *eventHooks) permitEnded(l *Lock, kind PermitEventKind, err error) {
+	if e == nil || e.h.OnPermit == nil {
 		return
 	}
-	v, ok := q.permits.LoadAndDelete(l)
+	v, ok := e.permits.LoadAndDelete(l)
 	if !ok {
 		return
 	}
 	p := v.(*Permit)
 	ev := PermitEvent{Kind: kind, Semaphore: p.sem.name, Slot: p.slot, Held: time.Since(p.since), PID: l.s.pid, Err: err}
-	q.push(func() { q.h.OnPermit(ev) })
+	e.q.push(func() { e.h.OnPermit(ev) })
 }
-
-func modeOf(shared bool) LockMode {
-	if shared {
-		return ModeShared
-	}
-	return ModeExclusive
-}
-
-// observed reports whether lock events of this Client are observed, by
-// hooks or by a logger at Debug; only then do acquires read the clock
-// for them.
-func (c *Client) observed() bool { return c.hooks != nil || c.cfg.debugging() }
-
-// acquired reports the end of an acquire that began at start.
-func (c *Client) acquired(start time.Time, r request, l *Lock, handoff bool, err error) {
-	wait := time.Since(start)
-	var pid int32
-	if l != nil {
-		pid = l.s.pid // l.since was set when the lock was granted
-	}
-	if c.cfg.debugging() {
-		attrs := []any{"keys", keyList(r.keys), "mode", modeOf(r.shared).String(), "try", r.try, "wait", wait, "pid", pid}
-		if n := c.cfg.keyName(r.keys[0]); n != "" {
-			attrs = append(attrs, "name", n)
-		}
-		if handoff {
-			attrs = append(attrs, "handoff", true)
-		}
-		if err != nil {
-			attrs = append(attrs, "err", err)
-		}
-		c.cfg.logger.Debug("pgcoord: acquire", attrs...)
-	}
-	if q := c.hooks; q != nil && q.h.OnAcquire != nil {
-		ev := AcquireEvent{Key: r.keys[0], Keys: append([]Key(nil), r.keys...), Name: c.cfg.keyName(r.keys[0]),
-			Mode: modeOf(r.shared), Try: r.try, Wait: wait, PID: pid, Handoff: handoff, Err: err}
-		q.push(func() { q.h.OnAcquire(ev) })
-	}
-}
-
-// contended reports that an acquire found a key held.
-func (c *Client) contended(r request, local bool) {
-	if r.internal {
-		return
-	}
-	if c.cfg.debugging() {
-		c.cfg.logger.Debug("pgcoord: contention", "keys", keyList(r.keys), "mode", modeOf(r.shared).String(), "try", r.try, "local", local)
-	}
-	if q := c.hooks; q != nil && q.h.OnContention != nil {
-		ev := ContentionEvent{Key: r.keys[0], Keys: append([]Key(nil), r.keys...), Name: c.cfg.keyName(r.keys[0]),
-			Mode: modeOf(r.shared), Try: r.try, Local: local}
-		q.push(func() { q.h.OnContention(ev) })
-	}
-}
-
-// released reports a lock that Unlock or Close ended.
-func (l *Lock) released(handoff bool, err error) {
-	c := l.s.c
-	if l.unreported.Load() {
-		c.hooks.permitEnded(l, PermitReleased, err) // a permit, if any
-		return
-	}
-	if !c.observed() {
-		return
-	}
-	held := time.Duration(0)
-	if !l.since.IsZero() {
-		held = time.Since(l.since)
-	}
-	if c.cfg.debugging() {
-		attrs := []any{"keys", keyList(l.keys), "mode", modeOf(l.shared).String(), "held", held, "pid", l.s.pid}
-		if handoff {
-			attrs = append(attrs, "handoff", true)
-		}
-		if err != nil {
-			attrs = append(attrs, "err", err)
-		}
-		c.cfg.logger.Debug("pgcoord: release", attrs...)
-	}
-	if q := c.hooks; q != nil && q.h.OnRelease != nil {
-		ev := ReleaseEvent{Key: l.keys[0], Keys: append([]Key(nil), l.keys...), Name: c.cfg.keyName(l.keys[0]),
-			Mode: modeOf(l.shared), Held: held, PID: l.s.pid, Handoff: handoff, Err: err}
-		q.push(func() { q.h.OnRelease(ev) })
-	}
-}
-
-// reportEnd reports the end of l with its session: a release when the
-// session was closed, else a loss.
-func (l *Lock) reportEnd(why error) {
-	if errors.Is(why, ErrClosed) {
-		l.released(false, why)
-	} else {
-		l.lost(why)
-	}
-}
-
-// lost reports a lock that ended with its session's loss. The session's
-// loss is logged once, at Warn, by the session.
-func (l *Lock) lost(err error) {
-	q := l.s.c.hooks
-	if l.unreported.Load() {
-		q.permitEnded(l, PermitLost, err) // a permit, if any
-		return
-	}
-	if q == nil || q.h.OnLoss == nil {
-		return
-	}
-	held := time.Duration(0)
-	if !l.since.IsZero() {
-		held = time.Since(l.since)
-	}
-	ev := LossEvent{Key: l.keys[0], Keys: append([]Key(nil), l.keys...), Name: l.s.c.cfg.keyName(l.keys[0]),
-		Mode: modeOf(l.shared), Held: held, PID: l.s.pid, Err: err}
-	q.push(func() { q.h.OnLoss(ev) })
-}
-
-// debugging reports whether the configured logger takes Debug records.
-func (c *config) debugging() bool {
-	return c.logger != nil && c.logger.Enabled(context.Background(), slog.LevelDebug)
-}
-
-// warnLogger returns the logger for warnings: WithLogger's, else
-// slog.Default(), so that a lost lock is never silent.
-func (c *config) warnLogger() *slog.Logger {
-	if c.logger != nil {
-		return c.logger
-	}
-	return slog.Default()
-}
-
-// infoLogger returns WithLogger's logger, or one that discards.
-func (c *config) infoLogger() *slog.Logger {
-	if c.logger != nil {
-		return c.logger
-	}
-	return discard
-}
-
-var discard = slog.New(slog.DiscardHandler)

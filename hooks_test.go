@@ -227,7 +227,7 @@ func TestHooksNeverBlock(t *testing.T) {
 		defer mu.Unlock()
 		return int64(acquires)+c.Stat().DroppedHookEvents >= 1+tries
 	})
-	c.hooks.leadership(LeadershipEvent{Election: "e", Identity: "me", Term: 1, Leading: true})
+	c.events.leadership(LeadershipEvent{Election: "e", Identity: "me", Term: 1, Leading: true})
 	pgtest.Eventually(t, testTimeout, "the events after the blocked hook", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
@@ -246,7 +246,7 @@ func TestHooksNeverBlock(t *testing.T) {
 	}
 
 	// Without hooks, the election code's call is a no-op.
-	var none *hookQueue
+	var none *eventHooks
 	none.leadership(LeadershipEvent{})
 }
 

@@ -20,27 +20,6 @@ import (
 // pg_read_all_stats; such fields are then empty. Their application names
 // show.
 
-// LockMode is the mode of an advisory lock: exclusive or shared.
-type LockMode uint8
-
-// The modes of an advisory lock, as pg_locks names them ExclusiveLock and
-// ShareLock.
-const (
-	ModeExclusive LockMode = iota + 1
-	ModeShared
-)
-
-// String returns "exclusive" or "shared".
-func (m LockMode) String() string {
-	switch m {
-	case ModeExclusive:
-		return "exclusive"
-	case ModeShared:
-		return "shared"
-	}
-	return "LockMode(" + strconv.Itoa(int(m)) + ")"
-}
-
 // LockInfo is one advisory lock in the Client's database, as pg_locks shows
 // it: a backend that holds a key (Granted) or waits for it.
 type LockInfo struct {
@@ -95,9 +74,6 @@ func WithKeyNames(names map[Key]string) Option {
 		return nil
 	}}
 }
-
-// keyName returns k's name from WithKeyNames, or "".
-func (c *config) keyName(k Key) string { return c.keyNames[k] }
 
 // locksSQL lists the advisory locks of the current database with their
 // backends. pg_locks.waitstart exists from PostgreSQL 14 on; reading it

@@ -214,7 +214,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 		stamped: make(chan struct{}),
 	}
 	ld.ctx, ld.cancel = context.WithCancelCause(context.WithValue(leaderParent{c.closing, ctx}, leadershipKey{}, ld))
-	c.hooks.leadership(LeadershipEvent{Election: e.name, Identity: e.identity, Term: term, Leading: true})
+	c.events.leadership(LeadershipEvent{Election: e.name, Identity: e.identity, Term: term, Leading: true})
 	c.cfg.infoLogger().Info("pgcoord: leading", "election", e.name, "identity", e.identity, "term", int64(term))
 	c.wg.Add(1)
 	go ld.watch()
@@ -632,7 +632,7 @@ func (ld *Leadership) end(why error, settle func()) {
 	} else {
 		c.cfg.infoLogger().Info("pgcoord: leadership ended", "election", ld.e.name, "term", int64(ld.term), "why", why)
 	}
-	c.hooks.leadership(ev)
+	c.events.leadership(ev)
 	close(ld.done)
 }
 

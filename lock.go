@@ -2,6 +2,7 @@ package pgcoord
 
 import (
 	"context"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -272,3 +273,24 @@ func (l *Lock) Unlock(ctx context.Context) error {
 // select list, so on any other backend (behind a transaction-pooling proxy)
 // the statement returns no row and does nothing. The select list is
 // evaluated left to right, so keys are taken in the order given.
+
+// LockMode is the mode of an advisory lock: exclusive or shared.
+type LockMode uint8
+
+// The modes of an advisory lock, as pg_locks names them ExclusiveLock and
+// ShareLock.
+const (
+	ModeExclusive LockMode = iota + 1
+	ModeShared
+)
+
+// String returns "exclusive" or "shared".
+func (m LockMode) String() string {
+	switch m {
+	case ModeExclusive:
+		return "exclusive"
+	case ModeShared:
+		return "shared"
+	}
+	return "LockMode(" + strconv.Itoa(int(m)) + ")"
+}

@@ -372,8 +372,3 @@ func (c *config) runMigrationSQL(ctx context.Context, tx pgx.Tx, sql string) err
 	_, err := tx.Exec(ctx, "SELECT pg_catalog.set_config('search_path', $1, true)", old)
 	return err
 }
-
-// table returns the quoted, schema-qualified name of one of pgcoord's tables.
-func (c *config) table(name string) string {
-	return c.quotedSchema() + "." + pgx.Identifier{name}.Sanitize()
-}

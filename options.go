@@ -7,8 +7,6 @@ import (
 	"strings"
 	"time"
 	"unicode/utf8"
-
-	"github.com/jackc/pgx/v5"
 )
 
 // Options of a Client
@@ -71,28 +69,6 @@ type LoggerOption struct{ o optionFunc }
 
 func (o LoggerOption) apply(c *config) error        { return o.o.apply(c) }
 func (o LoggerOption) applyMigrate(c *config) error { return o.o.apply(c) }
-
-type config struct {
-	heartbeat      time.Duration
-	lossDeadline   time.Duration
-	logger         *slog.Logger
-	appName        string
-	schema         string
-	maxWaits       int
-	sharedBackends int
-	maxHandoffs    int
-	handoffWindow  time.Duration
-	sessionPooler  bool
-	keyNames       map[Key]string
-	hooks          Hooks
-}
-
-// waitSlice is how long one slice of a blocking acquire waits on the
-// server before it answers (with a lock timeout) and waits again: short
-// enough that two slices and their round trips fit in the loss deadline
-// with a heartbeat's margin, so a wait never lets the lease run out on a
-// healthy connection.
-func (c *config) waitSlice() time.Duration { return (c.lossDeadline - c.heartbeat) / 2 }
 
 func newConfig(opts []Option) (*config, error) {
 	fs := make([]func(*config) error, len(opts))
@@ -321,9 +297,6 @@ func WithSessionPooler() Option {
 		return nil
 	}}
 }
-
-// quotedSchema returns the schema as a quoted SQL identifier.
-func (c *config) quotedSchema() string { return pgx.Identifier{c.schema}.Sanitize() }
 
 // checkText checks a name or identity that pgcoord stores as text: 1 to
 // limit bytes of UTF-8 without NUL.

@@ -298,14 +298,6 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 	return nil
 }
 
-// quoteName quotes a name for an error message, cut to 64 bytes.
-func quoteName(name string) string {
-	if len(name) > 64 {
-		return strconv.Quote(name[:64]) + fmt.Sprintf("... (%d bytes)", len(name))
-	}
-	return strconv.Quote(name)
-}
-
 // Name returns the semaphore's name.
 func (s *Semaphore) Name() string { return s.name }
 
@@ -463,7 +455,7 @@ func (p *Permit) Release(ctx context.Context) error {
 	if errors.Is(why, ErrLockLost) {
 		kind, evErr = PermitLost, why
 	}
-	s.c.hooks.permitEnded(l, kind, evErr)
+	s.c.events.permitEnded(l, kind, evErr)
 	if err != nil {
 		return s.fail(ctx, "release", err)
 	}

@@ -42,7 +42,7 @@ func (s *Semaphore) acquire(ctx context.Context, try bool) (*Permit, error) {
 		}
 		return nil, s.fail(ctx, op, s.err)
 	}
-	q := s.c.hooks
+	q := s.c.events
 	if q == nil || q.h.OnPermit == nil {
 		return s.take(ctx, try)
 	}
