@@ -203,7 +203,7 @@ func migrate(ctx context.Context, c *config, db TxBeginner) error {
 	if err != nil {
 		return err
 	}
-	return c.inMigrationTx(ctx, db, op, func(tx pgx.Tx) error {
+	return inMigrationTx(ctx, c, db, op, func(tx pgx.Tx) error {
 		var have int64
 		var exists bool
 		if err := tx.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", c.table("schema_version")).Scan(&exists); err != nil {
@@ -243,7 +243,7 @@ func migrate(ctx context.Context, c *config, db TxBeginner) error {
 				continue
 			}
 			step := fmt.Sprintf("%s: apply %06d_%s", op, m.version, m.name)
-			if err := c.runMigrationSQL(ctx, tx, m.up); err != nil {
+			if err := runMigrationSQL(ctx, c, tx, m.up); err != nil {
 				return privilegeError(step, err, need)
 			}
 			if _, err := tx.Exec(ctx, "INSERT INTO "+c.table("schema_version")+" (version, name) VALUES ($1, $2)", m.version, m.name); err != nil {
@@ -276,7 +276,7 @@ func migrateDown(ctx context.Context, db TxBeginner, target int64, opts ...Migra
 	if err != nil {
 		return err
 	}
-	return c.inMigrationTx(ctx, db, op, func(tx pgx.Tx) error {
+	return inMigrationTx(ctx, c, db, op, func(tx pgx.Tx) error {
 		var have int64
 		if err := tx.QueryRow(ctx, "SELECT coalesce(max(version), 0) FROM "+c.table("schema_version")).Scan(&have); err != nil {
 			return notMigrated(c, op+": read schema_version", err)
@@ -286,7 +286,7 @@ func migrateDown(ctx context.Context, db TxBeginner, target int64, opts ...Migra
 		}
 		for i := have; i > target; i-- {
 			m := migs[i-1]
-			if err := c.runMigrationSQL(ctx, tx, m.down); err != nil {
+			if err := runMigrationSQL(ctx, c, tx, m.down); err != nil {
 				return pgError(fmt.Sprintf("%s: revert %06d_%s", op, m.version, m.name), err)
 			}
 			if _, err := tx.Exec(ctx, "DELETE FROM "+c.table("schema_version")+" WHERE version = $1", m.version); err != nil {
@@ -306,7 +306,7 @@ func migrateDown(ctx context.Context, db TxBeginner, target int64, opts ...Migra
 // migration advisory lock and in which the schema exists. The transaction is
 // committed if fn returns nil and rolled back otherwise. op starts the
 // messages of its errors.
-func (c *config) inMigrationTx(ctx context.Context, db TxBeginner, op string, fn func(pgx.Tx) error) (err error) {
+func inMigrationTx(ctx context.Context, c *config, db TxBeginner, op string, fn func(pgx.Tx) error) (err error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return pgError(op+": begin", err)
@@ -356,7 +356,7 @@ func privilegeError(step string, err error, need string) error {
 // runMigrationSQL runs the statements of one migration file with
 // search_path set to the schema (pg_temp last, so a temporary table cannot
 // shadow ours), then restores the previous search_path.
-func (c *config) runMigrationSQL(ctx context.Context, tx pgx.Tx, sql string) error {
+func runMigrationSQL(ctx context.Context, c *config, tx pgx.Tx, sql string) error {
 	var old string
 	if err := tx.QueryRow(ctx, "SELECT pg_catalog.current_setting('search_path')").Scan(&old); err != nil {
 		return err
