@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -25,7 +27,7 @@ func TestLockExcludesOtherClients(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	heldOnlyBy(t, dsn, k, l.s.PID())
+	heldOnlyBy(t, dsn, k, l.core.S.PID())
 	if _, err := b.TryLock(ctx, k); !errors.Is(err, ErrLocked) {
 		t.Fatalf("TryLock while held elsewhere: %v, want ErrLocked", err)
 	}
@@ -45,7 +47,7 @@ func TestLockExcludesOtherClients(t *testing.T) {
 	if err != nil {
 		t.Fatalf("TryLock after Unlock: %v", err)
 	}
-	heldOnlyBy(t, dsn, k, l2.s.PID())
+	heldOnlyBy(t, dsn, k, l2.core.S.PID())
 	mustUnlock(t, l2)
 }
 
@@ -78,7 +80,7 @@ func TestSharedLocks(t *testing.T) {
 	if res.err != nil {
 		t.Fatal(res.err)
 	}
-	heldOnlyBy(t, dsn, k, res.l.s.PID())
+	heldOnlyBy(t, dsn, k, res.l.core.S.PID())
 	mustUnlock(t, res.l)
 	notHeld(t, dsn, k)
 }
@@ -154,7 +156,7 @@ func TestWaitingWriterNotStarvedByReaders(t *testing.T) {
 	if res.err != nil {
 		t.Fatal(res.err)
 	}
-	heldOnlyBy(t, dsn, k, res.l.s.PID())
+	heldOnlyBy(t, dsn, k, res.l.core.S.PID())
 	mustUnlock(t, res.l)
 	wg.Wait()
 	// Readers that asked after the writer queued waited behind it: between
@@ -222,8 +224,8 @@ func TestLockCancelRaceLeavesNothing(t *testing.T) {
 					continue
 				}
 				won.Add(1)
-				if got := grantedTo(t, dsn, k); len(got) != 1 || got[0] != l.s.PID() {
-					t.Errorf("round %d: Lock returned a lock, but pg_locks shows holders %v, want %d", i, got, l.s.PID())
+				if got := grantedTo(t, dsn, k); len(got) != 1 || got[0] != l.core.S.PID() {
+					t.Errorf("round %d: Lock returned a lock, but pg_locks shows holders %v, want %d", i, got, l.core.S.PID())
 					return
 				}
 				if err := l.Unlock(ctx); err != nil {
@@ -266,7 +268,7 @@ func TestUnlockWithCancelledContextOnTinyPool(t *testing.T) {
 	if err != nil {
 		t.Fatalf("second Client TryLock: %v", err)
 	}
-	heldOnlyBy(t, dsn, k, lb.s.PID())
+	heldOnlyBy(t, dsn, k, lb.core.S.PID())
 
 	// The pool's one connection is not the one that held the lock, so its
 	// next borrower cannot re-enter it.
@@ -581,7 +583,7 @@ func TestBadInput(t *testing.T) {
 // lossNoticeBound is the documented time within which a terminated
 // backend is noticed: the next heartbeat, plus one interval for its round
 // trip on a loaded machine.
-func lossNoticeBound(c *config) time.Duration { return 2 * c.heartbeat }
+func lossNoticeBound(c *core.Config) time.Duration { return 2 * c.Heartbeat }
 
 func newTestSession(t testing.TB, c *Client) *Session {
 	t.Helper()
@@ -623,7 +625,7 @@ func TestOpen(t *testing.T) {
 	if st := c.Stat(); st.Backends != 1 {
 		t.Fatalf("after Open: Stat %+v, want 1 backend", st)
 	}
-	if n := c.pool.Stat().TotalConns(); n != 0 {
+	if n := c.core.Pool.Stat().TotalConns(); n != 0 {
 		t.Fatalf("after Open: the pool holds %d connections, want 0", n)
 	}
 	if n := backendsOf(t, dsn, "open-test"); n != 1 {
@@ -633,14 +635,14 @@ func TestOpen(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	heldOnlyBy(t, dsn, Int64Key(3), l.s.PID())
+	heldOnlyBy(t, dsn, Int64Key(3), l.core.S.PID())
 	if n := backendsOf(t, dsn, "open-test"); n != 1 {
 		t.Fatalf("after Lock: %d backends in pg_stat_activity, want 1", n)
 	}
 	if err := c.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.pool.Ping(ctx); err == nil {
+	if err := c.core.Pool.Ping(ctx); err == nil {
 		t.Fatal("Close did not close the pool Open made")
 	}
 	pgtest.Eventually(t, testTimeout, "lock freed after Close", func() bool { return len(lockState(t, dsn)[Int64Key(3)]) == 0 })

@@ -20,6 +20,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -152,7 +154,7 @@ func TestWaitsBounded(t *testing.T) {
 		if r.err != nil {
 			t.Fatalf("waiter %d: %v", i, r.err)
 		}
-		heldOnlyBy(t, dsn, Int64Key(int64(1000+i)), r.l.s.PID())
+		heldOnlyBy(t, dsn, Int64Key(int64(1000+i)), r.l.core.S.PID())
 		check()
 		mustUnlock(t, r.l)
 	}
@@ -209,7 +211,7 @@ func TestTightDeadlines(t *testing.T) {
 		return m
 	}
 	kept := backends()
-	lockSQL, _ := trySQL(lockFunc(false, true), []Key{k}, 0)
+	lockSQL, _ := core.TrySQL(core.LockFunc(false, true), coreKeys([]Key{k}), 0)
 	for attempt := 0; ; attempt++ {
 		var called time.Time // by the server's clock
 		if err := admin.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&called); err != nil {
@@ -221,17 +223,17 @@ func TestTightDeadlines(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, ok := kept[l.s.PID()]; !ok {
-			t.Fatalf("warm Client locked on backend %d, not on the one the first call started (%v)", l.s.PID(), kept)
+		if _, ok := kept[l.core.S.PID()]; !ok {
+			t.Fatalf("warm Client locked on backend %d, not on the one the first call started (%v)", l.core.S.PID(), kept)
 		}
 		var query string
 		var ran time.Duration
-		if err := admin.QueryRow(ctx, "SELECT query, state_change - query_start FROM pg_stat_activity WHERE pid = $1", l.s.PID()).Scan(&query, &ran); err != nil {
+		if err := admin.QueryRow(ctx, "SELECT query, state_change - query_start FROM pg_stat_activity WHERE pid = $1", l.core.S.PID()).Scan(&query, &ran); err != nil {
 			t.Fatal(err)
 		}
 		// The statement was ready before the call: no prepare round trip.
 		var prepared time.Time
-		err = l.s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		err = l.core.S.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 			return conn.QueryRow(ctx, "SELECT prepare_time FROM pg_prepared_statements WHERE statement = $1", lockSQL).Scan(&prepared)
 		})
 		if err != nil {
@@ -280,7 +282,7 @@ func TestTightDeadlines(t *testing.T) {
 		switch {
 		case err == nil:
 			acquired++
-			heldOnlyBy(t, dsn, k, l.s.PID())
+			heldOnlyBy(t, dsn, k, l.core.S.PID())
 			mustUnlock(t, l)
 		case errors.Is(err, context.DeadlineExceeded):
 			timedOut++
@@ -312,15 +314,15 @@ func TestBackendReadyOnConnect(t *testing.T) {
 	if got := len(lockState(t, dsn)); got != 0 {
 		t.Fatalf("%d keys locked after Warm, want none", got)
 	}
-	c.mu.Lock()
-	backends := slices.Clone(c.backends)
-	c.mu.Unlock()
+	c.core.Mu.Lock()
+	backends := slices.Clone(c.core.Backends)
+	c.core.Mu.Unlock()
 	if len(backends) == 0 {
 		t.Fatal("no backend after Warm")
 	}
 	for _, b := range backends {
 		plans := map[string]int64{}
-		err := b.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		err := b.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 			rows, err := conn.Query(ctx, "SELECT statement, generic_plans + custom_plans FROM pg_prepared_statements")
 			if err != nil {
 				return err
@@ -336,9 +338,9 @@ func TestBackendReadyOnConnect(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, h := range hotStatements() {
-			if n, ok := plans[h.sql]; !ok || n < 1 {
-				t.Errorf("backend %d: %q prepared %v, planned %d times; want prepared and run", b.PID(), h.sql, ok, n)
+		for _, h := range core.HotStatements() {
+			if n, ok := plans[h.Sql]; !ok || n < 1 {
+				t.Errorf("backend %d: %q prepared %v, planned %d times; want prepared and run", b.PID(), h.Sql, ok, n)
 			}
 		}
 	}
@@ -415,11 +417,11 @@ func TestHandoff(t *testing.T) {
 	}
 	wch := goLock(func() (*Lock, error) { return c.Lock(ctx, k, WithFence()) })
 	pgtest.Eventually(t, testTimeout, "local waiter queued", func() bool {
-		c.gates.mu.Lock()
-		defer c.gates.mu.Unlock()
-		return c.gates.m[k] != nil && len(c.gates.m[k].queue) == 1
+		c.core.Gates.Mu.Lock()
+		defer c.core.Gates.Mu.Unlock()
+		return c.core.Gates.M[k.core] != nil && len(c.core.Gates.M[k.core].Queue) == 1
 	})
-	pid := first.s.PID()
+	pid := first.core.S.PID()
 	mustUnlock(t, first)
 	r := receive(t, wch)
 	if r.err != nil {
@@ -428,8 +430,8 @@ func TestHandoff(t *testing.T) {
 	if first.Err() == nil {
 		t.Fatal("the old handle is still live after the handoff")
 	}
-	if r.l.s.PID() != pid {
-		t.Fatalf("handed-off lock on backend %d, want %d (no round trip)", r.l.s.PID(), pid)
+	if r.l.core.S.PID() != pid {
+		t.Fatalf("handed-off lock on backend %d, want %d (no round trip)", r.l.core.S.PID(), pid)
 	}
 	if r.l.Fence() <= first.Fence() {
 		t.Fatalf("fence after handoff %d, want more than %d", r.l.Fence(), first.Fence())
@@ -446,9 +448,9 @@ func TestHandoff(t *testing.T) {
 	for range 10 {
 		next := goLock(func() (*Lock, error) { return c.Lock(ctx, k) })
 		pgtest.Eventually(t, testTimeout, "local waiter queued", func() bool {
-			c.gates.mu.Lock()
-			defer c.gates.mu.Unlock()
-			return len(c.gates.m[k].queue) == 1
+			c.core.Gates.Mu.Lock()
+			defer c.core.Gates.Mu.Unlock()
+			return len(c.core.Gates.M[k.core].Queue) == 1
 		})
 		mustUnlock(t, cur)
 		select {
@@ -457,7 +459,7 @@ func TestHandoff(t *testing.T) {
 				t.Fatal(rr.err)
 			}
 			// The remote waiter got its turn.
-			heldOnlyBy(t, dsn, k, rr.l.s.PID())
+			heldOnlyBy(t, dsn, k, rr.l.core.S.PID())
 			mustUnlock(t, rr.l)
 			nr := receive(t, next)
 			if nr.err != nil {
@@ -620,28 +622,28 @@ func TestCloseEndsAcquiresRetryingWhileServerDown(t *testing.T) {
 			}
 		}
 		// By then every retry interval has grown to its longest.
-		return time.Since(waiting) > 3*maxRetryInterval
+		return time.Since(waiting) > 3*core.MaxRetryInterval
 	}) {
 		t.Fatal("the acquires did not queue to retry while the server was down")
 	}
 	for i, k := range calls {
 		n := proxies[i].Accepted()
-		if !pgtest.Poll(3*maxRetryInterval, func() bool { return proxies[i].Accepted() > n }) {
-			t.Fatalf("%s: no attempt to connect within %v while retrying", k.name, 3*maxRetryInterval)
+		if !pgtest.Poll(3*core.MaxRetryInterval, func() bool { return proxies[i].Accepted() > n }) {
+			t.Fatalf("%s: no attempt to connect within %v while retrying", k.name, 3*core.MaxRetryInterval)
 		}
 		start := time.Now()
 		if err := cs[i].Close(context.Background()); err != nil {
 			t.Errorf("Close of the Client of %s: %v", k.name, err)
 		}
-		if took := time.Since(start); took > maxRetryInterval/3 {
-			t.Errorf("broken promise: Close took %v with %s retrying, want it ended at once (a retry interval is %v)", took, k.name, maxRetryInterval)
+		if took := time.Since(start); took > core.MaxRetryInterval/3 {
+			t.Errorf("broken promise: Close took %v with %s retrying, want it ended at once (a retry interval is %v)", took, k.name, core.MaxRetryInterval)
 		}
 		select {
 		case err := <-results[i]:
 			if !errors.Is(err, ErrClosed) {
 				t.Errorf("%s retrying during Close: %v, want ErrClosed", k.name, err)
 			}
-		case <-time.After(2 * maxRetryInterval):
+		case <-time.After(2 * core.MaxRetryInterval):
 			t.Fatalf("%s retrying during Close did not return", k.name)
 		}
 	}

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -15,7 +17,7 @@ func TestManyKeysAreChunked(t *testing.T) {
 	t.Parallel()
 	ctx := testCtx(t)
 	dsn := pgtest.DB(t)
-	const n = 2*maxKeysPerStatement + 500
+	const n = 2*core.MaxKeysPerStatement + 500
 	keys := make([]Key, n)
 	for i := range keys {
 		keys[i] = Int64Key(int64(n - i)) // reverse order: canonical order sorts them
@@ -51,7 +53,7 @@ func TestManyKeysAreChunked(t *testing.T) {
 	}
 
 	// A key in the third chunk is held elsewhere: the try stops there.
-	busy := Int64Key(2*maxKeysPerStatement + 100)
+	busy := Int64Key(2*core.MaxKeysPerStatement + 100)
 	other, err := pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -70,7 +72,7 @@ func TestManyKeysAreChunked(t *testing.T) {
 		t.Fatalf("XactTryLock with %v held elsewhere: %v", busy, err)
 	}
 	// Keys 1 .. busy-1 are held by tx, plus busy by the other transaction.
-	if got, want := len(lockState(t, dsn)), 2*maxKeysPerStatement+100; got != want {
+	if got, want := len(lockState(t, dsn)), 2*core.MaxKeysPerStatement+100; got != want {
 		t.Fatalf("%d keys in pg_locks after the failed try, want %d", got, want)
 	}
 }

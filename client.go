@@ -1,15 +1,11 @@
 package pgcoord
 
+// The Client: the locks of one process, on dedicated connections
+
 import (
 	"context"
-	"errors"
-	"sync"
-	"sync/atomic"
-	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/jackc/puddle/v2"
+	"github.com/pgcoord/pgcoord/internal/core"
 )
 
 // A Client takes locks on behalf of one process. Locks are held on
@@ -18,58 +14,8 @@ import (
 // so a pool borrower can never silently re-enter a lock. A Client is safe
 // for concurrent use.
 type Client struct {
-	cfg            *config
-	pool           *pgxpool.Pool
-	ownPool        bool
-	connConfig     *pgx.ConnConfig
-	beforeConnect  func(context.Context, *pgx.ConnConfig) error
-	afterConnect   func(context.Context, *pgx.Conn) error
-	connectTimeout time.Duration
-	gates          gates
-	contention     contention // keys found held elsewhere a moment ago
-	hooks          *hookQueue // nil without WithHooks
-
-	closing context.Context // cancelled with ErrClosed by Close
-	stop    context.CancelCauseFunc
-	wg      sync.WaitGroup // calls in flight and background work
-
-	queuedWaits atomic.Int64  // blocking acquires that found no backend to wait on
-	freedMu     sync.Mutex    // guards freed
-	freed       chan struct{} // closed when a backend may have become free to wait on
-
-	coordState // the state of its elections and semaphores
-
-	mu       sync.Mutex
-	closed   bool
-	closedAt time.Time             // when Close began: it cancels the leaders' contexts then
-	sessions map[*Session]struct{} // every open session: backends and NewSession's
-	backends []*Session            // the shared backends of the Client's own locks
-	connects []*connectCall        // connections being opened
-	opening  int
-}
-
-// newClient returns a Client of pool with the settings cfg; own makes
-// Close close the pool.
-func newClient(pool *pgxpool.Pool, own bool, cfg *config) *Client {
-	pc := pool.Config()
-	c := &Client{
-		cfg:            cfg,
-		pool:           pool,
-		ownPool:        own,
-		connConfig:     dedicatedConfig(pc.ConnConfig, cfg),
-		beforeConnect:  pc.BeforeConnect,
-		afterConnect:   pc.AfterConnect,
-		connectTimeout: pc.ConnConfig.ConnectTimeout,
-		gates:          gates{maxHandoffs: cfg.maxHandoffs, handoffWindow: cfg.handoffWindow},
-		sessions:       make(map[*Session]struct{}),
-		contention:     contention{memory: contentionMemory},
-	}
-	if c.connectTimeout <= 0 {
-		c.connectTimeout = serverBound(cfg.lossDeadline)
-	}
-	c.closing, c.stop = context.WithCancelCause(context.Background())
-	c.hooks = newHookQueue(cfg.hooks, cfg.warnLogger)
-	return c
+	core *core.Client // the lock core: connections, routing, statements
+	coordState
 }
 
 // Close ends every session and lock of the Client (their Done channels
@@ -86,152 +32,98 @@ func newClient(pool *pgxpool.Pool, own bool, cfg *config) *Client {
 // returns within the loss deadline whatever the pool and the server do.
 // It returns every release error, joined (with ctx's error when ctx ended
 // first); calling it again returns nil.
-func (c *Client) Close(ctx context.Context) error {
-	if ctx == nil {
-		ctx = context.Background()
-	}
-	c.mu.Lock()
-	if c.closed {
-		c.mu.Unlock()
-		return nil
-	}
-	c.closed = true
-	c.closedAt = time.Now()
-	all := make([]*Session, 0, len(c.sessions))
-	for s := range c.sessions {
-		all = append(all, s)
-	}
-	c.mu.Unlock()
-	// Cancelling closing cancels every leader's context at once, before
-	// anything is released (see leaderParent).
-	c.stop(ErrClosed)
+func (c *Client) Close(ctx context.Context) error { return c.core.Close(ctx) }
 
-	// Release every connection at once: each is bounded by the loss
-	// deadline, and so is Close.
-	errs := make([]error, len(all))
-	var closing sync.WaitGroup
-	for i, s := range all {
-		closing.Go(func() { errs[i] = s.close(ctx) })
-	}
-	closing.Wait()
-	for _, s := range all {
-		<-s.cleaned
-	}
-	c.wg.Wait()
-	c.hooks.close()
-	if c.ownPool {
-		c.pool.Close()
-	}
-	return errors.Join(errs...)
+// Lock blocks until it holds key exclusively, on one of the Client's
+// dedicated connections, and returns the held lock. ctx bounds only the
+// wait: once Lock returns, the lock is held until Unlock or loss, whatever
+// happens to ctx. If the wait fails or is cancelled, nothing stays locked.
+// Lock rides through a lost connection, a server restart or a failover: it
+// keeps trying to reach a writable server, backing off, until ctx ends.
+// A connection error that no retry can cure it returns at once, naming
+// the step ("open connection: ..."): a pgx config that cannot run its
+// statements (a query mode whose cache has no capacity), and the server's
+// refusal of the role or its authentication (SQLSTATE class 28), of the
+// database (3D000), of a privilege (42501) or of a setting (42704, 22023).
+// Errors: ctx's error (or cause) if it ended first, joined with the last
+// connection error if the server could not be reached; such a connection
+// error; [ErrClosed];
+// [ErrDeadlock] if the application has a lock cycle; [ErrTooManyLocks];
+// [ErrInvalidKey]; [ErrNotMigrated] (with WithFence); or
+// [ErrTransactionPooling].
+func (c *Client) Lock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return lockOf(c.core.Lock(ctx, key.core, coreLockOptions(opts)...))
 }
 
-// refuseClosed returns ErrClosed once Close has begun, for calls that need
-// no tracking while they run (they hold nothing of the Client's).
-func (c *Client) refuseClosed() error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.closed {
-		return ErrClosed
-	}
-	return nil
+// TryLock takes key exclusively if nobody holds it, without waiting. It
+// returns an error wrapping [ErrLocked] if another holder has it, in this
+// process or any other. ctx bounds the wait for a connection to send the
+// try on, not the round trip itself, which a cancel request would cost
+// more than: the loss deadline bounds that (a connection that does not
+// answer within it is lost). It fails fast when the server cannot be
+// reached (after one more attempt on another connection if its
+// connection was lost). Other errors are as for Lock.
+func (c *Client) TryLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return lockOf(c.core.TryLock(ctx, key.core, coreLockOptions(opts)...))
 }
 
-// enter registers a call in flight, or returns ErrClosed.
-func (c *Client) enter() error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.closed {
-		return ErrClosed
-	}
-	c.wg.Add(1)
-	return nil
+// RLock blocks until it holds key shared: any number of shared holders
+// coexist, and exclude exclusive ones. A waiting exclusive holder is not
+// starved: PostgreSQL queues new shared requests behind it, and readers of
+// one Client join each other's hold without asking the server only for a
+// short while after it was taken (the bounds of [WithHandoff]), so they
+// too queue behind a writer that waits. As with sync.RWMutex, a goroutine
+// must not take a key shared again while it holds it shared: if a writer
+// waits meanwhile, the second RLock waits behind it, and the writer waits
+// for the first. ctx, opts and errors are as for Lock, except that
+// [WithFence] is refused (a fence orders exclusive holders).
+func (c *Client) RLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return lockOf(c.core.RLock(ctx, key.core, coreLockOptions(opts)...))
 }
 
-// untrack forgets a session whose connection is closed.
-func (c *Client) untrack(s *Session) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	delete(c.sessions, s)
+// TryRLock takes key shared if no exclusive holder has it, without
+// waiting; otherwise it returns an error wrapping [ErrLocked]. ctx, opts
+// and other errors are as for RLock.
+func (c *Client) TryRLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return lockOf(c.core.TryRLock(ctx, key.core, coreLockOptions(opts)...))
 }
 
-// retire stops routing locks to an ended session.
-func (c *Client) retire(s *Session) {
-	c.mu.Lock()
-	for i, b := range c.backends {
-		if b == s {
-			c.backends = append(c.backends[:i:i], c.backends[i+1:]...)
-			break
-		}
-	}
-	c.mu.Unlock()
-	c.backendFreed()
+// LockAll blocks until it holds every key exclusively, or none. Keys are
+// deduplicated and taken in one canonical order (the order XactLock also
+// uses), so two LockAll calls with overlapping keys never deadlock each
+// other. Up to 1000 keys take one round trip; larger sets take one per
+// 1000. ctx and errors are as for Lock; on error no key stays locked.
+// LockAll takes no LockOption: its variadic parameter is the keys, and
+// the one option there is, [WithFence], orders single-key holders.
+func (c *Client) LockAll(ctx context.Context, keys ...Key) (*Lock, error) {
+	return lockOf(c.core.LockAll(ctx, coreKeys(keys)...))
 }
 
-// handoff passes l, being released, to a goroutine of this Client that
-// waits for its key, if the gate allows it (see gates).
-func (c *Client) handoff(l *Lock) bool {
-	return c.gates.handoff(l, func() *Lock {
-		s := l.s
-		s.state.Lock()
-		defer s.state.Unlock()
-		if _, ok := s.locks[l]; !ok || s.err != nil {
-			return nil
-		}
-		next := &Lock{s: s, keys: l.keys} // claimed by its acquire
-		if s.c.observed() {
-			next.since = time.Now()
-		}
-		delete(s.locks, l)
-		s.locks[next] = struct{}{}
-		l.finish(ErrNotHeld) // the old handle ends before the new one is delivered
-		return next
-	})
+// Stat is a snapshot of a Client's use of the server, like pgxpool.Stat.
+type Stat struct {
+	Backends    int // dedicated connections of the Client's own locks
+	Sessions    int // connections of Sessions from NewSession
+	Connecting  int // connections being opened
+	Waits       int // blocking acquires waiting on the server
+	QueuedWaits int // blocking acquires that found no backend to wait on, or could not reach the server, and try again until they can
+	Locks       int // live Lock handles, on backends and Sessions
+
+	DroppedHookEvents int64 // events not delivered to WithHooks' hooks because too many were pending
 }
 
-func (x closingContext) Deadline() (time.Time, bool) { return time.Time{}, false }
-func (x closingContext) Done() <-chan struct{}       { return x.closing.Done() }
-func (x closingContext) Err() error                  { return x.closing.Err() }
+// Stat returns a snapshot of the Client's connections, waits and locks.
+func (c *Client) Stat() Stat { return Stat(c.core.Stat()) }
 
-// Value looks keys up in the caller's context, then in the Client's
-// closing context, which holds no values of its own but lets
-// context.Cause find ErrClosed.
-func (x closingContext) Value(key any) any {
-	if v := x.values.Value(key); v != nil {
-		return v
-	}
-	return x.closing.Value(key)
-}
+// Warm opens the Client's shared backends now, so that the first locks do
+// not wait for a connection. ctx bounds the wait; the connections go on
+// opening in the background if it ends first. It returns the first
+// connection error, or ctx's.
+func (c *Client) Warm(ctx context.Context) error { return c.core.Warm(ctx) }
 
-// onPool runs the statements that queue adds to a batch on a connection of
-// the Client's pool, in a transaction of its own at READ COMMITTED,
-// whatever default_transaction_isolation the database, role or connection
-// sets: one round trip for BEGIN, the statements and COMMIT. The
-// bookkeeping tables of elections and semaphores are updated by several
-// Clients at once, which at REPEATABLE READ or SERIALIZABLE would fail
-// with serialization errors that READ COMMITTED resolves by re-reading the
-// row. If a statement fails, the transaction is rolled back, so the
-// connection goes back to the pool clean. ctx bounds the acquire and the
-// batch.
-func (c *Client) onPool(ctx context.Context, queue func(b *pgx.Batch)) error {
-	conn, err := c.pool.Acquire(ctx)
-	if errors.Is(err, puddle.ErrClosedPool) {
-		return errorf("the pool was closed: %w", ErrClosed)
-	}
-	if err != nil {
-		return err
-	}
-	defer conn.Release()
-	b := &pgx.Batch{}
-	b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
-	queue(b)
-	b.Queue("COMMIT")
-	err = conn.SendBatch(ctx, b).Close()
-	if pc := conn.Conn().PgConn(); !pc.IsClosed() && pc.TxStatus() != 'I' {
-		// A failed statement left the transaction open. Should the
-		// rollback fail too, Release discards the connection.
-		rctx, cancel := withoutCancel(ctx, c.cfg.lossDeadline)
-		_, _ = conn.Exec(rctx, "ROLLBACK")
-		cancel()
-	}
-	return err
-}
+// DefaultMaxWaits is how many blocking acquires of one Client wait on the
+// server at once unless WithMaxWaits says otherwise; DefaultSharedBackends
+// is how many backends serve its tries and hold its locks.
+const (
+	DefaultMaxWaits       = core.DefaultMaxWaits
+	DefaultSharedBackends = core.DefaultSharedBackends
+)

@@ -36,13 +36,13 @@ func TestSessionCloseBoundedByCtxOnSilentNetwork(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Right after a heartbeat was answered, so that none is in flight.
-	s.state.Lock()
-	last := s.lastOK
-	s.state.Unlock()
+	s.core.State.Lock()
+	last := s.core.LastOK
+	s.core.State.Unlock()
 	pgtest.Eventually(t, 10*time.Second, "a heartbeat", func() bool {
-		s.state.Lock()
-		defer s.state.Unlock()
-		return s.lastOK.After(last)
+		s.core.State.Lock()
+		defer s.core.State.Unlock()
+		return s.core.LastOK.After(last)
 	})
 	proxy.Blackhole()
 	t.Cleanup(proxy.CloseAll) // end the partition before the Client's and the database's cleanup
@@ -83,14 +83,14 @@ func TestClientCloseReleaseBoundedByLossDeadlineOnSilentNetwork(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := l.s
-	s.state.Lock()
-	last := s.lastOK
-	s.state.Unlock()
+	s := l.core.S
+	s.State.Lock()
+	last := s.LastOK
+	s.State.Unlock()
 	pgtest.Eventually(t, 10*time.Second, "a heartbeat", func() bool {
-		s.state.Lock()
-		defer s.state.Unlock()
-		return s.lastOK.After(last)
+		s.State.Lock()
+		defer s.State.Unlock()
+		return s.LastOK.After(last)
 	})
 	proxy.Blackhole()
 	t.Cleanup(proxy.CloseAll) // end the partition before the database's cleanup

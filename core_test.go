@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -68,8 +70,8 @@ func TestSharedHoldsNeverPhantom(t *testing.T) {
 				t.Errorf("exclusive TryLock held while %d (then %d) shared handles were live", before, after)
 			}
 			granted := slices.DeleteFunc(rows, func(h holder) bool { return !h.granted })
-			if err == nil && (len(granted) != 1 || granted[0] != (holder{pid: l.s.PID(), granted: true})) {
-				t.Errorf("pg_locks while the contender holds the key exclusively: granted to %+v, want only backend %d", granted, l.s.PID())
+			if err == nil && (len(granted) != 1 || granted[0] != (holder{pid: l.core.S.PID(), granted: true})) {
+				t.Errorf("pg_locks while the contender holds the key exclusively: granted to %+v, want only backend %d", granted, l.core.S.PID())
 			}
 			exclusiveWins.Add(1)
 			if err := l.Unlock(ctx); err != nil {
@@ -198,7 +200,7 @@ func TestSessionCloseEndsBlockedWait(t *testing.T) {
 	}
 	// Close returned nil: the session's locks are free now.
 	notHeld(t, dsn, mine)
-	heldOnlyBy(t, dsn, k, h.s.PID())
+	heldOnlyBy(t, dsn, k, h.core.S.PID())
 	mustUnlock(t, h)
 }
 
@@ -252,11 +254,11 @@ func TestSessionSettingsByServerVersion(t *testing.T) {
 		{"16.4", 16, true},
 		{"17beta1", 17, true},
 	} {
-		major := serverMajor(tc.version)
+		major := core.ServerMajor(tc.version)
 		if major != tc.major {
 			t.Errorf("serverMajor(%q) = %d, want %d", tc.version, major, tc.major)
 		}
-		m := sessionSettings(cfg, major)
+		m := core.SessionSettings(cfg, major)
 		for _, name := range []string{"client_connection_check_interval", "idle_session_timeout"} {
 			if _, ok := m[name]; ok != tc.has {
 				t.Errorf("server %s: setting %s present = %v, want %v", tc.version, name, ok, tc.has)
@@ -416,10 +418,10 @@ func TestLockStatementGuardedByBackend(t *testing.T) {
 	conn := pgtest.Conn(t, dsn)
 	k := HashKey("guarded")
 	for _, build := range []func() (string, []any){
-		func() (string, []any) { return trySQL("pg_try_advisory_lock", []Key{k}, 1) },
-		func() (string, []any) { return trySQL("pg_try_advisory_lock", []Key{k, Int64Key(7)}, 1) },
-		func() (string, []any) { return waitSQL("pg_advisory_lock", []Key{k}, 1) },
-		func() (string, []any) { return waitSQL("pg_advisory_lock", []Key{k, Int64Key(7)}, 1) },
+		func() (string, []any) { return core.TrySQL("pg_try_advisory_lock", coreKeys([]Key{k}), 1) },
+		func() (string, []any) { return core.TrySQL("pg_try_advisory_lock", coreKeys([]Key{k, Int64Key(7)}), 1) },
+		func() (string, []any) { return core.WaitSQL("pg_advisory_lock", coreKeys([]Key{k}), 1) },
+		func() (string, []any) { return core.WaitSQL("pg_advisory_lock", coreKeys([]Key{k, Int64Key(7)}), 1) },
 	} {
 		sql, args := build()
 		if strings.Contains(sql, "lock_timeout") {

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -133,7 +135,7 @@ func TestDoErrorsOnOneLine(t *testing.T) {
 	}
 	notHeld(t, dsn, Int64Key(5353))
 	fnErr := errors.New("fn gave up")
-	if joined := joinErrors(fnErr, errorf("unlock int64:1: %w", ErrNotHeld)); strings.Contains(joined.Error(), "\n") ||
+	if joined := core.JoinErrors(fnErr, core.Errorf("unlock int64:1: %w", ErrNotHeld)); strings.Contains(joined.Error(), "\n") ||
 		!errors.Is(joined, fnErr) || !errors.Is(joined, ErrNotHeld) {
 		t.Errorf("joinErrors = %q: want one line that wraps both", joined)
 	}

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -25,8 +27,8 @@ func onePrefix(t *testing.T, what string, err error) {
 
 func TestErrorfSaysPrefixOnce(t *testing.T) {
 	pe := &pgconn.PgError{Severity: "ERROR", Code: "40P01", Message: "deadlock detected"}
-	inner := errorf("acquire: %w", pgError("wait", pe))
-	err := errorf("lock %s: %w: %w", Int64Key(7), ErrClosed, inner)
+	inner := core.Errorf("acquire: %w", core.PgError("wait", pe))
+	err := core.Errorf("lock %s: %w: %w", Int64Key(7), ErrClosed, inner)
 	const want = "pgcoord: lock int64:7: closed: acquire: wait: deadlock detected: ERROR: deadlock detected (SQLSTATE 40P01)"
 	if err.Error() != want {
 		t.Errorf("message\n got %q\nwant %q", err, want)
@@ -37,10 +39,10 @@ func TestErrorfSaysPrefixOnce(t *testing.T) {
 	}
 	// A non-error operand is shown as fmt shows it; a foreign error is
 	// shown whole.
-	if err := errorf("%d keys: %w", 3, errors.New("pgcoord: x")); err.Error() != "pgcoord: 3 keys: x" {
+	if err := core.Errorf("%d keys: %w", 3, errors.New("pgcoord: x")); err.Error() != "pgcoord: 3 keys: x" {
 		t.Errorf("got %q", err)
 	}
-	if err := errorf("%w", context.Canceled); err.Error() != "pgcoord: context canceled" || !errors.Is(err, context.Canceled) {
+	if err := core.Errorf("%w", context.Canceled); err.Error() != "pgcoord: context canceled" || !errors.Is(err, context.Canceled) {
 		t.Errorf("got %q", err)
 	}
 }
@@ -85,7 +87,7 @@ func TestErrorMessages(t *testing.T) {
 	}
 
 	// A lost lock: its backend is terminated.
-	pgtest.Terminate(t, dsn, held.s.PID())
+	pgtest.Terminate(t, dsn, held.core.S.PID())
 	awaitEnd(t, held, "the lock of a terminated backend")
 	onePrefix(t, "Err of a lost lock", held.Err())
 	err = held.Unlock(ctx)

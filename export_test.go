@@ -6,6 +6,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/pgcoord/pgcoord/internal/core"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -55,15 +56,15 @@ func runExampleCleanups() {
 
 // lockBackendPID returns the pid of the backend that holds l, as pg_locks
 // shows it, for tests that compare a Lock with pg_locks.
-func lockBackendPID(l *Lock) int32 { return l.s.PID() }
+func lockBackendPID(l *core.Lock) int32 { return l.S.PID() }
 
 // gateWaiters returns how many goroutines of c wait at the in-process gate
 // of k.
 func gateWaiters(c *Client, k Key) int {
-	c.gates.mu.Lock()
-	defer c.gates.mu.Unlock()
-	if g := c.gates.m[k]; g != nil {
-		return len(g.queue)
+	c.core.Gates.Mu.Lock()
+	defer c.core.Gates.Mu.Unlock()
+	if g := c.core.Gates.M[k.core]; g != nil {
+		return len(g.Queue)
 	}
 	return 0
 }
@@ -71,8 +72,8 @@ func gateWaiters(c *Client, k Key) int {
 // gatePassedExclusive reports whether a goroutine of c has passed the
 // in-process gate of k for an exclusive hold.
 func gatePassedExclusive(c *Client, k Key) bool {
-	c.gates.mu.Lock()
-	defer c.gates.mu.Unlock()
-	g := c.gates.m[k]
-	return g != nil && g.writer
+	c.core.Gates.Mu.Lock()
+	defer c.core.Gates.Mu.Unlock()
+	g := c.core.Gates.M[k.core]
+	return g != nil && g.Writer
 }

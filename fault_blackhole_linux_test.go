@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -98,7 +100,7 @@ func TestFaultBlackhole(t *testing.T) {
 	case <-time.After(testTimeout):
 		t.Fatal("the holder never reported the loss")
 	}
-	lost := leaseLostAt(t, h.(lockHold).s) // by the library's clock
+	lost := leaseLostAt(t, h.(lockHold).core.S) // by the library's clock
 	if !errors.Is(h.Err(), ErrLockLost) {
 		t.Fatalf("holder: %v, want ErrLockLost", h.Err())
 	}
@@ -125,7 +127,7 @@ func TestFaultBlackhole(t *testing.T) {
 	}
 	dropped := r.at.Sub(start)
 	t.Logf("contender acquired %v into the blackhole, %v after the holder knew", dropped.Round(time.Millisecond), r.at.Sub(lost).Round(time.Millisecond))
-	if bound := serverBound(loss) + time.Second; dropped > bound {
+	if bound := core.ServerBound(loss) + time.Second; dropped > bound {
 		t.Errorf("contender acquired %v into the blackhole, want within 2L (+1s) = %v", dropped, bound)
 	}
 	if !r.at.After(lost) {

@@ -58,7 +58,7 @@ func TestFaultLossWhileIssuingFence(t *testing.T) {
 	if r.l.Fence() <= first.Fence() {
 		t.Fatalf("fence %d, not above %d", r.l.Fence(), first.Fence())
 	}
-	heldOnlyBy(t, dsn, k, r.l.s.PID())
+	heldOnlyBy(t, dsn, k, r.l.core.S.PID())
 	mustUnlock(t, r.l)
 
 	// The gate still excludes: another goroutine of the Client is turned
@@ -75,7 +75,7 @@ func TestFaultLossWhileIssuingFence(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	heldOnlyBy(t, dsn, k, b.s.PID())
+	heldOnlyBy(t, dsn, k, b.core.S.PID())
 	mustUnlock(t, b)
 	notHeld(t, dsn, k)
 }

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -28,7 +30,7 @@ func TestFaultKilledWaiterLeavesQueue(t *testing.T) {
 		t.Fatal(err)
 	}
 	const loss, checkInterval = 30 * time.Second, time.Second
-	if slice := (&config{lossDeadline: loss, heartbeat: DefaultHeartbeat}).waitSlice(); slice < 10*checkInterval {
+	if slice := (&core.Config{LossDeadline: loss, Heartbeat: DefaultHeartbeat}).WaitSlice(); slice < 10*checkInterval {
 		t.Fatalf("wait slice %v: too short to tell the check interval from the end of a slice", slice)
 	}
 	p := startFaultChild(t, "holder", dsn, target, childOptions(loss, DefaultHeartbeat))
@@ -115,7 +117,7 @@ func TestFaultRoleIdleSessionTimeout(t *testing.T) {
 		t.Fatalf("session lock ended under the role's idle_session_timeout: %v", sl.Err())
 	case <-time.After(time.Until(locked.Add(hold))):
 	}
-	heldOnlyBy(t, dsn, k, l.s.PID())
+	heldOnlyBy(t, dsn, k, l.core.S.PID())
 	heldOnlyBy(t, dsn, sk, s.PID())
 	mustUnlock(t, l)
 	mustUnlock(t, sl)
@@ -154,11 +156,11 @@ func TestFaultPoolRecycling(t *testing.T) {
 	if ld.guardLock() == nil {
 		t.Fatal("the leadership holds no guard")
 	}
-	locks := []*Lock{fenced, multi, sl, ld.lock, ld.guardLock()}
+	locks := []*Lock{fenced, multi, sl, faceOf(ld.lock), faceOf(ld.guardLock())}
 	owners := map[Key]int32{}
 	for _, l := range locks {
 		for _, k := range l.Keys() {
-			owners[k] = l.s.PID()
+			owners[k] = l.core.S.PID()
 		}
 	}
 	check := func() {
@@ -187,8 +189,8 @@ func TestFaultPoolRecycling(t *testing.T) {
 	}
 	check()
 	useRecyclingPool(t, pool, check, alive)
-	if info, err := e.Leader(ctx); err != nil || info.Term != ld.Term() || info.PID != ld.lock.s.PID() {
-		t.Fatalf("Leader: %+v, %v; want term %d on backend %d", info, err, ld.Term(), ld.lock.s.PID())
+	if info, err := e.Leader(ctx); err != nil || info.Term != ld.Term() || info.PID != ld.lock.S.PID() {
+		t.Fatalf("Leader: %+v, %v; want term %d on backend %d", info, err, ld.Term(), ld.lock.S.PID())
 	}
 	if err := ld.Resign(ctx); err != nil {
 		t.Fatal(err)
@@ -284,7 +286,7 @@ func TestFaultFailover(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	heldOnlyBy(t, pdsn, k, l.s.PID())
+	heldOnlyBy(t, pdsn, k, l.core.S.PID())
 	s := newTestSession(t, c)
 	sk := HashKey("failover", "session")
 	sl, err := s.Lock(ctx, sk)
@@ -295,7 +297,7 @@ func TestFaultFailover(t *testing.T) {
 	replica := pgtest.Conn(t, sdsn)
 	pgtest.Eventually(t, testTimeout, "the fence replicates", func() bool {
 		var n int64
-		space, key := fenceRow(k)
+		space, key := core.FenceRow(k.core)
 		err := replica.QueryRow(ctx, "SELECT coalesce(max(fence), 0) FROM pgcoord.fences WHERE key_space = $1 AND key = $2", space, key).Scan(&n)
 		return err == nil && Term(n) == l.Fence()
 	})
@@ -333,7 +335,7 @@ func TestFaultFailover(t *testing.T) {
 	if nl.Fence() <= l.Fence() {
 		t.Fatalf("fence %d on the new primary, not above %d from the old one", nl.Fence(), l.Fence())
 	}
-	heldOnlyBy(t, sdsn, k, nl.s.PID())
+	heldOnlyBy(t, sdsn, k, nl.core.S.PID())
 	if rows := lockState(t, sdsn); len(rows) != 1 {
 		t.Fatalf("pg_locks on the new primary: %v, want only the new lock", rows)
 	}

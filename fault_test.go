@@ -27,6 +27,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -91,7 +93,7 @@ func (l lockTarget) holders(t testing.TB, dsn string) ([]int32, int) {
 
 type lockHold struct{ *Lock }
 
-func (h lockHold) pid() int32                        { return h.s.PID() }
+func (h lockHold) pid() int32                        { return h.core.S.PID() }
 func (h lockHold) release(ctx context.Context) error { return h.Unlock(ctx) }
 
 // parseFaultTarget is the inverse of faultTarget.String.
@@ -296,7 +298,7 @@ func (p *faultProc) awaitLossReported(t testing.TB, who string, since time.Time,
 	if !lost {
 		t.Fatalf("%s's hold ended with %q, want ErrLockLost", who, why)
 	}
-	bound := lossNoticeBound(&config{heartbeat: DefaultHeartbeat})
+	bound := lossNoticeBound(&core.Config{Heartbeat: DefaultHeartbeat})
 	if took := at.Sub(since); took > bound {
 		t.Errorf("%s reported the loss %v after %s, want within %v", who, took, after, bound)
 	}
@@ -312,7 +314,7 @@ func awaitLost[H interface {
 	Err() error
 }](t testing.TB, holds []H, name func(i int) string, since time.Time, after string) {
 	t.Helper()
-	bound := lossNoticeBound(&config{heartbeat: DefaultHeartbeat})
+	bound := lossNoticeBound(&core.Config{Heartbeat: DefaultHeartbeat})
 	for i, h := range holds {
 		// Done is checked before the bound, and again once the bound has
 		// passed: a hold that ended in time passes even when this
@@ -605,7 +607,7 @@ func afterHeartbeat(t testing.TB, dsn string, pid int32) {
 	pgtest.Eventually(t, testTimeout, fmt.Sprintf("a heartbeat of backend %d", pid), func() bool {
 		var start time.Time
 		var idle bool
-		err := conn.QueryRow(testCtx(t), "SELECT query_start, state = 'idle' AND query = $2 FROM pg_stat_activity WHERE pid = $1", pid, pingSQL).Scan(&start, &idle)
+		err := conn.QueryRow(testCtx(t), "SELECT query_start, state = 'idle' AND query = $2 FROM pg_stat_activity WHERE pid = $1", pid, core.PingSQL).Scan(&start, &idle)
 		if err != nil {
 			t.Fatalf("pg_stat_activity of backend %d: %v", pid, err)
 		}

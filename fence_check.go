@@ -9,6 +9,8 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/pgcoord/pgcoord/internal/xactsql"
@@ -89,9 +91,9 @@ import (
 func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term, opts ...FenceOption) error {
 	c, err := newFenceConfig(opts)
 	if err != nil {
-		return errorf("check fence %s: %w", keyList([]Key{key}), err)
+		return core.Errorf("check fence %s: %w", core.KeyList([]core.Key{key.core}), err)
 	}
-	return checkFencePgx(ctx, c, tx, key, fence)
+	return checkFencePgx(ctx, c, tx, key.core, fence)
 }
 
 // CheckFence is [CheckFence] in the Client's schema ([WithSchema]): it
@@ -101,17 +103,17 @@ func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term, opts ...Fen
 // Close.
 func (c *Client) CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term) error {
 	if ctx == nil {
-		return errorf("check fence %s: ctx is nil", key)
+		return core.Errorf("check fence %s: ctx is nil", key)
 	}
-	if err := c.refuseClosed(); err != nil {
-		return errorf("check fence %s: %w", key, err)
+	if err := c.core.RefuseClosed(); err != nil {
+		return core.Errorf("check fence %s: %w", key, err)
 	}
-	return checkFencePgx(ctx, c.cfg, tx, key, fence)
+	return checkFencePgx(ctx, c.core.Cfg, tx, key.core, fence)
 }
 
-func checkFencePgx(ctx context.Context, c *config, tx pgx.Tx, key Key, fence Term) error {
+func checkFencePgx(ctx context.Context, c *core.Config, tx pgx.Tx, key core.Key, fence Term) error {
 	if isNil(tx) {
-		return errorf("check fence %s: nil pgx.Tx", keyList([]Key{key}))
+		return core.Errorf("check fence %s: nil pgx.Tx", core.KeyList([]core.Key{key}))
 	}
 	return checkFence(ctx, c, pgxTx{tx: tx}, key, fence)
 }
@@ -123,20 +125,20 @@ func checkFencePgx(ctx context.Context, c *config, tx pgx.Tx, key Key, fence Ter
 const fenceSnapshotSQLState = "40001"
 
 // checkFence runs CheckFence on tx, for pgx and for package pgcoordsql.
-func checkFence(ctx context.Context, c *config, tx xactsql.Tx, key Key, fence Term) error {
-	op := "check fence " + keyList([]Key{key}) // and its subject, as errors name them
+func checkFence(ctx context.Context, c *core.Config, tx xactsql.Tx, key core.Key, fence Term) error {
+	op := "check fence " + core.KeyList([]core.Key{key}) // and its subject, as errors name them
 	if ctx == nil {
-		return errorf("%s: ctx is nil", op)
+		return core.Errorf("%s: ctx is nil", op)
 	}
-	if err := key.check(); err != nil {
-		return errorf("%s: %w", op, err)
+	if err := key.Check(); err != nil {
+		return core.Errorf("%s: %w", op, err)
 	}
 	if fence <= 0 {
-		return errorf("%s: fence %d is not a fence (fences start at 1; was the lock taken with WithFence?)", op, fence)
+		return core.Errorf("%s: fence %d is not a fence (fences start at 1; was the lock taken with WithFence?)", op, fence)
 	}
-	space, k := fenceRow(key)
+	space, k := core.FenceRow(key)
 	var stored Term
-	err := tx.QueryRow(ctx, "SELECT fence FROM "+c.table("fences")+" WHERE key_space = $1 AND key = $2 FOR SHARE", []any{space, k}, &stored)
+	err := tx.QueryRow(ctx, "SELECT fence FROM "+c.Table("fences")+" WHERE key_space = $1 AND key = $2 FOR SHARE", []any{space, k}, &stored)
 	switch {
 	case errors.Is(err, xactsql.ErrNoRows):
 		// Under REPEATABLE READ or SERIALIZABLE the row may exist but be
@@ -145,24 +147,24 @@ func checkFence(ctx context.Context, c *config, tx xactsql.Tx, key Key, fence Te
 		// the server reports no serialization failure; report one.
 		var iso string
 		if err := tx.QueryRow(ctx, "SELECT current_setting('transaction_isolation')", nil, &iso); err != nil {
-			return pgError(op, withCtxErr(ctx, err))
+			return core.PgError(op, core.WithCtxErr(ctx, err))
 		}
 		if iso == "repeatable read" || iso == "serializable" {
-			return errorf("%s: fence %d cannot be checked in this transaction: %w", op, fence, &pgconn.PgError{
+			return core.Errorf("%s: fence %d cannot be checked in this transaction: %w", op, fence, &pgconn.PgError{
 				Severity: "ERROR",
 				Code:     fenceSnapshotSQLState,
 				Message: fmt.Sprintf("could not serialize access: no fence for the key in schema %s is visible to the snapshot of this %s transaction, and it may have been issued after the snapshot was taken (reported by pgcoord, not the server)",
-					c.quotedSchema(), strings.ToUpper(iso)),
+					c.QuotedSchema(), strings.ToUpper(iso)),
 				Hint: "retry in a new transaction, or check the fence under READ COMMITTED",
 			})
 		}
-		return errorf("%s: %w: fence %d was never issued: no fence exists for the key in schema %s", op, ErrStaleFence, fence, c.quotedSchema())
+		return core.Errorf("%s: %w: fence %d was never issued: no fence exists for the key in schema %s", op, ErrStaleFence, fence, c.QuotedSchema())
 	case err != nil:
-		return notMigrated(c, op, withCtxErr(ctx, err))
+		return core.NotMigrated(c, op, core.WithCtxErr(ctx, err))
 	case stored > fence:
-		return errorf("%s: %w: a newer holder exists (fence %d, latest %d)", op, ErrStaleFence, fence, stored)
+		return core.Errorf("%s: %w: a newer holder exists (fence %d, latest %d)", op, ErrStaleFence, fence, stored)
 	case stored < fence:
-		return errorf("%s: %w: fence %d was never issued (latest %d)", op, ErrStaleFence, fence, stored)
+		return core.Errorf("%s: %w: fence %d was never issued (latest %d)", op, ErrStaleFence, fence, stored)
 	}
 	return nil
 }

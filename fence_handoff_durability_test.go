@@ -27,7 +27,7 @@ func TestHandedOverLockFenceWaitsForSynchronousStandby(t *testing.T) {
 	}
 	f1 := first.Fence()
 	// Another lock on the same backend, which must live through the stall.
-	other, err := first.s.Lock(ctx, kOther)
+	other, err := first.core.S.Lock(ctx, kOther.core)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -64,11 +64,11 @@ func TestHandedOverLockFenceWaitsForSynchronousStandby(t *testing.T) {
 	if int64(r.l.Fence()) <= withheldUpTo {
 		t.Fatalf("fence %d handed out, want above every withheld one (up to %d)", r.l.Fence(), withheldUpTo)
 	}
-	if r.l.s != first.s {
-		t.Logf("the key was not handed over on the same backend (pid %d, then %d)", first.s.PID(), r.l.s.PID())
+	if r.l.core.S != first.core.S {
+		t.Logf("the key was not handed over on the same backend (pid %d, then %d)", first.core.S.PID(), r.l.core.S.PID())
 	}
-	heldOnlyBy(t, pdsn, k, r.l.s.PID())
-	heldOnlyBy(t, pdsn, kOther, other.s.PID())
+	heldOnlyBy(t, pdsn, k, r.l.core.S.PID())
+	heldOnlyBy(t, pdsn, kOther, other.S.PID())
 	t.Logf("fence %d before, withheld up to %d, handed out %d", f1, withheldUpTo, r.l.Fence())
 	failOver(t, ctx, primary, standby, c)
 	if got := storedFence(t, ctx, sconn, k); Term(got) < r.l.Fence() {

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -18,7 +20,7 @@ var fenceIsoLevels = []pgx.TxIsoLevel{pgx.ReadCommitted, pgx.RepeatableRead, pgx
 // fenceBeginSnapshot begins a transaction at level on pool and takes its
 // snapshot (under REPEATABLE READ and SERIALIZABLE) with a read of the
 // fences table; it is rolled back in cleanup if still open.
-func fenceBeginSnapshot(t *testing.T, ctx context.Context, pool *pgxpool.Pool, c *config, opts pgx.TxOptions) pgx.Tx {
+func fenceBeginSnapshot(t *testing.T, ctx context.Context, pool *pgxpool.Pool, c *core.Config, opts pgx.TxOptions) pgx.Tx {
 	t.Helper()
 	tx, err := pool.BeginTx(ctx, opts)
 	if err != nil {
@@ -26,7 +28,7 @@ func fenceBeginSnapshot(t *testing.T, ctx context.Context, pool *pgxpool.Pool, c
 	}
 	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
 	var n int
-	if err := tx.QueryRow(ctx, "SELECT count(*) FROM "+c.table("fences")).Scan(&n); err != nil {
+	if err := tx.QueryRow(ctx, "SELECT count(*) FROM "+c.Table("fences")).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
 	return tx
@@ -135,7 +137,7 @@ func TestCheckFenceWaitsForFenceBeingIssued(t *testing.T) {
 					}
 					defer other.Release()
 					issued := make(chan error, 1)
-					go func() { _, err := nextFence(ctx, other, c, k); issued <- err }()
+					go func() { _, err := core.NextFence(ctx, other, c, k.core); issued <- err }()
 					waitBlockedBy(t, ctx, pool, other.Conn().PgConn().PID(), pid)
 					if err := tx.Commit(ctx); err != nil {
 						t.Fatal(err)

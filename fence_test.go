@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -28,7 +30,7 @@ func migratedPool(t *testing.T, ctx context.Context, schema string) (string, *pg
 	return dsn, pool
 }
 
-func mustFenceConfig(t *testing.T, opts ...Option) *config {
+func mustFenceConfig(t *testing.T, opts ...Option) *core.Config {
 	t.Helper()
 	c, err := newConfig(opts)
 	if err != nil {
@@ -39,9 +41,9 @@ func mustFenceConfig(t *testing.T, opts ...Option) *config {
 
 func mustNextFence(t *testing.T, ctx context.Context, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
-}, c *config, k Key) int64 {
+}, c *core.Config, k Key) int64 {
 	t.Helper()
-	f, err := nextFence(ctx, q, c, k)
+	f, err := core.NextFence(ctx, q, c, k.core)
 	if err != nil {
 		t.Fatalf("nextFence(%v): %v", k, err)
 	}
@@ -49,9 +51,9 @@ func mustNextFence(t *testing.T, ctx context.Context, q interface {
 }
 
 // storedFences reads the whole fences table as "space/key=fence".
-func storedFences(t *testing.T, ctx context.Context, pool *pgxpool.Pool, c *config) []string {
+func storedFences(t *testing.T, ctx context.Context, pool *pgxpool.Pool, c *core.Config) []string {
 	t.Helper()
-	rows, err := pool.Query(ctx, "SELECT key_space || '/' || key || '=' || fence FROM "+c.table("fences")+" ORDER BY key_space, key")
+	rows, err := pool.Query(ctx, "SELECT key_space || '/' || key || '=' || fence FROM "+c.Table("fences")+" ORDER BY key_space, key")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -101,7 +103,7 @@ func TestNextFenceIncreasingAndPerKey(t *testing.T) {
 		t.Fatalf("fences table = %q, want %q", got, want)
 	}
 
-	if _, err := nextFence(ctx, pool, c, Key{}); !errors.Is(err, ErrInvalidKey) {
+	if _, err := core.NextFence(ctx, pool, c, Key{}.core); !errors.Is(err, ErrInvalidKey) {
 		t.Fatalf("nextFence(zero Key) = %v, want ErrInvalidKey", err)
 	}
 }
@@ -121,7 +123,7 @@ func TestNextFenceRowsMatchPgLocks(t *testing.T) {
 		HashKey("invoice", "42"),
 	} {
 		mustNextFence(t, ctx, pool, c, k)
-		arg, args := k.sqlArgs(1, nil)
+		arg, args := k.core.SqlArgs(1, nil)
 		if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock("+arg+")", args...); err != nil {
 			t.Fatal(err)
 		}
@@ -137,7 +139,7 @@ func TestNextFenceRowsMatchPgLocks(t *testing.T) {
 		l := held[0]
 		lockValue := int64(uint64(l.ClassID)<<32 | uint64(l.ObjID))
 		var fence int64
-		err := pool.QueryRow(ctx, "SELECT fence FROM "+c.table("fences")+" WHERE key_space = $1 AND key = $2", l.ObjSubID, lockValue).Scan(&fence)
+		err := pool.QueryRow(ctx, "SELECT fence FROM "+c.Table("fences")+" WHERE key_space = $1 AND key = $2", l.ObjSubID, lockValue).Scan(&fence)
 		if err != nil || fence != 1 {
 			t.Fatalf("%v: fences row for pg_locks (objsubid %d, key %d): fence %d, err %v; want fence 1", k, l.ObjSubID, lockValue, fence, err)
 		}
@@ -165,7 +167,7 @@ func TestNextFenceConcurrentUnique(t *testing.T) {
 	for range workers {
 		wg.Go(func() {
 			for range each {
-				f, err := nextFence(ctx, pool, c, k)
+				f, err := core.NextFence(ctx, pool, c, k.core)
 				if err != nil {
 					errs <- err
 					return
@@ -194,7 +196,7 @@ func TestNextFenceNotMigrated(t *testing.T) {
 	dsn := pgtest.DB(t)
 	pool := pgtest.Pool(t, dsn)
 	c := mustFenceConfig(t)
-	_, err := nextFence(ctx, pool, c, Int64Key(1))
+	_, err := core.NextFence(ctx, pool, c, Int64Key(1).core)
 	if !errors.Is(err, ErrNotMigrated) || !strings.Contains(err.Error(), `"pgcoord"`) {
 		t.Fatalf("nextFence before Migrate = %v, want ErrNotMigrated naming the schema", err)
 	}
@@ -208,14 +210,14 @@ func TestNextFenceNotMigrated(t *testing.T) {
 		t.Fatal(err)
 	}
 	other := mustFenceConfig(t, WithSchema("elsewhere"))
-	if _, err := nextFence(ctx, pool, other, Int64Key(1)); !errors.Is(err, ErrNotMigrated) || !strings.Contains(err.Error(), `"elsewhere"`) {
+	if _, err := core.NextFence(ctx, pool, other, Int64Key(1).core); !errors.Is(err, ErrNotMigrated) || !strings.Contains(err.Error(), `"elsewhere"`) {
 		t.Fatalf("nextFence in an unmigrated schema = %v, want ErrNotMigrated naming it", err)
 	}
 	// The schema exists, the table does not.
 	if _, err := pool.Exec(ctx, "CREATE SCHEMA elsewhere"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := nextFence(ctx, pool, other, Int64Key(1)); !errors.Is(err, ErrNotMigrated) {
+	if _, err := core.NextFence(ctx, pool, other, Int64Key(1).core); !errors.Is(err, ErrNotMigrated) {
 		t.Fatalf("nextFence in a schema without fences = %v, want ErrNotMigrated", err)
 	}
 }
@@ -321,7 +323,7 @@ func TestCheckFenceFirstFenceAfterSnapshot(t *testing.T) {
 				// The snapshot (under REPEATABLE READ and SERIALIZABLE) is
 				// taken here, before any fence of k exists.
 				var n int
-				if err := tx.QueryRow(ctx, "SELECT count(*) FROM "+c.table("fences")).Scan(&n); err != nil {
+				if err := tx.QueryRow(ctx, "SELECT count(*) FROM "+c.Table("fences")).Scan(&n); err != nil {
 					t.Fatal(err)
 				}
 				return tx
@@ -416,7 +418,7 @@ func TestCheckFenceHoldsOffNewerFence(t *testing.T) {
 			}
 			done := make(chan issued, 1)
 			go func() {
-				f, err := nextFence(ctx, issuer, c, k)
+				f, err := core.NextFence(ctx, issuer, c, k.core)
 				done <- issued{f, err}
 			}()
 

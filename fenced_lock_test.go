@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -97,7 +99,7 @@ func TestPausedHolderWriteIsFenced(t *testing.T) {
 	}
 	fenceA := la.Fence()
 	// A "pauses"; meanwhile its backend is terminated and its lock freed.
-	pgtest.Terminate(t, dsn, la.s.PID())
+	pgtest.Terminate(t, dsn, la.core.S.PID())
 
 	lb, err := b.Lock(ctx, k, WithFence())
 	if err != nil {
@@ -217,10 +219,10 @@ func TestWithFenceNeedsMigrateAndExclusiveSingleKey(t *testing.T) {
 	if s.Err() != nil {
 		t.Fatalf("session ended by a failed fence: %v", s.Err())
 	}
-	if _, err := newRequest([]Key{k, Int64Key(1)}, false, false, []LockOption{WithFence()}); err == nil {
+	if _, err := core.NewRequest(coreKeys([]Key{k, Int64Key(1)}), false, false, []core.LockOption{core.WithFence()}); err == nil {
 		t.Fatal("WithFence on two keys: no error")
 	}
-	if _, err := newRequest([]Key{k}, true, false, []LockOption{WithFence()}); err == nil {
+	if _, err := core.NewRequest(coreKeys([]Key{k}), true, false, []core.LockOption{core.WithFence()}); err == nil {
 		t.Fatal("WithFence on a shared lock: no error")
 	}
 }
@@ -244,7 +246,7 @@ func TestDoFenceFromContext(t *testing.T) {
 			if !ok || l.Key() != k || l.Fence() <= 0 {
 				t.Fatalf("LockFromContext in Do: %v, %v", l, ok)
 			}
-			heldOnlyBy(t, dsn, k, l.s.PID())
+			heldOnlyBy(t, dsn, k, l.core.S.PID())
 			fences = append(fences, int64(l.Fence()))
 			return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 				return CheckFence(ctx, tx, k, l.Fence())

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -73,11 +75,11 @@ func TestHASwitchoverAndBack(t *testing.T) {
 	}
 	a, b := parties[0], parties[1]
 	watched := map[Key]string{
-		k:              "fenced lock",
-		a.e.Key():      "election lock",
-		a.e.guard:      "election guard",
-		a.s.slotKey(0): "permit slot 0",
-		a.s.queueKey(): "permit queue",
+		k:                   "fenced lock",
+		a.e.Key():           "election lock",
+		Key{a.e.guard}:      "election guard",
+		Key{a.s.slotKey(0)}: "permit slot 0",
+		Key{a.s.queueKey()}: "permit queue",
 	}
 	w := watchLocks(t, cluster, db, watched)
 	defer w.stop()
@@ -95,7 +97,7 @@ func TestHASwitchoverAndBack(t *testing.T) {
 		waits := waiter.wait(ctx, k, a, b)
 		queued := func() (lock, leader, permit bool) {
 			return w.waiting(primary, k), w.waiting(primary, a.e.Key()),
-				w.waiting(primary, a.s.slotKey(0)) || w.granted(primary, a.s.queueKey())
+				w.waiting(primary, Key{a.s.slotKey(0)}) || w.granted(primary, Key{a.s.queueKey()})
 		}
 		ok := pgtest.Poll(testTimeout, func() bool {
 			lock, leader, permit := queued()
@@ -129,7 +131,7 @@ func TestHASwitchoverAndBack(t *testing.T) {
 
 		// Every hold on the old primary reports its loss within 2H of the
 		// server ending it.
-		bound := lossNoticeBound(&config{heartbeat: DefaultHeartbeat})
+		bound := lossNoticeBound(&core.Config{Heartbeat: DefaultHeartbeat})
 		for _, h := range holder.list(k) {
 			select {
 			case <-h.Done():
@@ -375,9 +377,9 @@ func (h haHold) doneAt() time.Time {
 
 func (hs *haHolds) list(k Key) []haHold {
 	return []haHold{
-		{what: "fenced lock", key: k, pid: hs.lock.s.PID(), at: hs.lockAt, done: hs.watch["lock"], err: hs.lock.Err},
-		{what: "leadership of " + hs.leaderParty.name, key: hs.leaderParty.e.Key(), pid: hs.leader.lock.s.PID(), at: hs.leaderAt, done: hs.watch["leader"], err: hs.leader.Err},
-		{what: "permit", key: hs.party.s.slotKey(hs.permit.Slot()), pid: hs.permit.l.s.PID(), at: hs.permitAt, done: hs.watch["permit"], err: hs.permit.Err},
+		{what: "fenced lock", key: k, pid: hs.lock.core.S.PID(), at: hs.lockAt, done: hs.watch["lock"], err: hs.lock.Err},
+		{what: "leadership of " + hs.leaderParty.name, key: hs.leaderParty.e.Key(), pid: hs.leader.lock.S.PID(), at: hs.leaderAt, done: hs.watch["leader"], err: hs.leader.Err},
+		{what: "permit", key: Key{hs.party.s.slotKey(hs.permit.Slot())}, pid: hs.permit.l.S.PID(), at: hs.permitAt, done: hs.watch["permit"], err: hs.permit.Err},
 	}
 }
 

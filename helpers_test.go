@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -187,7 +189,7 @@ func refusedAcquire(t testing.TB, c *Client, k Key, want error) {
 // waits for it. Unlike lockState it reports errors instead of failing the
 // test, so it can run in a goroutine of the test's own.
 func keyHolders(ctx context.Context, conn *pgx.Conn, k Key) ([]holder, error) {
-	classid, objid, objsubid := k.lockColumns()
+	classid, objid, objsubid := k.core.LockColumns()
 	rows, err := conn.Query(ctx, `
 SELECT pid, mode = 'ShareLock', granted FROM pg_locks
 WHERE locktype = 'advisory'
@@ -214,7 +216,7 @@ func newTestRole(t testing.TB, dsn, prefix string) (role, roleDSN string) {
 	admin := pgtest.Conn(t, dsn)
 	role = fmt.Sprintf("%s_%d_%d", prefix, os.Getpid(), time.Now().UnixNano()%1e9)
 	if _, err := admin.Exec(testCtx(t), "CREATE ROLE "+role+" LOGIN"); err != nil {
-		if sqlState(err) == "42501" {
+		if core.SqlState(err) == "42501" {
 			pgtest.SkipOrFail(t, "this test needs a role of its own, and the test server's role may not create roles: %v", err)
 		}
 		t.Fatalf("create role: %v", err)
@@ -242,7 +244,7 @@ var leaseExpiry = regexp.MustCompile(`no answer from the server for ([0-9.]+[a-z
 // statement the server answered (lastOK) plus the silence it measured at
 // the declaration, which the loss error states. A late wake-up of the
 // test's goroutine does not count.
-func leaseLostAt(t testing.TB, s *Session) time.Time {
+func leaseLostAt(t testing.TB, s *core.Session) time.Time {
 	t.Helper()
 	<-s.Done()
 	m := leaseExpiry.FindStringSubmatch(fmt.Sprint(s.Err()))
@@ -253,9 +255,9 @@ func leaseLostAt(t testing.TB, s *Session) time.Time {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.state.Lock()
-	defer s.state.Unlock()
-	return s.lastOK.Add(age)
+	s.State.Lock()
+	defer s.State.Unlock()
+	return s.LastOK.Add(age)
 }
 
 // appConnections counts the connections whose application_name is app.

@@ -5,6 +5,8 @@ import (
 	"strconv"
 	"sync"
 	"time"
+
+	"github.com/pgcoord/pgcoord/internal/core"
 )
 
 // Hooks are functions that a Client calls on lock events, to feed metrics
@@ -71,6 +73,9 @@ type Hooks struct {
 	// backend, with Kind PermitLost.
 	OnPermit func(PermitEvent)
 }
+
+// MaxPendingHookEvents bounds the events queued for a Client's hooks.
+const MaxPendingHookEvents = core.MaxPendingHookEvents
 
 // AcquireEvent describes the end of an acquire (Lock, TryLock, RLock,
 // TryRLock, LockAll, Do) on a Client or a Session.
@@ -185,23 +190,35 @@ func WithHooks(h Hooks) Option { return hooksOption{h} }
 // Client's config, and New and Open take the rest (eventHooks).
 type hooksOption struct{ h Hooks }
 
-func (o hooksOption) apply(c *config) error {
+func (o hooksOption) apply(c *core.Config) error {
 	h := o.h
-	var lh lockHooks
+	var lh core.LockHooks
 	if f := h.OnAcquire; f != nil {
-		lh.onAcquire = func(ev acquireEvent) { f(AcquireEvent(ev)) }
+		lh.OnAcquire = func(ev core.AcquireEvent) {
+			f(AcquireEvent{Key: Key{ev.Key}, Keys: keysOf(ev.Keys), Name: ev.Name, Mode: LockMode(ev.Mode),
+				Try: ev.Try, Wait: ev.Wait, PID: ev.PID, Handoff: ev.Handoff, Err: ev.Err})
+		}
 	}
 	if f := h.OnRelease; f != nil {
-		lh.onRelease = func(ev releaseEvent) { f(ReleaseEvent(ev)) }
+		lh.OnRelease = func(ev core.ReleaseEvent) {
+			f(ReleaseEvent{Key: Key{ev.Key}, Keys: keysOf(ev.Keys), Name: ev.Name, Mode: LockMode(ev.Mode),
+				Held: ev.Held, PID: ev.PID, Handoff: ev.Handoff, Err: ev.Err})
+		}
 	}
 	if f := h.OnContention; f != nil {
-		lh.onContention = func(ev contentionEvent) { f(ContentionEvent(ev)) }
+		lh.OnContention = func(ev core.ContentionEvent) {
+			f(ContentionEvent{Key: Key{ev.Key}, Keys: keysOf(ev.Keys), Name: ev.Name, Mode: LockMode(ev.Mode),
+				Try: ev.Try, Local: ev.Local})
+		}
 	}
 	if f := h.OnLoss; f != nil {
-		lh.onLoss = func(ev lossEvent) { f(LossEvent(ev)) }
+		lh.OnLoss = func(ev core.LossEvent) {
+			f(LossEvent{Key: Key{ev.Key}, Keys: keysOf(ev.Keys), Name: ev.Name, Mode: LockMode(ev.Mode),
+				Held: ev.Held, PID: ev.PID, Err: ev.Err})
+		}
 	}
-	lh.queue = h.OnLeadership != nil || h.OnPermit != nil
-	c.hooks = lh
+	lh.Queue = h.OnLeadership != nil || h.OnPermit != nil
+	c.Hooks = lh
 	return nil
 }
 
@@ -210,7 +227,7 @@ func (o hooksOption) apply(c *config) error {
 // ignores every event.
 type eventHooks struct {
 	h Hooks
-	q *hookQueue
+	q *core.HookQueue
 
 	// permits holds the permits that an acquire returned and whose end
 	// is not reported yet (*Lock → *Permit): whoever removes one reports
@@ -221,7 +238,7 @@ type eventHooks struct {
 // newEventHooks returns the eventHooks of the last WithHooks in opts, if
 // it sets OnLeadership or OnPermit, and has the unreported locks' ends of
 // cfg reported to it. Its queue is set once the Client is made.
-func newEventHooks(opts []Option, cfg *config) *eventHooks {
+func newEventHooks(opts []Option, cfg *core.Config) *eventHooks {
 	var h Hooks
 	for _, o := range opts {
 		if ho, ok := o.(hooksOption); ok {
@@ -232,12 +249,12 @@ func newEventHooks(opts []Option, cfg *config) *eventHooks {
 		return nil
 	}
 	e := &eventHooks{h: h}
-	cfg.hooks.internalEnded = e.internalEnded
+	cfg.Hooks.InternalEnded = e.internalEnded
 	return e
 }
 
 // internalEnded reports the end of l, if l is a permit's lock.
-func (e *eventHooks) internalEnded(l *Lock, lost bool, err error) {
+func (e *eventHooks) internalEnded(l *core.Lock, lost bool, err error) {
 	kind := PermitReleased
 	if lost {
 		kind = PermitLost
@@ -252,7 +269,7 @@ func (e *eventHooks) leadership(ev LeadershipEvent) {
 	if e == nil || e.h.OnLeadership == nil {
 		return
 	}
-	e.q.push(func() { e.h.OnLeadership(ev) })
+	e.q.Push(func() { e.h.OnLeadership(ev) })
 }
 
 // permitAcquired reports the end of an acquire of sem's permit that
@@ -265,10 +282,10 @@ func (e *eventHooks) permitAcquired(sem *Semaphore, try bool, start time.Time, p
 	}
 	ev := PermitEvent{Kind: PermitAcquired, Semaphore: sem.name, Slot: -1, Try: try, Wait: time.Since(start), Err: err}
 	if p != nil {
-		ev.Slot, ev.PID = p.slot, p.l.s.pid
+		ev.Slot, ev.PID = p.slot, p.l.S.Pid
 		p.since = time.Now()
 	}
-	e.q.push(func() { e.h.OnPermit(ev) })
+	e.q.Push(func() { e.h.OnPermit(ev) })
 	if p == nil {
 		return
 	}
@@ -289,7 +306,7 @@ func (e *eventHooks) permitAcquired(sem *Semaphore, try bool, start time.Time, p
 
 // permitEnded reports the end of the permit whose lock is l, if l is a
 // permit whose end is not reported yet.
-func (e *eventHooks) permitEnded(l *Lock, kind PermitEventKind, err error) {
+func (e *eventHooks) permitEnded(l *core.Lock, kind PermitEventKind, err error) {
 	if e == nil || e.h.OnPermit == nil {
 		return
 	}
@@ -298,6 +315,6 @@ func (e *eventHooks) permitEnded(l *Lock, kind PermitEventKind, err error) {
 		return
 	}
 	p := v.(*Permit)
-	ev := PermitEvent{Kind: kind, Semaphore: p.sem.name, Slot: p.slot, Held: time.Since(p.since), PID: l.s.pid, Err: err}
-	e.q.push(func() { e.h.OnPermit(ev) })
+	ev := PermitEvent{Kind: kind, Semaphore: p.sem.name, Slot: p.slot, Held: time.Since(p.since), PID: l.S.Pid, Err: err}
+	e.q.Push(func() { e.h.OnPermit(ev) })
 }

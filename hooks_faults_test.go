@@ -207,7 +207,7 @@ func TestHooksOrderFencedHandoffOnTerminatedBackend(t *testing.T) {
 					// Terminate the holder's backend and release at once:
 					// the release may hand the lock to a waiter of this
 					// Client before the session notices the loss.
-					pgtest.Terminate(t, dsn, l.s.PID())
+					pgtest.Terminate(t, dsn, l.core.S.PID())
 				}
 				if err := l.Unlock(ctx); err == nil {
 					n.unlocked.Add(1)
@@ -302,7 +302,7 @@ func TestHooksOrderMixedAcquiresWithLoss(t *testing.T) {
 				}
 				n.locked.Add(1)
 				if i%40 == 39 && terminated.TryLock() {
-					pgtest.Terminate(t, dsn, l.s.PID())
+					pgtest.Terminate(t, dsn, l.core.S.PID())
 					awaitEnd(t, l, "a lock whose backend was terminated")
 					terminated.Unlock()
 				}

@@ -400,7 +400,7 @@ func TestHooksOrderOnLoss(t *testing.T) {
 	for i := range wantLosses {
 		select {
 		case l := <-victims:
-			pgtest.Terminate(t, dsn, l.s.PID())
+			pgtest.Terminate(t, dsn, l.core.S.PID())
 		case <-finished:
 			t.Fatalf("the workers finished after %d terminations", i)
 		}

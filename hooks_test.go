@@ -98,7 +98,7 @@ func TestHooks(t *testing.T) {
 		t.Fatal(err)
 	}
 	rec.until(t, 1, 0, 0, 0)
-	if a := rec.acquires[0]; a.Key != job || a.Name != "job" || a.Mode != ModeExclusive || a.Try || a.Err != nil || a.PID != l.s.PID() || a.Wait <= 0 {
+	if a := rec.acquires[0]; a.Key != job || a.Name != "job" || a.Mode != ModeExclusive || a.Try || a.Err != nil || a.PID != l.core.S.PID() || a.Wait <= 0 {
 		t.Errorf("acquire event %+v", a)
 	}
 
@@ -140,7 +140,7 @@ func TestHooks(t *testing.T) {
 		t.Fatal(r.err)
 	}
 	rec.until(t, 4, 0, 3, 0)
-	if a := rec.acquires[3]; a.Err != nil || a.Key != other || a.PID != r.l.s.PID() {
+	if a := rec.acquires[3]; a.Err != nil || a.Key != other || a.PID != r.l.core.S.PID() {
 		t.Errorf("acquire after a wait: %+v", a)
 	}
 
@@ -152,10 +152,10 @@ func TestHooks(t *testing.T) {
 	if e := rec.releases[0]; e.Key != job || e.Name != "job" || e.Err != nil || e.Held <= 0 || e.Handoff {
 		t.Errorf("release event %+v", e)
 	}
-	pgtest.Terminate(t, dsn, r.l.s.PID())
+	pgtest.Terminate(t, dsn, r.l.core.S.PID())
 	awaitEnd(t, r.l, "a lock of a terminated backend")
 	rec.until(t, 4, 1, 3, 1)
-	if e := rec.losses[0]; e.Key != other || !errors.Is(e.Err, ErrLockLost) || e.Held <= 0 || e.PID != r.l.s.PID() {
+	if e := rec.losses[0]; e.Key != other || !errors.Is(e.Err, ErrLockLost) || e.Held <= 0 || e.PID != r.l.core.S.PID() {
 		t.Errorf("loss event %+v", e)
 	}
 	pgtest.Eventually(t, testTimeout, "the loss logged at Warn", func() bool {
@@ -264,7 +264,7 @@ func TestLossLoggedByDefault(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pgtest.Terminate(t, dsn, l.s.PID())
+	pgtest.Terminate(t, dsn, l.core.S.PID())
 	awaitEnd(t, l, "a lock of a terminated backend")
 	pgtest.Eventually(t, testTimeout, "the loss logged at Warn by slog.Default()", func() bool {
 		for _, w := range logs.find(slog.LevelWarn, "pgcoord: locks lost") {

@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 )
 
@@ -60,17 +62,17 @@ type LockInfo struct {
 // rather than a hashed number. The map is copied; keys that are not in it
 // have no name. Invalid keys in the map are an error.
 func WithKeyNames(names map[Key]string) Option {
-	m := make(map[Key]string, len(names))
+	m := make(map[core.Key]string, len(names))
 	for k, n := range names {
-		m[k] = n
+		m[k.core] = n
 	}
-	return optionFunc{"WithKeyNames", func(c *config) error {
+	return optionFunc{"WithKeyNames", func(c *core.Config) error {
 		for k := range m {
-			if err := k.check(); err != nil {
+			if err := k.Check(); err != nil {
 				return err
 			}
 		}
-		c.keyNames = m
+		c.KeyNames = m
 		return nil
 	}}
 }
@@ -104,15 +106,15 @@ ORDER BY l.granted DESC, 9, l.pid`
 // and the server's error, wrapped.
 func (c *Client) Locks(ctx context.Context) ([]LockInfo, error) {
 	if ctx == nil {
-		return nil, errorf("locks: ctx is nil")
+		return nil, core.Errorf("locks: ctx is nil")
 	}
-	if err := c.enter(); err != nil {
-		return nil, errorf("locks: %w", err)
+	if err := c.core.Enter(); err != nil {
+		return nil, core.Errorf("locks: %w", err)
 	}
-	defer c.wg.Done()
-	rows, err := c.pool.Query(ctx, locksSQL)
+	defer c.core.Wg.Done()
+	rows, err := c.core.Pool.Query(ctx, locksSQL)
 	if err != nil {
-		return nil, pgError("list locks", err)
+		return nil, core.PgError("list locks", err)
 	}
 	locks, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (LockInfo, error) {
 		var li LockInfo
@@ -123,11 +125,11 @@ func (c *Client) Locks(ctx context.Context) ([]LockInfo, error) {
 		if err := row.Scan(&classid, &objid, &objsubid, &shared, &li.Granted, &li.PID, &li.ApplicationName, &li.ClientAddr, &since); err != nil {
 			return li, err
 		}
-		k, err := KeyFromLock(uint32(classid), uint32(objid), objsubid)
+		k, err := core.KeyFromLock(uint32(classid), uint32(objid), objsubid)
 		if err != nil {
 			return li, err
 		}
-		li.Key, li.Name, li.Mode = k, c.cfg.keyName(k), ModeExclusive
+		li.Key, li.Name, li.Mode = Key{k}, c.core.Cfg.KeyName(k), ModeExclusive
 		if shared {
 			li.Mode = ModeShared
 		}
@@ -137,11 +139,11 @@ func (c *Client) Locks(ctx context.Context) ([]LockInfo, error) {
 		return li, nil
 	})
 	if err != nil {
-		return nil, pgError("list locks", err)
+		return nil, core.PgError("list locks", err)
 	}
 	// The query orders the rows of a key; the keys' order is Go's, since
 	// pg_locks splits a key over columns that do not sort as the key does.
-	slices.SortStableFunc(locks, func(a, b LockInfo) int { return compareKeys(a.Key, b.Key) })
+	slices.SortStableFunc(locks, func(a, b LockInfo) int { return core.CompareKeys(a.Key.core, b.Key.core) })
 	return locks, nil
 }
 
@@ -190,20 +192,20 @@ func (c *Client) TerminateAny(ctx context.Context, pid int32) error {
 
 func (c *Client) terminate(ctx context.Context, pid int32, force bool) error {
 	if ctx == nil {
-		return errorf("terminate backend %d: ctx is nil", pid)
+		return core.Errorf("terminate backend %d: ctx is nil", pid)
 	}
-	if err := c.enter(); err != nil {
-		return errorf("terminate backend %d: %w", pid, err)
+	if err := c.core.Enter(); err != nil {
+		return core.Errorf("terminate backend %d: %w", pid, err)
 	}
-	defer c.wg.Done()
+	defer c.core.Wg.Done()
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, terminateWait)
 		defer cancel()
 	}
-	conn, err := c.pool.Acquire(ctx)
+	conn, err := c.core.Pool.Acquire(ctx)
 	if err != nil {
-		return errorf("terminate backend %d: %w", pid, err)
+		return core.Errorf("terminate backend %d: %w", pid, err)
 	}
 	defer conn.Release()
 
@@ -222,22 +224,22 @@ func (c *Client) terminate(ctx context.Context, pid int32, force bool) error {
 				pid = pg_backend_pid() AS self, datname IS NOT DISTINCT FROM current_database() AS same_db,
 				backend_start
 			FROM pg_stat_activity WHERE pid = $1 OFFSET 0) AS target`,
-		pid, force, c.cfg.appName).Scan(&app, &db, &self, &sameDB, &started, &signalled)
+		pid, force, c.core.Cfg.AppName).Scan(&app, &db, &self, &sameDB, &started, &signalled)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		return errorf("terminate backend %d: no backend of the server has that pid", pid)
-	case sqlState(err) == "42501":
-		return errorf("terminate backend %d: permission denied: the role must be a member of the backend's role or of pg_signal_backend (and only a superuser may end a superuser's backend): %w", pid, err)
+		return core.Errorf("terminate backend %d: no backend of the server has that pid", pid)
+	case core.SqlState(err) == "42501":
+		return core.Errorf("terminate backend %d: permission denied: the role must be a member of the backend's role or of pg_signal_backend (and only a superuser may end a superuser's backend): %w", pid, err)
 	case err != nil:
-		return pgError("terminate backend "+strconv.Itoa(int(pid)), err)
+		return core.PgError("terminate backend "+strconv.Itoa(int(pid)), err)
 	case self:
-		return errorf("terminate backend %d: that is the backend Terminate runs on", pid)
-	case !force && app != c.cfg.appName:
-		return errorf("terminate backend %d: %w: its application_name is %q, not %q; use TerminateAny to end it anyway", pid, ErrForeignBackend, app, c.cfg.appName)
+		return core.Errorf("terminate backend %d: that is the backend Terminate runs on", pid)
+	case !force && app != c.core.Cfg.AppName:
+		return core.Errorf("terminate backend %d: %w: its application_name is %q, not %q; use TerminateAny to end it anyway", pid, ErrForeignBackend, app, c.core.Cfg.AppName)
 	case !force && !sameDB:
-		return errorf("terminate backend %d: %w: it is connected to database %q, not to this Client's; use TerminateAny to end it anyway", pid, ErrForeignBackend, db)
+		return core.Errorf("terminate backend %d: %w: it is connected to database %q, not to this Client's; use TerminateAny to end it anyway", pid, ErrForeignBackend, db)
 	case signalled == nil || !*signalled:
-		return errorf("terminate backend %d: the server could not signal it (it exited meanwhile, or is not a backend)", pid)
+		return core.Errorf("terminate backend %d: the server could not signal it (it exited meanwhile, or is not a backend)", pid)
 	}
 	// Wait until the backend has exited and its locks are gone, polling
 	// with a growing pause, bounded by ctx. A backend with its pid but
@@ -252,9 +254,9 @@ func (c *Client) terminate(ctx context.Context, pid int32, force bool) error {
 		if err != nil {
 			if ctx.Err() != nil {
 				// ctx ended while the poll was under way.
-				return errorf("terminate backend %d: signalled, but it has not exited yet: %w", pid, context.Cause(ctx))
+				return core.Errorf("terminate backend %d: signalled, but it has not exited yet: %w", pid, context.Cause(ctx))
 			}
-			return errorf("terminate backend %d: signalled, but could not see it exit: %w", pid, err)
+			return core.Errorf("terminate backend %d: signalled, but could not see it exit: %w", pid, err)
 		}
 		if !alive {
 			return nil
@@ -262,7 +264,7 @@ func (c *Client) terminate(ctx context.Context, pid int32, force bool) error {
 		select {
 		case <-time.After(pause):
 		case <-ctx.Done():
-			return errorf("terminate backend %d: signalled, but it has not exited yet: %w", pid, context.Cause(ctx))
+			return core.Errorf("terminate backend %d: signalled, but it has not exited yet: %w", pid, context.Cause(ctx))
 		}
 		pause = min(2*pause, 50*time.Millisecond)
 	}

@@ -93,7 +93,7 @@ func TestLocks(t *testing.T) {
 	}
 	j := byKey[job]
 	if len(j) != 2 ||
-		!j[0].Granted || j[0].Mode != ModeExclusive || j[0].PID != ex.s.PID() || j[0].ApplicationName != "holder-a" || j[0].Name != "job" ||
+		!j[0].Granted || j[0].Mode != ModeExclusive || j[0].PID != ex.core.S.PID() || j[0].ApplicationName != "holder-a" || j[0].Name != "job" ||
 		j[1].Granted || j[1].Mode != ModeExclusive || j[1].ApplicationName != "waiter" || j[1].Name != "job" {
 		t.Errorf("job: %+v; want holder-a's exclusive hold, then waiter's wait", j)
 	}
@@ -104,10 +104,10 @@ func TestLocks(t *testing.T) {
 	if apps := []string{c[0].ApplicationName, c[1].ApplicationName}; !slices.Contains(apps, "holder-a") || !slices.Contains(apps, "holder-b") {
 		t.Errorf("cache held by %v, want holder-a and holder-b", apps)
 	}
-	if pids := []int32{c[0].PID, c[1].PID}; !slices.Contains(pids, sa.s.PID()) || !slices.Contains(pids, sb.s.PID()) {
-		t.Errorf("cache held by %v, want %d and %d", pids, sa.s.PID(), sb.s.PID())
+	if pids := []int32{c[0].PID, c[1].PID}; !slices.Contains(pids, sa.core.S.PID()) || !slices.Contains(pids, sb.core.S.PID()) {
+		t.Errorf("cache held by %v, want %d and %d", pids, sa.core.S.PID(), sb.core.S.PID())
 	}
-	if u := byKey[unnamed]; len(u) != 1 || u[0].Name != "" || u[0].PID != other.s.PID() {
+	if u := byKey[unnamed]; len(u) != 1 || u[0].Name != "" || u[0].PID != other.core.S.PID() {
 		t.Errorf("unnamed key: %+v", u)
 	}
 
@@ -235,10 +235,10 @@ func TestTerminate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := op.Terminate(ctx, l.s.PID()); err != nil {
+	if err := op.Terminate(ctx, l.core.S.PID()); err != nil {
 		t.Fatal(err)
 	}
-	exited(t, dsn, l.s.PID())
+	exited(t, dsn, l.core.S.PID())
 	notHeld(t, dsn, k)
 	awaitEnd(t, l, "the lock of a terminated backend")
 	if !errors.Is(l.Err(), ErrLockLost) {
@@ -273,12 +273,12 @@ func TestTerminate(t *testing.T) {
 	}
 	weak := weakRolePool(t, dsn)
 	wc := newTestClientOn(t, weak)
-	err = wc.Terminate(ctx, l.s.PID())
+	err = wc.Terminate(ctx, l.core.S.PID())
 	var pe *pgconn.PgError
 	if !errors.As(err, &pe) || pe.Code != "42501" || !strings.Contains(err.Error(), "pg_signal_backend") {
 		t.Fatalf("Terminate without privilege: %v, want SQLSTATE 42501 naming pg_signal_backend", err)
 	}
-	heldOnlyBy(t, dsn, k, l.s.PID())
+	heldOnlyBy(t, dsn, k, l.core.S.PID())
 	if err := l.Unlock(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -296,13 +296,13 @@ func TestTerminate(t *testing.T) {
 	}
 	sc := newTestClient(t, signallerDSN)
 	var started *time.Time
-	if err := pgtest.Conn(t, signallerDSN).QueryRow(ctx, "SELECT backend_start FROM pg_stat_activity WHERE pid = $1", l.s.PID()).Scan(&started); err != nil || started != nil {
+	if err := pgtest.Conn(t, signallerDSN).QueryRow(ctx, "SELECT backend_start FROM pg_stat_activity WHERE pid = $1", l.core.S.PID()).Scan(&started); err != nil || started != nil {
 		t.Fatalf("the signaller reads the holder's backend_start as %v (%v), want NULL", started, err)
 	}
-	if err := sc.Terminate(ctx, l.s.PID()); err != nil {
+	if err := sc.Terminate(ctx, l.core.S.PID()); err != nil {
 		t.Fatal(err)
 	}
-	exited(t, dsn, l.s.PID())
+	exited(t, dsn, l.core.S.PID())
 	notHeld(t, dsn, k)
 	awaitEnd(t, l, "the lock of a backend ended by a member of pg_signal_backend")
 }
@@ -343,7 +343,7 @@ func TestTerminateEndsOnlyTheBackendItChecked(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pid := l.s.PID()
+	pid := l.core.S.PID()
 	if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); err != nil {
 		pgtest.SkipOrFail(t, "the server's backend %d is not a process of this machine (%v): the test hands its pid to a new backend", pid, err)
 	}
@@ -369,7 +369,7 @@ func TestTerminateEndsOnlyTheBackendItChecked(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		cc.RuntimeParams["application_name"] = op.cfg.appName
+		cc.RuntimeParams["application_name"] = op.core.Cfg.AppName
 		later = connectWithPID(t, ctx, cc, pid)
 		if _, err := later.Exec(ctx, "SELECT pg_advisory_lock(9)"); err != nil {
 			t.Fatal(err)
@@ -505,7 +505,7 @@ func TestTerminateGivesUpOnBackendThatDoesNotExit(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pid := l.s.PID()
+	pid := l.core.S.PID()
 	if err := syscall.Kill(int(pid), syscall.SIGSTOP); err != nil {
 		pgtest.SkipOrFail(t, "cannot stop backend %d (the test stops it as root on the server's machine): %v", pid, err)
 	}

@@ -1,14 +1,11 @@
 package pgcoord
 
-import (
-	"cmp"
-	"encoding/binary"
-	"fmt"
-	"slices"
-	"strconv"
-	"strings"
+// Keys: the names of advisory locks
 
-	"github.com/cespare/xxhash/v2"
+import (
+	"unsafe"
+
+	"github.com/pgcoord/pgcoord/internal/core"
 )
 
 // Key names an advisory lock. PostgreSQL has two key spaces that never
@@ -20,22 +17,7 @@ import (
 // The zero Key is not a valid key: every function that takes a Key rejects it
 // with [ErrInvalidKey], so a forgotten initialisation cannot silently collide
 // with Int64Key(0).
-type Key struct {
-	kind keyKind
-	v    int64 // bigint value, or uint32(a)<<32 | uint32(b) for a pair
-}
-
-type keyKind uint8
-
-const (
-	kindInvalid keyKind = iota
-	kindInt64
-	kindPair
-)
-
-// hashDomain is the fixed prefix of HashKey's input. Changing it, or anything
-// else about the encoding, changes every key ever derived: it is frozen.
-const hashDomain = "pgcoord.HashKey.v1"
+type Key struct{ core core.Key }
 
 // HashKey derives a bigint key from one or more string parts, such as
 // HashKey("invoice", id). The parts are encoded unambiguously before hashing,
@@ -51,99 +33,39 @@ const hashDomain = "pgcoord.HashKey.v1"
 // HashKey with no parts returns the zero (invalid) Key, which every lock
 // function rejects with [ErrInvalidKey]. Parts may hold any bytes, including
 // NUL and invalid UTF-8; they are never sent to the server.
-func HashKey(parts ...string) Key {
-	if len(parts) == 0 {
-		return Key{}
-	}
-	return Key{kind: kindInt64, v: int64(xxhash.Sum64(hashInput(parts)))}
-}
-
-// hashInput is the byte string HashKey hashes: the domain, then each part
-// as an 8-byte big-endian length and its bytes. It is injective: the
-// lengths say where every part ends.
-func hashInput(parts []string) []byte {
-	n := len(hashDomain)
-	for _, p := range parts {
-		n += 8 + len(p)
-	}
-	b := make([]byte, 0, n)
-	b = append(b, hashDomain...)
-	for _, p := range parts {
-		b = binary.BigEndian.AppendUint64(b, uint64(len(p)))
-		b = append(b, p...)
-	}
-	return b
-}
+func HashKey(parts ...string) Key { return Key{core.HashKey(parts...)} }
 
 // Int64Key returns the key that PostgreSQL's pg_advisory_lock(bigint) takes.
 // Every int64, including 0 and negative values, is a valid key.
-func Int64Key(k int64) Key { return Key{kind: kindInt64, v: k} }
+func Int64Key(k int64) Key { return Key{core.Int64Key(k)} }
 
 // PairKey returns the key that PostgreSQL's pg_advisory_lock(int4, int4)
 // takes. Pair keys never conflict with bigint keys.
-func PairKey(a, b int32) Key {
-	return Key{kind: kindPair, v: int64(uint64(uint32(a))<<32 | uint64(uint32(b)))}
-}
+func PairKey(a, b int32) Key { return Key{core.PairKey(a, b)} }
 
 // IsZero reports whether k is the zero Key, which names no lock: a Key not
 // built by [HashKey] (with at least one part), [Int64Key] or [PairKey].
 // Every call given the zero Key returns an error wrapping [ErrInvalidKey].
-func (k Key) IsZero() bool { return k.kind != kindInt64 && k.kind != kindPair }
+func (k Key) IsZero() bool { return k.core.IsZero() }
 
 // Int64 returns the bigint value of a key from [Int64Key] or [HashKey]; ok is
 // false for pair keys and the zero Key.
-func (k Key) Int64() (v int64, ok bool) { return k.v, k.kind == kindInt64 }
+func (k Key) Int64() (v int64, ok bool) { return k.core.Int64() }
 
 // Pair returns the two halves of a key from [PairKey]; ok is false for bigint
 // keys and the zero Key.
-func (k Key) Pair() (a, b int32, ok bool) {
-	return int32(uint64(k.v) >> 32), int32(uint32(k.v)), k.kind == kindPair
-}
+func (k Key) Pair() (a, b int32, ok bool) { return k.core.Pair() }
 
 // String formats k as ParseKey reads it: "int64:N" for bigint keys,
 // "pair:A,B" for pair keys, and "invalid" for the zero Key.
-func (k Key) String() string {
-	switch k.kind {
-	case kindInt64:
-		return "int64:" + strconv.FormatInt(k.v, 10)
-	case kindPair:
-		a, b, _ := k.Pair()
-		return "pair:" + strconv.FormatInt(int64(a), 10) + "," + strconv.FormatInt(int64(b), 10)
-	}
-	return "invalid"
-}
+func (k Key) String() string { return k.core.String() }
 
 // ParseKey reads a key in the form that [Key.String] writes: "int64:N" or
 // "pair:A,B" (decimal, optionally signed). It returns an error wrapping
 // [ErrInvalidKey] that names the problem for anything else.
 func ParseKey(s string) (Key, error) {
-	bad := func(why string) (Key, error) {
-		return Key{}, errorf("%w: %q: %s (want \"int64:N\" or \"pair:A,B\")", ErrInvalidKey, s, why)
-	}
-	kind, rest, ok := strings.Cut(s, ":")
-	if !ok {
-		return bad("missing \"int64:\" or \"pair:\" prefix")
-	}
-	switch kind {
-	case "int64":
-		v, err := strconv.ParseInt(rest, 10, 64)
-		if err != nil {
-			return bad("not a 64-bit integer")
-		}
-		return Int64Key(v), nil
-	case "pair":
-		as, bs, ok := strings.Cut(rest, ",")
-		if !ok {
-			return bad("a pair needs two numbers separated by a comma")
-		}
-		a, err1 := strconv.ParseInt(as, 10, 32)
-		b, err2 := strconv.ParseInt(bs, 10, 32)
-		if err1 != nil || err2 != nil {
-			return bad("pair halves must be 32-bit integers")
-		}
-		return PairKey(int32(a), int32(b)), nil
-	}
-	return bad("unknown key kind " + strconv.Quote(kind))
+	k, err := core.ParseKey(s)
+	return Key{k}, err
 }
 
 // KeyFromLock decodes the key of an advisory lock from the classid, objid
@@ -152,72 +74,8 @@ func ParseKey(s string) (Key, error) {
 // keys (classid, objid). Any other objsubid is an error wrapping
 // [ErrInvalidKey].
 func KeyFromLock(classid, objid uint32, objsubid int16) (Key, error) {
-	v := int64(uint64(classid)<<32 | uint64(objid))
-	switch objsubid {
-	case 1:
-		return Key{kind: kindInt64, v: v}, nil
-	case 2:
-		return Key{kind: kindPair, v: v}, nil
-	}
-	return Key{}, errorf("%w: pg_locks objsubid %d is not an advisory lock key space (want 1 or 2)", ErrInvalidKey, objsubid)
-}
-
-// lockColumns returns the classid, objid and objsubid that k has in pg_locks.
-func (k Key) lockColumns() (classid, objid uint32, objsubid int16) {
-	objsubid = 1
-	if k.kind == kindPair {
-		objsubid = 2
-	}
-	return uint32(uint64(k.v) >> 32), uint32(k.v), objsubid
-}
-
-// check returns an error wrapping ErrInvalidKey for the zero Key.
-func (k Key) check() error {
-	if k.IsZero() {
-		return errorf("%w: the zero Key (or HashKey with no parts); build keys with HashKey, Int64Key or PairKey", ErrInvalidKey)
-	}
-	return nil
-}
-
-// compareKeys is the canonical order of keys: all bigint keys by value, then
-// all pair keys by (a, b). Every multi-key function takes keys in this order,
-// so two callers locking overlapping sets can never deadlock each other.
-func compareKeys(x, y Key) int {
-	if c := cmp.Compare(x.kind, y.kind); c != 0 {
-		return c
-	}
-	if x.kind == kindPair {
-		xa, xb, _ := x.Pair()
-		ya, yb, _ := y.Pair()
-		if c := cmp.Compare(xa, ya); c != 0 {
-			return c
-		}
-		return cmp.Compare(xb, yb)
-	}
-	return cmp.Compare(x.v, y.v)
-}
-
-// canonicalKeys validates keys and returns a sorted, deduplicated copy. It
-// returns an error wrapping ErrInvalidKey if keys is empty or holds an
-// invalid key.
-func canonicalKeys(keys []Key) ([]Key, error) {
-	switch len(keys) {
-	case 0:
-		return nil, errorf("%w: no keys given", ErrInvalidKey)
-	case 1:
-		if err := keys[0].check(); err != nil {
-			return nil, err
-		}
-		return []Key{keys[0]}, nil
-	}
-	for i, k := range keys {
-		if err := k.check(); err != nil {
-			return nil, errorf("key %d of %d: %w", i+1, len(keys), err)
-		}
-	}
-	out := slices.Clone(keys)
-	slices.SortFunc(out, compareKeys)
-	return slices.Compact(out), nil
+	k, err := core.KeyFromLock(classid, objid, objsubid)
+	return Key{k}, err
 }
 
 // MarshalText implements [encoding.TextMarshaler] with the form of
@@ -225,48 +83,22 @@ func canonicalKeys(keys []Key) ([]Key, error) {
 // key in JSON, YAML or TOML. The zero Key marshals to empty text, which
 // UnmarshalText reads back as the zero Key (still rejected by every lock
 // function). It never returns an error.
-func (k Key) MarshalText() ([]byte, error) {
-	if k.IsZero() {
-		return []byte{}, nil
-	}
-	return []byte(k.String()), nil
-}
+func (k Key) MarshalText() ([]byte, error) { return k.core.MarshalText() }
 
 // UnmarshalText implements [encoding.TextUnmarshaler]: it reads what
 // [ParseKey] reads, and empty text as the zero Key. It returns an error
 // wrapping [ErrInvalidKey] for anything else, and leaves k unchanged then.
-func (k *Key) UnmarshalText(text []byte) error {
-	if len(text) == 0 {
-		*k = Key{}
-		return nil
-	}
-	v, err := ParseKey(string(text))
-	if err != nil {
-		return err
-	}
-	*k = v
-	return nil
+func (k *Key) UnmarshalText(text []byte) error { return k.core.UnmarshalText(text) }
+
+// coreKeys returns keys as the lock core takes them, and keysOf the
+// core's keys as the API gives them: the same memory seen as the other
+// type, as a Key is nothing but the core's key. The core copies what it
+// keeps, as it did the caller's keys before; whoever gets a view of the
+// core's keys must not change them.
+func coreKeys(keys []Key) []core.Key {
+	return unsafe.Slice((*core.Key)(unsafe.Pointer(unsafe.SliceData(keys))), len(keys))
 }
 
-// keyList names keys as errors and logs do: one key by its String, more in
-// brackets, the first few of a long list and how many more there are.
-func keyList(keys []Key) string {
-	name := func(k Key) string {
-		if k.check() != nil {
-			return "Key{}" // the zero Key, whose String is "invalid"
-		}
-		return k.String()
-	}
-	if len(keys) == 1 {
-		return name(keys[0])
-	}
-	const shown = 4
-	s := make([]string, 0, shown+1)
-	for _, k := range keys[:min(len(keys), shown)] {
-		s = append(s, name(k))
-	}
-	if len(keys) > shown {
-		s = append(s, fmt.Sprintf("and %d more", len(keys)-shown))
-	}
-	return "[" + strings.Join(s, " ") + "]"
+func keysOf(keys []core.Key) []Key {
+	return unsafe.Slice((*Key)(unsafe.Pointer(unsafe.SliceData(keys))), len(keys))
 }

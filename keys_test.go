@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/cespare/xxhash/v2"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -46,7 +48,7 @@ func TestHashKeyGoldenVectors(t *testing.T) {
 		t.Fatalf("xxhash64(\"\") = %#x", got)
 	}
 	want := []byte("pgcoord.HashKey.v1\x00\x00\x00\x00\x00\x00\x00\x07invoice\x00\x00\x00\x00\x00\x00\x00\x0242")
-	if got := hashInput([]string{"invoice", "42"}); !bytes.Equal(got, want) {
+	if got := core.HashInput([]string{"invoice", "42"}); !bytes.Equal(got, want) {
 		t.Fatalf("hashInput = %q, want %q", got, want)
 	}
 }
@@ -56,7 +58,7 @@ func TestKeyBasics(t *testing.T) {
 	if !HashKey().IsZero() || !(Key{}).IsZero() {
 		t.Fatal("HashKey() and the zero Key must be invalid")
 	}
-	if err := (Key{}).check(); !errors.Is(err, ErrInvalidKey) {
+	if err := (Key{}).core.Check(); !errors.Is(err, ErrInvalidKey) {
 		t.Fatalf("zero Key check: %v", err)
 	}
 	if Int64Key(1<<32|2) == PairKey(1, 2) {
@@ -73,10 +75,10 @@ func TestKeyBasics(t *testing.T) {
 	// The cached one-key statements match what the builder writes.
 	for _, fn := range []string{"pg_try_advisory_lock", "pg_try_advisory_lock_shared", "pg_advisory_unlock", "pg_advisory_unlock_shared"} {
 		for _, k := range []Key{Int64Key(-3), PairKey(-1, 2)} {
-			fast, fastArgs := unlockSQL(fn, []Key{k}, 7)
+			fast, fastArgs := core.UnlockSQL(fn, coreKeys([]Key{k}), 7)
 			var b strings.Builder
 			b.WriteString("SELECT ")
-			slow, slowArgs := guard(&b, selectKeys(&b, fn, []Key{k}, nil), 7)
+			slow, slowArgs := core.Guard(&b, core.SelectKeys(&b, fn, coreKeys([]Key{k}), nil), 7)
 			if fast != slow || fmt.Sprint(fastArgs) != fmt.Sprint(slowArgs) {
 				t.Errorf("unlockSQL(%s, %v) = %q %v, builder gives %q %v", fn, k, fast, fastArgs, slow, slowArgs)
 			}
@@ -84,32 +86,32 @@ func TestKeyBasics(t *testing.T) {
 	}
 	// Every function of one key the lock core calls, in each form, has
 	// its text cached once built, for each key form.
-	fns := []string{unlockFunc(false), unlockFunc(true)}
+	fns := []string{core.UnlockFunc(false), core.UnlockFunc(true)}
 	for _, shared := range []bool{false, true} {
 		for _, try := range []bool{false, true} {
-			fns = append(fns, lockFunc(shared, try))
+			fns = append(fns, core.LockFunc(shared, try))
 		}
 	}
 	for _, fn := range fns {
-		for fi, form := range singleKeyForms {
+		for fi, form := range core.SingleKeyForms {
 			for _, k := range []Key{Int64Key(-3), PairKey(-1, 2)} {
-				f := slices.Index(keyFuncs[:], fn)
+				f := slices.Index(core.KeyFuncs[:], fn)
 				if f < 0 {
 					t.Fatalf("%s is not among keyFuncs: its statements are built anew each time", fn)
 				}
-				first, _ := singleKeySQL(fn, form, k, 7)
+				first, _ := core.SingleKeySQL(fn, form, k.core, 7)
 				_, _, pair := k.Pair()
-				if cached := singleKeyTexts[f][fi][b2i(pair)].Load(); cached == nil || *cached != first {
+				if cached := core.SingleKeyTexts[f][fi][core.B2i(pair)].Load(); cached == nil || *cached != first {
 					t.Errorf("singleKeySQL(%s, %q, %v) = %q, cached %v", fn, form, k, first, cached)
 				}
 			}
 		}
 	}
-	got, err := canonicalKeys([]Key{PairKey(1, 1), Int64Key(5), Int64Key(-5), PairKey(-1, 9), Int64Key(5)})
+	got, err := core.CanonicalKeys(coreKeys([]Key{PairKey(1, 1), Int64Key(5), Int64Key(-5), PairKey(-1, 9), Int64Key(5)}))
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := []Key{Int64Key(-5), Int64Key(5), PairKey(-1, 9), PairKey(1, 1)}
+	want := coreKeys([]Key{Int64Key(-5), Int64Key(5), PairKey(-1, 9), PairKey(1, 1)})
 	if len(got) != len(want) {
 		t.Fatalf("canonicalKeys = %v, want %v", got, want)
 	}
@@ -141,7 +143,7 @@ func TestKeysRoundTripThroughPgLocks(t *testing.T) {
 		PairKey(-1, math.MinInt32),
 	}
 	for _, k := range keys {
-		sql, args := lockSQL("pg_advisory_lock", []Key{k})
+		sql, args := core.LockSQL("pg_advisory_lock", coreKeys([]Key{k}))
 		if _, err := conn.Exec(ctx, sql, args...); err != nil {
 			t.Fatal(err)
 		}
@@ -179,7 +181,7 @@ func FuzzKeyRoundTrip(f *testing.F) {
 	f.Add(int64(math.MinInt64), int32(math.MaxInt32), int32(7))
 	f.Fuzz(func(t *testing.T, v int64, a, b int32) {
 		for _, k := range []Key{Int64Key(v), PairKey(a, b)} {
-			classid, objid, objsubid := k.lockColumns()
+			classid, objid, objsubid := k.core.LockColumns()
 			back, err := KeyFromLock(classid, objid, objsubid)
 			if err != nil || back != k {
 				t.Fatalf("%v -> (%d, %d, %d) -> %v, %v", k, classid, objid, objsubid, back, err)
@@ -230,8 +232,8 @@ func FuzzHashInputUnambiguous(f *testing.F) {
 	f.Add("a\x00", "b", 3)
 	f.Fuzz(func(t *testing.T, a, b string, n int) {
 		parts := []string{a, b, a + b}[:1+abs(n)%3]
-		in := hashInput(parts)
-		rest, ok := bytes.CutPrefix(in, []byte(hashDomain))
+		in := core.HashInput(parts)
+		rest, ok := bytes.CutPrefix(in, []byte(core.HashDomain))
 		if !ok {
 			t.Fatal("missing domain prefix")
 		}
@@ -296,7 +298,7 @@ func TestHashKeyHostileParts(t *testing.T) {
 		if err != nil {
 			t.Fatalf("Lock(HashKey(%.20q...)): %v", p, err)
 		}
-		heldOnlyBy(t, dsn, k, l.s.PID())
+		heldOnlyBy(t, dsn, k, l.core.S.PID())
 		mustUnlock(t, l)
 	}
 }

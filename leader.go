@@ -10,6 +10,8 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 )
 
@@ -204,8 +206,8 @@ type Election struct {
 	c        *Client
 	name     string
 	identity string
-	key      Key // the leadership lock; its fence is the term
-	guard    Key // held by the leader on the Client's guard session
+	key      core.Key // the leadership lock; its fence is the term
+	guard    core.Key // held by the leader on the Client's guard session
 	prefix   string
 	err      error
 }
@@ -215,17 +217,17 @@ type Election struct {
 // returned Election: a name must be 1 to 1024 bytes of UTF-8 without NUL.
 // Elections need the tables of Migrate.
 func (c *Client) Election(name string, opts ...ElectionOption) *Election {
-	e := &Election{c: c, name: name, key: electionKey(c.cfg.schema, name), guard: HashKey("pgcoord.election.guard", c.cfg.schema, name)}
+	e := &Election{c: c, name: name, key: electionKey(c.core.Cfg.Schema, name), guard: core.HashKey("pgcoord.election.guard", c.core.Cfg.Schema, name)}
 	k, _ := e.key.Int64()
 	e.prefix = strconv.FormatInt(k, 10) + ":"
 	if err := checkText("election name", name, maxElectionName); err != nil {
 		e.err = err
 		return e
 	}
-	e.identity = defaultIdentity(c.cfg.appName)
+	e.identity = defaultIdentity(c.core.Cfg.AppName)
 	for _, o := range opts {
 		if o == nil {
-			e.err = errorf("nil option")
+			e.err = core.Errorf("nil option")
 			return e
 		}
 		if err := o.applyElection(e); err != nil {
@@ -243,19 +245,19 @@ func (e *Election) Name() string { return e.name }
 // CheckFence. It is HashKey("pgcoord.election", schema, name), with the
 // schema of the Client's tables (WithSchema): elections of one name in two
 // schemas of a database are independent, as their rows are.
-func (e *Election) Key() Key { return e.key }
+func (e *Election) Key() Key { return Key{e.key} }
 
 // electionKey returns the lock key of the election called name whose row
 // is in schema.
-func electionKey(schema, name string) Key { return HashKey("pgcoord.election", schema, name) }
+func electionKey(schema, name string) core.Key { return core.HashKey("pgcoord.election", schema, name) }
 
 // Leadership is a won election: it lasts until Resign, a RequestResign
 // from any process, the loss of a connection it rests on, or the Client's
 // Close. Its methods are safe for concurrent use.
 type Leadership struct {
 	e     *Election
-	lock  *Lock // on one of the Client's shared backends
-	guard *Lock // on the Client's guard session; nil while leading without it (guarded by mu)
+	lock  *core.Lock // on one of the Client's shared backends
+	guard *core.Lock // on the Client's guard session; nil while leading without it (guarded by mu)
 	sub   *subscription
 	term  Term
 	since time.Time
@@ -346,15 +348,15 @@ func (ld *Leadership) Valid() error {
 	if ld.ctx.Err() != nil {
 		return context.Cause(ld.ctx)
 	}
-	oldest := ld.lock.s.answeredAt()
+	oldest := ld.lock.S.AnsweredAt()
 	if g := ld.guardLock(); g != nil {
-		if t := g.s.answeredAt(); t.Before(oldest) {
+		if t := g.S.AnsweredAt(); t.Before(oldest) {
 			oldest = t
 		}
 	}
-	if age := time.Since(oldest); age >= ld.e.c.cfg.lossDeadline {
-		return errorf("lead election %q: term %d: %w: no answer from the server for %v (loss deadline %v)",
-			ld.e.name, ld.term, ErrLockLost, age.Round(time.Millisecond), ld.e.c.cfg.lossDeadline)
+	if age := time.Since(oldest); age >= ld.e.c.core.Cfg.LossDeadline {
+		return core.Errorf("lead election %q: term %d: %w: no answer from the server for %v (loss deadline %v)",
+			ld.e.name, ld.term, ErrLockLost, age.Round(time.Millisecond), ld.e.c.core.Cfg.LossDeadline)
 	}
 	return nil
 }
@@ -391,20 +393,20 @@ func (ld *Leadership) Resign(ctx context.Context) error {
 	case <-ld.done:
 		return nil
 	case <-ctx.Done():
-		return errorf("resign election %q: %w", ld.e.name, context.Cause(ctx))
+		return core.Errorf("resign election %q: %w", ld.e.name, context.Cause(ctx))
 	}
 }
 
 // errResigned and errResignRequested are the causes of a leadership that
 // ended by Resign or by RequestResign.
 var (
-	errResigned        = errorf("%w: resigned", ErrNotHeld)
-	errResignRequested = errorf("%w: resigned on request (RequestResign)", ErrNotHeld)
+	errResigned        = core.Errorf("%w: resigned", ErrNotHeld)
+	errResignRequested = core.Errorf("%w: resigned on request (RequestResign)", ErrNotHeld)
 )
 
 // campaignRound bounds one server-side wait of a campaign, so that the
 // Client's bounded waits rotate among its campaigns and locks.
-func (e *Election) campaignRound() time.Duration { return e.c.cfg.lossDeadline }
+func (e *Election) campaignRound() time.Duration { return e.c.core.Cfg.LossDeadline }
 
 // Campaign waits until this candidate leads the election, then returns the
 // Leadership. ctx bounds only the wait: the leadership lasts until it
@@ -423,11 +425,11 @@ func (e *Election) campaignRound() time.Duration { return e.c.cfg.lossDeadline }
 // other errors.
 func (e *Election) Campaign(ctx context.Context) (*Leadership, error) {
 	if ctx == nil {
-		return nil, errorf("campaign election %q: ctx is nil", e.name)
+		return nil, core.Errorf("campaign election %q: ctx is nil", e.name)
 	}
 	ld, err := e.campaign(ctx)
 	if err != nil {
-		return nil, errorf("campaign election %q: %w", e.name, err)
+		return nil, core.Errorf("campaign election %q: %w", e.name, err)
 	}
 	return ld, nil
 }
@@ -438,10 +440,10 @@ func (e *Election) campaign(ctx context.Context) (*Leadership, error) {
 		return nil, e.err
 	}
 	c := e.c
-	if err := c.enter(); err != nil {
+	if err := c.core.Enter(); err != nil {
 		return nil, err
 	}
-	defer c.wg.Done()
+	defer c.core.Wg.Done()
 	// Listen before winning, so a RequestResign right after the win is
 	// heard.
 	sub, err := c.subscribe(leaderChannel, e.prefix+"resign:")
@@ -454,9 +456,9 @@ func (e *Election) campaign(ctx context.Context) (*Leadership, error) {
 	// cannot be reached now (a restart, a failover), the campaign waits
 	// for the lock all the same, riding through as a Lock does, and the
 	// takeover opens the session.
-	if _, err := e.c.guardSession(ctx); err != nil && (!connectionTrouble(err) || ctx.Err() != nil) {
+	if _, err := e.c.guardSession(ctx); err != nil && (!core.ConnectionTrouble(err) || ctx.Err() != nil) {
 		sub.close()
-		return nil, errorf("open guard session: %w", err)
+		return nil, core.Errorf("open guard session: %w", err)
 	}
 	for {
 		l, err := e.wait(ctx)
@@ -499,20 +501,20 @@ func (e *Election) campaign(ctx context.Context) (*Leadership, error) {
 // row every loss deadline in any case.)
 func (e *Election) RequestResign(ctx context.Context) error {
 	if ctx == nil {
-		return errorf("request resign election %q: ctx is nil", e.name)
+		return core.Errorf("request resign election %q: ctx is nil", e.name)
 	}
 	info, err := e.leader(ctx)
 	if err != nil {
-		return errorf("request resign election %q: %w", e.name, err)
+		return core.Errorf("request resign election %q: %w", e.name, err)
 	}
-	err = e.c.onPool(ctx, func(b *pgx.Batch) {
+	err = e.c.core.OnPool(ctx, func(b *pgx.Batch) {
 		b.Queue(`WITH asked AS (
-				UPDATE `+e.c.cfg.table("leaders")+` SET resign_term = term WHERE name = $1 AND term = $2 RETURNING term)
+				UPDATE `+e.c.core.Cfg.Table("leaders")+` SET resign_term = term WHERE name = $1 AND term = $2 RETURNING term)
 			SELECT pg_notify($3, $4) FROM asked`,
 			e.name, int64(info.Term), leaderChannel, e.prefix+"resign:"+strconv.FormatInt(int64(info.Term), 10))
 	})
 	if err != nil {
-		return errorf("request resign election %q: %w", e.name, notMigrated(e.c.cfg, "record the request", err))
+		return core.Errorf("request resign election %q: %w", e.name, core.NotMigrated(e.c.core.Cfg, "record the request", err))
 	}
 	return nil
 }
@@ -525,13 +527,13 @@ func (ld *Leadership) resignRecorded() bool { return ld.e.resignRecorded(ld.lock
 
 // resignRecorded reports whether the leaders row records a request that
 // term resign, reading it on the backend of l, the election's lock.
-func (e *Election) resignRecorded(l *Lock, term Term) bool {
+func (e *Election) resignRecorded(l *core.Lock, term Term) bool {
 	c := e.c
-	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.heartbeat)
+	ctx, cancel := context.WithTimeout(context.Background(), c.core.Cfg.Heartbeat)
 	defer cancel()
 	var asked bool
-	err := l.s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		return conn.QueryRow(ctx, "SELECT coalesce(resign_term = $2, false) FROM "+c.cfg.table("leaders")+" WHERE name = $1",
+	err := l.S.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		return conn.QueryRow(ctx, "SELECT coalesce(resign_term = $2, false) FROM "+c.core.Cfg.Table("leaders")+" WHERE name = $1",
 			e.name, int64(term)).Scan(&asked)
 	})
 	return err == nil && asked
@@ -551,29 +553,29 @@ func (e *Election) resignRecorded(l *Lock, term Term) bool {
 // returns ctx's error when ctx ends, and the errors of Campaign.
 func (e *Election) Run(ctx context.Context, fn func(ctx context.Context, term Term) error) error {
 	if ctx == nil {
-		return errorf("run election %q: ctx is nil", e.name)
+		return core.Errorf("run election %q: ctx is nil", e.name)
 	}
 	if fn == nil {
-		return errorf("run election %q: fn is nil", e.name)
+		return core.Errorf("run election %q: fn is nil", e.name)
 	}
 	for {
 		ld, err := e.campaign(ctx)
 		if err != nil {
-			return errorf("run election %q: %w", e.name, err)
+			return core.Errorf("run election %q: %w", e.name, err)
 		}
 		// Run's ctx ending ends the leadership, which cancels fn's ctx.
 		stop := context.AfterFunc(ctx, func() { ld.once.Do(func() { close(ld.resign) }) })
 		ferr := fn(ld.ctx, ld.term)
 		stop()
 		leading := ld.ctx.Err() == nil
-		rctx, cancel := withoutCancel(ctx, e.c.cfg.lossDeadline)
+		rctx, cancel := core.WithoutCancel(ctx, e.c.core.Cfg.LossDeadline)
 		_ = ld.Resign(rctx)
 		cancel()
 		switch {
 		case ctx.Err() != nil:
-			return errorf("run election %q: %w", e.name, context.Cause(ctx))
+			return core.Errorf("run election %q: %w", e.name, context.Cause(ctx))
 		case ferr != nil && leading:
-			return errorf("run election %q: term %d: %w", e.name, ld.term, ferr)
+			return core.Errorf("run election %q: term %d: %w", e.name, ld.term, ferr)
 		case errors.Is(context.Cause(ld.ctx), errResignRequested):
 			e.yield(ctx, ld.term)
 		}
@@ -586,7 +588,7 @@ func (e *Election) Run(ctx context.Context, fn func(ctx context.Context, term Te
 // must not both wait out the loss deadline for a leader that came and
 // went.
 func (e *Election) yield(ctx context.Context, term Term) {
-	ctx, cancel := context.WithTimeout(ctx, e.c.cfg.lossDeadline)
+	ctx, cancel := context.WithTimeout(ctx, e.c.core.Cfg.LossDeadline)
 	defer cancel()
 	sub, err := e.c.subscribe(leaderChannel, e.prefix+"lead:")
 	if err != nil {
@@ -595,8 +597,8 @@ func (e *Election) yield(ctx context.Context, term Term) {
 	defer sub.close()
 	for {
 		var recorded int64
-		err := e.c.onPool(ctx, func(b *pgx.Batch) {
-			b.Queue("SELECT term FROM "+e.c.cfg.table("leaders")+" WHERE name = $1", e.name).QueryRow(func(row pgx.Row) error {
+		err := e.c.core.OnPool(ctx, func(b *pgx.Batch) {
+			b.Queue("SELECT term FROM "+e.c.core.Cfg.Table("leaders")+" WHERE name = $1", e.name).QueryRow(func(row pgx.Row) error {
 				return row.Scan(&recorded)
 			})
 		})

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -76,9 +78,9 @@ func TestElectionTermWaitKeepsOtherLocks(t *testing.T) {
 			}()
 			// The campaign takes the election's lock on the one backend,
 			// then waits for the row.
-			for deadline := time.Now().Add(10 * time.Second); !holdsOn(t, dsn, e.Key(), u.s.PID()); time.Sleep(5 * time.Millisecond) {
+			for deadline := time.Now().Add(10 * time.Second); !holdsOn(t, dsn, e.Key(), u.core.S.PID()); time.Sleep(5 * time.Millisecond) {
 				if time.Now().After(deadline) {
-					t.Fatalf("the campaign did not take the election's lock on the Client's one backend %d within 10s; pg_locks shows it granted to %v", u.s.PID(), grantedTo(t, dsn, e.Key()))
+					t.Fatalf("the campaign did not take the election's lock on the Client's one backend %d within 10s; pg_locks shows it granted to %v", u.core.S.PID(), grantedTo(t, dsn, e.Key()))
 				}
 			}
 			open := time.Now()
@@ -98,8 +100,8 @@ func TestElectionTermWaitKeepsOtherLocks(t *testing.T) {
 					t.Fatalf("the unrelated lock was lost %v into the campaign's wait for the %s (Err: %v); recording a term must not hold its backend past the loss deadline %v",
 						time.Since(open), tc.name, u.Err(), loss)
 				case <-tick.C:
-					if !holdsOn(t, dsn, unrelated, u.s.PID()) {
-						t.Fatalf("%v into the campaign's wait, pg_locks shows the unrelated key granted to %v, not to its backend %d", time.Since(open), grantedTo(t, dsn, unrelated), u.s.PID())
+					if !holdsOn(t, dsn, unrelated, u.core.S.PID()) {
+						t.Fatalf("%v into the campaign's wait, pg_locks shows the unrelated key granted to %v, not to its backend %d", time.Since(open), grantedTo(t, dsn, unrelated), u.core.S.PID())
 					}
 				case <-end:
 					break watching
@@ -126,7 +128,7 @@ func TestElectionTermWaitKeepsOtherLocks(t *testing.T) {
 			if recorded != int64(ld.Term()) {
 				t.Fatalf("the leaders row records term %d, want the new leader's %d", recorded, ld.Term())
 			}
-			heldOnlyBy(t, dsn, e.Key(), u.s.PID())
+			heldOnlyBy(t, dsn, e.Key(), u.core.S.PID())
 			stillHeld(t, dsn, u, "the unrelated lock")
 			if err := ld.Resign(ctx); err != nil {
 				t.Fatal(err)
@@ -181,7 +183,7 @@ func TestCampaignSharesWaitsWithLocks(t *testing.T) {
 	if took := lb.Since().Sub(resigned); took > time.Second {
 		t.Fatalf("b led %v after a resigned, want within 1 s: a campaign must not wait for the wait slot a Lock holds", took)
 	}
-	heldOnlyBy(t, dsn, eb.Key(), lb.lock.s.PID())
+	heldOnlyBy(t, dsn, eb.Key(), lb.lock.S.PID())
 	if n := waitingOn(t, dsn, held); n != 1 {
 		t.Fatalf("%d backends wait for the held key, want b's Lock still waiting", n)
 	}
@@ -245,7 +247,7 @@ func TestObserveRetriesFailedResync(t *testing.T) {
 	// The read fails: Observe says why, once.
 	select {
 	case info, ok := <-obs:
-		if !ok || info.Err == nil || sqlState(info.Err) != "42501" || info.Term != 0 {
+		if !ok || info.Err == nil || core.SqlState(info.Err) != "42501" || info.Term != 0 {
 			t.Fatalf("observed %+v (channel open: %v), want the read's error (SQLSTATE 42501)", info, ok)
 		}
 	case <-ctx.Done():
@@ -493,7 +495,7 @@ func TestCloseCancelsLeaderBeforeRelease(t *testing.T) {
 			won <- ld
 		}()
 		pgtest.Eventually(t, testTimeout, "the follower to wait for the election", func() bool {
-			return waitingOn(t, dsn, la.e.key) == 1
+			return waitingOn(t, dsn, Key{la.e.key}) == 1
 		})
 		if err := a.Close(context.Background()); err != nil {
 			t.Fatal(err)
@@ -501,9 +503,9 @@ func TestCloseCancelsLeaderBeforeRelease(t *testing.T) {
 		if cause := context.Cause(la.Context()); !errors.Is(cause, ErrClosed) {
 			t.Fatalf("round %d: the leader's context ended with %v, want ErrClosed", round, cause)
 		}
-		a.mu.Lock()
-		began := a.closedAt
-		a.mu.Unlock()
+		a.core.Mu.Lock()
+		began := a.core.ClosedAt
+		a.core.Mu.Unlock()
 		if at := la.cancelledAt(); at.IsZero() || at.After(began) {
 			t.Fatalf("round %d: the leader's context was cancelled at %v, after Close began at %v", round, at, began)
 		}
@@ -634,22 +636,22 @@ func TestCampaignPlansRecordWhileFollowing(t *testing.T) {
 		won <- lb
 	}()
 	pgtest.Eventually(t, testTimeout, "b's campaign to wait on the server", func() bool { return waitingOn(t, dsn, eb.Key()) == 1 })
-	sql := recordSQL(b.cfg)
+	sql := recordSQL(b.core.Cfg)
 	planned := func() (n int) {
-		b.mu.Lock()
-		var sessions []*Session
-		for s := range b.sessions {
+		b.core.Mu.Lock()
+		var sessions []*core.Session
+		for s := range b.core.Sessions {
 			sessions = append(sessions, s)
 		}
-		b.mu.Unlock()
+		b.core.Mu.Unlock()
 		for _, s := range sessions {
-			if s.grab(ctx) != nil {
+			if s.Grab(ctx) != nil {
 				continue
 			}
-			if s.planned[sql] {
+			if s.Planned[sql] {
 				n++
 			}
-			s.release()
+			s.Release()
 		}
 		return n
 	}
@@ -672,8 +674,8 @@ func TestCampaignPlansRecordWhileFollowing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if info.Term != lb.Term() || info.PID != lb.lock.s.PID() {
-		t.Fatalf("leaders row: term %d, pid %d; want b's term %d on its lock's backend %d", info.Term, info.PID, lb.Term(), lb.lock.s.PID())
+	if info.Term != lb.Term() || info.PID != lb.lock.S.PID() {
+		t.Fatalf("leaders row: term %d, pid %d; want b's term %d on its lock's backend %d", info.Term, info.PID, lb.Term(), lb.lock.S.PID())
 	}
 	if err := lb.Resign(ctx); err != nil {
 		t.Fatal(err)
@@ -705,9 +707,9 @@ func TestLeadershipValid(t *testing.T) {
 			ld, ok := LeadershipFromContext(lctx)
 			switch {
 			case !ok || ld.Term() != term:
-				ran <- errorf("LeadershipFromContext(fn's ctx) = %v, %v; want the term %d leadership", ld, ok, term)
+				ran <- core.Errorf("LeadershipFromContext(fn's ctx) = %v, %v; want the term %d leadership", ld, ok, term)
 			case ld.Valid() != nil:
-				ran <- errorf("Valid while leading: %w", ld.Valid())
+				ran <- core.Errorf("Valid while leading: %w", ld.Valid())
 			default:
 				ran <- nil
 			}
@@ -735,17 +737,17 @@ func TestLeadershipValid(t *testing.T) {
 	}
 	// A pause longer than the loss deadline, as the session sees it: its
 	// last answer is older than L, and nothing has run since.
-	s := ld.lock.s
-	s.state.Lock()
-	saved := s.lastOK
-	s.lastOK = time.Now().Add(-2 * time.Second)
-	s.state.Unlock()
+	s := ld.lock.S
+	s.State.Lock()
+	saved := s.LastOK
+	s.LastOK = time.Now().Add(-2 * time.Second)
+	s.State.Unlock()
 	err = ld.Valid()
-	s.state.Lock()
-	if s.lastOK.Before(saved) {
-		s.lastOK = saved
+	s.State.Lock()
+	if s.LastOK.Before(saved) {
+		s.LastOK = saved
 	}
-	s.state.Unlock()
+	s.State.Unlock()
 	if !errors.Is(err, ErrLockLost) {
 		t.Fatalf("Valid with no answer for 2 s (L = 1 s) = %v, want ErrLockLost", err)
 	}
@@ -753,7 +755,7 @@ func TestLeadershipValid(t *testing.T) {
 		t.Log("the Client's timers noticed first; Valid agreed")
 	}
 
-	terminateBackend(t, pool, ld.lock.s.PID())
+	terminateBackend(t, pool, ld.lock.S.PID())
 	pgtest.Eventually(t, testTimeout, "Valid to fail after the leader's backend was terminated", func() bool {
 		return errors.Is(ld.Valid(), ErrLockLost)
 	})

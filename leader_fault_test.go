@@ -20,6 +20,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -29,7 +31,7 @@ import (
 // the fence.
 type electionTarget struct{ name string }
 
-func (e electionTarget) key() Key       { return electionKey(DefaultSchema, e.name) }
+func (e electionTarget) key() Key       { return Key{electionKey(DefaultSchema, e.name)} }
 func (e electionTarget) String() string { return "election:" + e.name }
 
 func (e electionTarget) acquire(ctx context.Context, c *Client) (faultHold, error) {
@@ -52,7 +54,7 @@ func (e electionTarget) holders(t testing.TB, dsn string) ([]int32, int) {
 type leaderHold struct{ *Leadership }
 
 func (h leaderHold) Fence() Term                       { return h.Term() }
-func (h leaderHold) pid() int32                        { return h.lock.s.PID() }
+func (h leaderHold) pid() int32                        { return h.lock.S.PID() }
 func (h leaderHold) release(ctx context.Context) error { return h.Resign(ctx) }
 
 // childIdentity is the default identity of a candidate in the child
@@ -427,7 +429,7 @@ func watchElection(t testing.TB, dsn string, e *Election) (w *electionWatch, sto
 	ctx, cancel := context.WithCancel(context.Background())
 	w = &electionWatch{}
 	done := make(chan struct{})
-	classid, objid, _ := e.Key().lockColumns()
+	classid, objid, _ := e.Key().core.LockColumns()
 	type state struct {
 		pids      []int32
 		term      int64
@@ -727,7 +729,7 @@ func TestElectionTakeover(t *testing.T) {
 					if next.start.Before(old.end) {
 						t.Errorf("term %d started %v before term %d's context was cancelled", next.term, old.end.Sub(next.start), cur.term)
 					}
-					if d := old.end.Sub(at); d > lossNoticeBound(&config{heartbeat: beat}) {
+					if d := old.end.Sub(at); d > lossNoticeBound(&core.Config{Heartbeat: beat}) {
 						t.Errorf("term %d: context cancelled %v after its backend was terminated, want within 2H = %v", cur.term, d, 2*beat)
 					}
 					if d := next.start.Sub(at); d > loss {
@@ -894,7 +896,7 @@ func sameLeader(a, b LeaderInfo) bool {
 
 // leaderOf describes an in-process leadership as Leader would.
 func leaderOf(ld *Leadership, identity string) LeaderInfo {
-	return LeaderInfo{Identity: identity, Term: ld.Term(), Since: ld.Since(), PID: ld.lock.s.PID()}
+	return LeaderInfo{Identity: identity, Term: ld.Term(), Since: ld.Since(), PID: ld.lock.S.PID()}
 }
 
 // Observe delivers every change, in order, through a sequence of known
@@ -966,7 +968,7 @@ func TestElectionObserveSequence(t *testing.T) {
 	// that the no leader it then delivers is the new one.
 	rec.awaitLast(t, leaderOf(la2, "a"))
 
-	terminateBackend(t, pool, la2.lock.s.PID())
+	terminateBackend(t, pool, la2.lock.S.PID())
 	freed := time.Now()
 	expect(LeaderInfo{})
 	rec.deliveredWithin(t, LeaderInfo{}, freed, 2*beat, "the terminated leader's lock was freed")
@@ -1113,10 +1115,10 @@ func TestElectionConnectionUse(t *testing.T) {
 		return n
 	}
 	backendsOf := func(c *Client) []int32 {
-		c.mu.Lock()
-		defer c.mu.Unlock()
+		c.core.Mu.Lock()
+		defer c.core.Mu.Unlock()
 		var pids []int32
-		for _, b := range c.backends {
+		for _, b := range c.core.Backends {
 			pids = append(pids, b.PID())
 		}
 		return pids
@@ -1137,7 +1139,7 @@ func TestElectionConnectionUse(t *testing.T) {
 		held = map[int]int32{}
 		state := lockState(t, dsn)
 		for i := range elections {
-			for _, h := range state[electionKey(DefaultSchema, name(i))] {
+			for _, h := range state[Key{electionKey(DefaultSchema, name(i))}] {
 				if h.granted {
 					held[i] = h.pid
 				} else {
@@ -1324,7 +1326,7 @@ func TestCampaignWaitsThroughServerRestart(t *testing.T) {
 	if ld.Term() < 1 {
 		t.Fatalf("term %d after the restart, want >= 1", ld.Term())
 	}
-	heldOnlyBy(t, dsn, e.Key(), ld.lock.s.PID())
+	heldOnlyBy(t, dsn, e.Key(), ld.lock.S.PID())
 	info, err := e.Leader(ctx)
 	if err != nil || info.Term != ld.Term() {
 		t.Fatalf("Leader after the restart: %+v, %v; want term %d", info, err, ld.Term())
@@ -1435,7 +1437,7 @@ func TestRunCampaignsOnAfterPrimaryGoes(t *testing.T) {
 				t.Fatalf("term %d after the primary went, not above %d", second.term, first.term)
 			}
 			ld := leadershipOf(second.ctx)
-			heldOnlyBy(t, after, e.Key(), ld.lock.s.PID())
+			heldOnlyBy(t, after, e.Key(), ld.lock.S.PID())
 			stopRun()
 			if err := <-ran; !errors.Is(err, context.Canceled) {
 				t.Fatalf("Run after its ctx ended: %v, want context.Canceled", err)

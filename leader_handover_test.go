@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -109,7 +111,7 @@ func TestElectionHandoverAfterGuardlessLeader(t *testing.T) {
 	if t3.start.Before(old.end) {
 		t.Errorf("two leaders: term %d started %v before the guardless term %d had its context cancelled", t3.term, old.end.Sub(t3.start), t2.term)
 	}
-	if d := old.end.Sub(at2); d > lossNoticeBound(&config{heartbeat: beat}) {
+	if d := old.end.Sub(at2); d > lossNoticeBound(&core.Config{Heartbeat: beat}) {
 		t.Errorf("term %d: context cancelled %v after its backend was terminated, want within 2H = %v", t2.term, d, 2*beat)
 	}
 	t.Logf("guardless takeover after %v; next takeover %v after the guardless leader's backend was terminated (its context cancelled after %v)",
@@ -194,7 +196,7 @@ func TestElectionHandoverAfterServerRestart(t *testing.T) {
 		first = n
 	}
 	pgtest.Eventually(t, testTimeout, "the other Client waits for the lock", func() bool {
-		return waitingOn(t, dsn, electionKey(DefaultSchema, "restart")) >= 1
+		return waitingOn(t, dsn, Key{electionKey(DefaultSchema, "restart")}) >= 1
 	})
 	srv.Restart(t)
 	await("a leader after the restart", func() bool {
@@ -237,7 +239,7 @@ func TestElectionGuardlessLeaderRetakesGuard(t *testing.T) {
 	name := "retake"
 	guardKey := HashKey("pgcoord.election.guard", DefaultSchema, name)
 	squatter := pgtest.Conn(t, dsn)
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.core.V); err != nil {
 		t.Fatal(err)
 	}
 	a := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(beat))
@@ -252,7 +254,7 @@ func TestElectionGuardlessLeaderRetakesGuard(t *testing.T) {
 	if term, guarded, ended := leaderRow(t, pool, name); term != ld.Term() || guarded || ended {
 		t.Fatalf("leaders row: term %d, guarded %v, ended %v; want term %d led without the guard", term, guarded, ended, ld.Term())
 	}
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.core.V); err != nil {
 		t.Fatal(err)
 	}
 	pgtest.Eventually(t, testTimeout, "the leader takes the freed guard and records it", func() bool {
@@ -263,7 +265,7 @@ func TestElectionGuardlessLeaderRetakesGuard(t *testing.T) {
 	if guard == nil {
 		t.Fatal("the row says guarded, the leadership holds no guard")
 	}
-	heldOnlyBy(t, dsn, guardKey, guard.s.PID())
+	heldOnlyBy(t, dsn, guardKey, guard.S.PID())
 	if ld.Err() != nil || ld.Context().Err() != nil {
 		t.Fatalf("the leadership ended: %v", ld.Err())
 	}
@@ -278,7 +280,7 @@ func TestElectionGuardlessLeaderRetakesGuard(t *testing.T) {
 	// Another leader without the guard, asked to resign the moment the
 	// guard is free, before it can take it: the row says its term ended,
 	// so the waiting candidate starts at once, not a loss deadline later.
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.core.V); err != nil {
 		t.Fatal(err)
 	}
 	b := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(beat))
@@ -295,9 +297,9 @@ func TestElectionGuardlessLeaderRetakesGuard(t *testing.T) {
 		next <- ld
 	}()
 	pgtest.Eventually(t, testTimeout, "the next candidate waits for the lock", func() bool {
-		return waitingOn(t, dsn, electionKey(DefaultSchema, name)) >= 1
+		return waitingOn(t, dsn, Key{electionKey(DefaultSchema, name)}) >= 1
 	})
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.core.V); err != nil {
 		t.Fatal(err)
 	}
 	if err := a.Election(name).RequestResign(ctx); err != nil {
@@ -391,7 +393,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	heldOnlyBy(t, dsn, key, ldOld.lock.s.PID())
+	heldOnlyBy(t, dsn, Key{key}, ldOld.lock.S.PID())
 
 	quick := []Option{WithLossDeadline(time.Second), WithHeartbeat(100 * time.Millisecond)}
 	first := newTestClient(t, dsn, quick...)
@@ -400,7 +402,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterRestart(t *testing.T) {
 	defer giveUp()
 	firstCh := goCampaign(firstCtx, first.Election(name))
 	pgtest.Eventually(t, testTimeout, "the first candidate waits for the lock", func() bool {
-		return waitingOn(t, dsn, key) >= 1
+		return waitingOn(t, dsn, Key{key}) >= 1
 	})
 
 	proxy.Blackhole()
@@ -416,7 +418,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterRestart(t *testing.T) {
 	}
 	secondCh := goCampaign(ctx, second.Election(name))
 	pgtest.Eventually(t, testTimeout, "the second candidate waits for the lock", func() bool {
-		return waitingOn(t, dsn, key) >= 1
+		return waitingOn(t, dsn, Key{key}) >= 1
 	})
 	giveUp()
 	if r := receiveCampaign(t, firstCh, "first"); r.err == nil {
@@ -427,7 +429,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterRestart(t *testing.T) {
 		t.Fatal(r.err)
 	}
 	oldLive := ldOld.Context().Err() == nil
-	heldOnlyBy(t, dsn, key, r.ld.lock.s.PID())
+	heldOnlyBy(t, dsn, Key{key}, r.ld.lock.S.PID())
 	oldEnd := awaitLeadershipEnd(t, ldOld)
 	t.Logf("restart; second candidate led %v after it (term %d); the old leader's context was cancelled %v after it",
 		r.at.Sub(restarted).Round(time.Millisecond), r.ld.Term(), oldEnd.Sub(restarted).Round(time.Millisecond))
@@ -461,7 +463,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterGuardless(t *testing.T) {
 	key := electionKey(DefaultSchema, name)
 	guardKey := HashKey("pgcoord.election.guard", DefaultSchema, name)
 	squatter := pgtest.Conn(t, dsn)
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.core.V); err != nil {
 		t.Fatal(err)
 	}
 	const oldLoss, oldBeat = 4 * time.Second, time.Second
@@ -481,14 +483,14 @@ func TestElectionHandoverWaitOutlivesWinnerAfterGuardless(t *testing.T) {
 	defer giveUp()
 	firstCh := goCampaign(firstCtx, first.Election(name))
 	pgtest.Eventually(t, testTimeout, "the first candidate waits for the lock", func() bool {
-		return waitingOn(t, dsn, key) >= 1
+		return waitingOn(t, dsn, Key{key}) >= 1
 	})
 
 	proxy.Blackhole()
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.core.V); err != nil {
 		t.Fatal(err)
 	}
-	at := terminateBackend(t, admin, ldOld.lock.s.PID())
+	at := terminateBackend(t, admin, ldOld.lock.S.PID())
 	pgtest.Eventually(t, testTimeout, "the first candidate wins and records its term", func() bool {
 		return rowTerm(ctx, admin, DefaultSchema, name) > ldOld.Term()
 	})
@@ -499,7 +501,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterGuardless(t *testing.T) {
 	}
 	secondCh := goCampaign(ctx, second.Election(name))
 	pgtest.Eventually(t, testTimeout, "the second candidate waits for the lock", func() bool {
-		return waitingOn(t, dsn, key) >= 1
+		return waitingOn(t, dsn, Key{key}) >= 1
 	})
 	giveUp()
 	if r := receiveCampaign(t, firstCh, "first"); r.err == nil {
@@ -510,7 +512,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterGuardless(t *testing.T) {
 		t.Fatal(r.err)
 	}
 	oldLive := ldOld.Context().Err() == nil
-	heldOnlyBy(t, dsn, key, r.ld.lock.s.PID())
+	heldOnlyBy(t, dsn, Key{key}, r.ld.lock.S.PID())
 	oldEnd := awaitLeadershipEnd(t, ldOld)
 	if !errors.Is(ldOld.Err(), ErrLockLost) {
 		t.Errorf("guardless leader ended with %v, want ErrLockLost", ldOld.Err())
@@ -549,13 +551,13 @@ func TestElectionBothConnectionsLostApartIsBounded(t *testing.T) {
 	}
 	next := goCampaign(ctx, b.Election(name))
 	pgtest.Eventually(t, testTimeout, "the other candidate waits for the lock", func() bool {
-		return waitingOn(t, dsn, key) >= 1
+		return waitingOn(t, dsn, Key{key}) >= 1
 	})
 	guard := old.guardLock()
 	if guard == nil {
 		t.Fatal("the first leader holds no guard")
 	}
-	guardPID, lockPID := guard.s.PID(), old.lock.s.PID()
+	guardPID, lockPID := guard.S.PID(), old.lock.S.PID()
 
 	// Terminate the guard backend right after its heartbeat, so that the
 	// old leader's next look at it is a heartbeat interval away.
@@ -581,8 +583,8 @@ func TestElectionBothConnectionsLostApartIsBounded(t *testing.T) {
 	if r.ld.Term() <= old.Term() {
 		t.Fatalf("new term %d, old %d", r.ld.Term(), old.Term())
 	}
-	heldOnlyBy(t, dsn, key, r.ld.lock.s.PID())
-	if d := cancelled.Sub(first); d > lossNoticeBound(&config{heartbeat: beat}) {
+	heldOnlyBy(t, dsn, Key{key}, r.ld.lock.S.PID())
+	if d := cancelled.Sub(first); d > lossNoticeBound(&core.Config{Heartbeat: beat}) {
 		t.Errorf("the old leader's context was cancelled %v after its guard connection was lost, want within 2H = %v", d.Round(time.Millisecond), 2*beat)
 	}
 	tx, err := pool.Begin(ctx)
@@ -590,7 +592,7 @@ func TestElectionBothConnectionsLostApartIsBounded(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
-	if err := CheckFence(ctx, tx, key, old.Term()); !errors.Is(err, ErrStaleFence) {
+	if err := CheckFence(ctx, tx, Key{key}, old.Term()); !errors.Is(err, ErrStaleFence) {
 		t.Errorf("CheckFence with the old term %d: %v, want ErrStaleFence", old.Term(), err)
 	}
 	t.Logf("new leader %v after the lock connection was lost; old leader's context cancelled %v after the guard's (overlap %v)",
@@ -606,10 +608,10 @@ func guardlessHandover(t *testing.T, dsn, name string) (y *Client, next <-chan c
 	t.Helper()
 	ctx := testCtx(t)
 	pool := pgtest.Pool(t, dsn)
-	key = electionKey(DefaultSchema, name)
+	key = Key{electionKey(DefaultSchema, name)}
 	guardKey = HashKey("pgcoord.election.guard", DefaultSchema, name)
 	squatter := pgtest.Conn(t, dsn)
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.core.V); err != nil {
 		t.Fatal(err)
 	}
 	x := newTestClient(t, dsn, WithLossDeadline(time.Second), WithHeartbeat(100*time.Millisecond))
@@ -629,13 +631,13 @@ func guardlessHandover(t *testing.T, dsn, name string) (y *Client, next <-chan c
 	pgtest.Eventually(t, testTimeout, "the candidate waits for the lock", func() bool {
 		return waitingOn(t, dsn, key) >= 1
 	})
-	terminateBackend(t, pool, old.lock.s.PID())
+	terminateBackend(t, pool, old.lock.S.PID())
 	pgtest.Eventually(t, testTimeout, "the candidate records its term", func() bool {
 		return rowTerm(ctx, pool, DefaultSchema, name) > old.Term()
 	})
 	awaitLeadershipEnd(t, old)
 	// The guard is free now: the candidate takes it and waits on.
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.core.V); err != nil {
 		t.Fatal(err)
 	}
 	pgtest.Eventually(t, testTimeout, "the candidate takes the guard", func() bool {
@@ -757,10 +759,10 @@ func TestElectionCandidateThatLostItsLockWhileWaitingForTheGuardNeverLeadsThatTe
 	a := newTestClient(t, dsn, WithLossDeadline(20*time.Second), WithHeartbeat(10*time.Second))
 	aNext := goCampaign(ctx, a.Election(name))
 	pgtest.Eventually(t, testTimeout, "the first candidate records its term and waits for the guard", func() bool {
-		return rowTerm(ctx, pool, DefaultSchema, name) > 0 && len(grantedTo(t, dsn, key)) == 1 && waitingOn(t, dsn, guardKey) >= 1
+		return rowTerm(ctx, pool, DefaultSchema, name) > 0 && len(grantedTo(t, dsn, Key{key})) == 1 && waitingOn(t, dsn, guardKey) >= 1
 	})
 	lost := rowTerm(ctx, pool, DefaultSchema, name)
-	terminateBackend(t, pool, grantedTo(t, dsn, key)[0])
+	terminateBackend(t, pool, grantedTo(t, dsn, Key{key})[0])
 
 	b := newTestClient(t, dsn, WithLossDeadline(time.Second), WithHeartbeat(100*time.Millisecond))
 	bNext := goCampaign(ctx, b.Election(name))
@@ -806,7 +808,7 @@ func TestElectionCandidateThatLostItsLockWhileWaitingForTheGuardNeverLeadsThatTe
 	if err := ra.ld.Resign(ctx); err != nil {
 		t.Fatal(err)
 	}
-	notHeld(t, dsn, key)
+	notHeld(t, dsn, Key{key})
 }
 
 func termOf(r campaignResult) any {
@@ -823,12 +825,12 @@ func holdGuard(t *testing.T, dsn, name string) (guardKey Key, free func()) {
 	ctx := testCtx(t)
 	guardKey = HashKey("pgcoord.election.guard", DefaultSchema, name)
 	squatter := pgtest.Conn(t, dsn)
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.v); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.core.V); err != nil {
 		t.Fatal(err)
 	}
 	return guardKey, func() {
 		t.Helper()
-		if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.v); err != nil {
+		if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.core.V); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 )
 
@@ -33,11 +35,11 @@ import (
 // Migrate, and query errors.
 func (e *Election) Leader(ctx context.Context) (LeaderInfo, error) {
 	if ctx == nil {
-		return LeaderInfo{}, errorf("leader election %q: ctx is nil", e.name)
+		return LeaderInfo{}, core.Errorf("leader election %q: ctx is nil", e.name)
 	}
 	info, err := e.leader(ctx)
 	if err != nil {
-		return LeaderInfo{}, errorf("leader election %q: %w", e.name, err)
+		return LeaderInfo{}, core.Errorf("leader election %q: %w", e.name, err)
 	}
 	return info, nil
 }
@@ -47,14 +49,14 @@ func (e *Election) leader(ctx context.Context) (LeaderInfo, error) {
 	if e.err != nil {
 		return LeaderInfo{}, e.err
 	}
-	if err := e.c.refuseClosed(); err != nil {
+	if err := e.c.core.RefuseClosed(); err != nil {
 		return LeaderInfo{}, err
 	}
-	classid, objid, _ := e.key.lockColumns()
+	classid, objid, _ := e.key.LockColumns()
 	var info LeaderInfo
 	var term int64
-	err := e.c.onPool(ctx, func(b *pgx.Batch) {
-		b.Queue(`SELECT l.identity, l.term, l.since, l.pid FROM `+e.c.cfg.table("leaders")+` AS l
+	err := e.c.core.OnPool(ctx, func(b *pgx.Batch) {
+		b.Queue(`SELECT l.identity, l.term, l.since, l.pid FROM `+e.c.core.Cfg.Table("leaders")+` AS l
 			WHERE l.name = $1 AND EXISTS (SELECT 1 FROM pg_locks AS k
 				WHERE k.locktype = 'advisory' AND k.granted AND k.pid = l.pid
 				AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
@@ -68,7 +70,7 @@ func (e *Election) leader(ctx context.Context) (LeaderInfo, error) {
 	case errors.Is(err, pgx.ErrNoRows):
 		return LeaderInfo{}, ErrNoLeader
 	case err != nil:
-		return LeaderInfo{}, notMigrated(e.c.cfg, "read the leaders row", err)
+		return LeaderInfo{}, core.NotMigrated(e.c.core.Cfg, "read the leaders row", err)
 	}
 	return info, nil
 }
@@ -97,13 +99,13 @@ func (e *Election) leader(ctx context.Context) (LeaderInfo, error) {
 func (e *Election) Observe(ctx context.Context) <-chan LeaderInfo {
 	err := e.err
 	if err == nil && ctx == nil {
-		err = errorf("ctx is nil")
+		err = core.Errorf("ctx is nil")
 	}
 	if err == nil {
-		err = e.c.enter()
+		err = e.c.core.Enter()
 	}
 	if err != nil {
-		err = errorf("observe election %q: %w", e.name, err)
+		err = core.Errorf("observe election %q: %w", e.name, err)
 		out := make(chan LeaderInfo, 1)
 		out <- LeaderInfo{Err: err}
 		close(out)
@@ -111,15 +113,15 @@ func (e *Election) Observe(ctx context.Context) <-chan LeaderInfo {
 	}
 	sub, err := e.c.subscribe(leaderChannel, e.prefix)
 	if err != nil {
-		e.c.wg.Done()
+		e.c.core.Wg.Done()
 		out := make(chan LeaderInfo, 1)
-		out <- LeaderInfo{Err: errorf("observe election %q: %w", e.name, err)}
+		out <- LeaderInfo{Err: core.Errorf("observe election %q: %w", e.name, err)}
 		close(out)
 		return out
 	}
 	out := make(chan LeaderInfo)
 	go func() {
-		defer e.c.wg.Done()
+		defer e.c.core.Wg.Done()
 		defer close(out)
 		defer sub.close()
 		e.observe(ctx, sub, out)
@@ -138,14 +140,14 @@ type observer struct {
 
 func (e *Election) observe(ctx context.Context, sub *subscription, out chan<- LeaderInfo) {
 	var o observer
-	tick := time.NewTicker(e.c.cfg.heartbeat)
+	tick := time.NewTicker(e.c.core.Cfg.Heartbeat)
 	defer tick.Stop()
 	// Reads end with ctx or with the Client's closing, whichever comes
 	// first, and each within the loss deadline (a pool with no free
 	// connection must not hold Observe, or Close, for longer).
 	qctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	defer context.AfterFunc(e.c.closing, cancel)()
+	defer context.AfterFunc(e.c.core.Closing, cancel)()
 	// resync: notifications may have been lost since the last read that
 	// succeeded, so the next read takes the leader it finds. It stays set
 	// until a read succeeds.
@@ -153,7 +155,7 @@ func (e *Election) observe(ctx context.Context, sub *subscription, out chan<- Le
 	failed := "" // the error of the last read, if it failed
 	check := func(lost bool) {
 		resync = resync || lost
-		rctx, cancel := context.WithTimeout(qctx, e.c.cfg.lossDeadline)
+		rctx, cancel := context.WithTimeout(qctx, e.c.core.Cfg.LossDeadline)
 		info, err := e.Leader(rctx)
 		cancel()
 		switch {
@@ -170,7 +172,7 @@ func (e *Election) observe(ctx context.Context, sub *subscription, out chan<- Le
 			resync = false
 		case qctx.Err() == nil && err.Error() != failed:
 			failed = err.Error() // reported and logged once while it lasts
-			e.c.cfg.warnLogger().Warn("pgcoord: observe: read the leader; trying again every heartbeat", "election", e.name, "error", err)
+			e.c.core.Cfg.WarnLogger().Warn("pgcoord: observe: read the leader; trying again every heartbeat", "election", e.name, "error", err)
 			o.fail(err)
 			return
 		}
@@ -196,7 +198,7 @@ func (e *Election) observe(ctx context.Context, sub *subscription, out chan<- Le
 			}
 		case <-ctx.Done():
 			return
-		case <-e.c.closing.Done():
+		case <-e.c.core.Closing.Done():
 			return
 		}
 	}

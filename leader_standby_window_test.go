@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -79,7 +81,7 @@ func TestCampaignOnStandbyLeadsOncePromoted(t *testing.T) {
 	if ld.Term() <= t0 {
 		t.Fatalf("term %d on the promoted standby, want above %d from the old primary", ld.Term(), t0)
 	}
-	heldOnlyBy(t, sdsn, e.Key(), ld.lock.s.PID())
+	heldOnlyBy(t, sdsn, e.Key(), ld.lock.S.PID())
 	var recorded int64
 	if err := pgtest.Conn(t, sdsn).QueryRow(ctx, "SELECT term FROM pgcoord.leaders WHERE name = $1", e.Name()).Scan(&recorded); err != nil {
 		t.Fatal(err)
@@ -132,7 +134,7 @@ func TestCloseEndsCampaignAndRunWaitingForServer(t *testing.T) {
 			t.Fatalf("Run returned (%v) while the server was down", err)
 		default:
 		}
-		return c.Stat().QueuedWaits >= 1 && time.Since(waiting) > 3*maxRetryInterval
+		return c.Stat().QueuedWaits >= 1 && time.Since(waiting) > 3*core.MaxRetryInterval
 	}) {
 		t.Fatalf("the campaigns did not retry their connections while the server was down: %+v", c.Stat())
 	}

@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 )
 
@@ -61,24 +63,24 @@ type errAskedWhileWaiting struct{ term Term }
 var errLostWhileWinning = errors.New("pgcoord: leadership lock lost while winning")
 
 // wait takes the election's lock, in rounds.
-func (e *Election) wait(ctx context.Context) (*Lock, error) {
+func (e *Election) wait(ctx context.Context) (*core.Lock, error) {
 	var last error // the last round's error that says the server could not be used
 	for {
 		round, cancel := context.WithTimeout(ctx, e.campaignRound())
-		l, err := e.c.Lock(round, e.key, withPrepared(e.recordStatement()), withoutHooks())
+		l, err := e.c.core.Lock(round, e.key, core.WithPrepared(e.recordStatement()), core.WithoutHooks())
 		// The round ended if its deadline passed: by round.Err(), read
 		// before cancel (which ends it too), or by the clock a moment
 		// before round.Err() reports it.
 		ended := round.Err() != nil || errors.Is(err, context.DeadlineExceeded)
 		cancel()
-		if err != nil && (connectionTrouble(err) || errors.Is(err, ErrReadOnly) || errors.Is(err, ErrTooManyConnections)) {
+		if err != nil && (core.ConnectionTrouble(err) || errors.Is(err, ErrReadOnly) || errors.Is(err, ErrTooManyConnections)) {
 			last = err
 		}
 		switch {
 		case err == nil:
 			return l, nil
 		case ctx.Err() != nil && last != nil:
-			return nil, withLastConnErr(context.Cause(ctx), last)
+			return nil, core.WithLastConnErr(context.Cause(ctx), last)
 		case ctx.Err() != nil:
 			return nil, context.Cause(ctx)
 		case ended && !errors.Is(err, ErrClosed):
@@ -92,10 +94,10 @@ func (e *Election) wait(ctx context.Context) (*Lock, error) {
 // lead turns a held election lock, won at won, into a leadership: guard,
 // row, notice, and the wait for a predecessor that may still live without
 // a guard to show it (see handover).
-func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscription) (*Leadership, error) {
+func (e *Election) lead(ctx context.Context, l *core.Lock, won time.Time, sub *subscription) (*Leadership, error) {
 	c := e.c
-	fail := func(g *Lock, err error) (*Leadership, error) {
-		rctx, cancel := withoutCancel(ctx, c.cfg.lossDeadline)
+	fail := func(g *core.Lock, err error) (*Leadership, error) {
+		rctx, cancel := core.WithoutCancel(ctx, c.core.Cfg.LossDeadline)
 		defer cancel()
 		if g != nil {
 			_ = g.Unlock(rctx)
@@ -105,7 +107,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 	}
 	// Take the guard, and meanwhile issue the term and record the leader
 	// on the lock's backend: fn starts only once both are done.
-	var g *Lock
+	var g *core.Lock
 	var gerr error
 	guarded := make(chan struct{})
 	go func() {
@@ -125,11 +127,11 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 	}
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		return fail(g, errorf("term %d is not newer than the recorded leader's: the fences table was reset or restored while the leaders table was not; delete the election's row in leaders to continue", term))
+		return fail(g, core.Errorf("term %d is not newer than the recorded leader's: the fences table was reset or restored while the leaders table was not; delete the election's row in leaders to continue", term))
 	case err != nil && l.Err() != nil:
 		return fail(g, errLostWhileWinning)
 	case err != nil:
-		return fail(g, notMigrated(c.cfg, "record leader", err))
+		return fail(g, core.NotMigrated(c.core.Cfg, "record leader", err))
 	}
 	if g == nil {
 		// The guard wait covered this Client's loss deadline since the
@@ -146,7 +148,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 			if l.Err() != nil {
 				return fail(g, errLostWhileWinning)
 			}
-			return fail(g, notMigrated(c.cfg, "record leading without the guard", err))
+			return fail(g, core.NotMigrated(c.core.Cfg, "record leading without the guard", err))
 		}
 	}
 	if wait := time.Until(until); wait > 0 {
@@ -154,7 +156,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 		// without the guard, or a restart or failover ended its term. Its
 		// context is cancelled at the latest its loss deadline after it
 		// lost the lock, which was before this candidate won it.
-		c.cfg.warnLogger().Warn("pgcoord: the previous leader may not know yet that it lost; waiting out its loss deadline before leading",
+		c.core.Cfg.WarnLogger().Warn("pgcoord: the previous leader may not know yet that it lost; waiting out its loss deadline before leading",
 			"election", e.name, "wait", wait)
 		// A request to resign this term, which Leader may already
 		// report, is honoured during the wait: the candidate gives up,
@@ -197,7 +199,7 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 		// guard is held, proves that the backend still holds the lock, so
 		// that no successor has won it since this candidate did; from here
 		// on a successor also needs this guard.
-		if err := l.s.prove(ctx, "election "+strconv.Quote(e.name)); err != nil {
+		if err := l.S.Prove(ctx, "election "+strconv.Quote(e.name)); err != nil {
 			if ctx.Err() != nil {
 				return fail(g, context.Cause(ctx))
 			}
@@ -213,10 +215,10 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 		done:    make(chan struct{}),
 		stamped: make(chan struct{}),
 	}
-	ld.ctx, ld.cancel = context.WithCancelCause(context.WithValue(leaderParent{c.closing, ctx}, leadershipKey{}, ld))
+	ld.ctx, ld.cancel = context.WithCancelCause(context.WithValue(leaderParent{c.core.Closing, ctx}, leadershipKey{}, ld))
 	c.events.leadership(LeadershipEvent{Election: e.name, Identity: e.identity, Term: term, Leading: true})
-	c.cfg.infoLogger().Info("pgcoord: leading", "election", e.name, "identity", e.identity, "term", int64(term))
-	c.wg.Add(1)
+	c.core.Cfg.InfoLogger().Info("pgcoord: leading", "election", e.name, "identity", e.identity, "term", int64(term))
+	c.core.Wg.Add(1)
 	go ld.watch()
 	return ld, nil
 }
@@ -243,20 +245,20 @@ func (e *Election) lead(ctx context.Context, l *Lock, won time.Time, sub *subscr
 // where the transaction's deadlock check could find a cycle through that
 // backend (see Client.blockAway). recordAwaySQL then waits for the rows
 // elsewhere.
-func recordSQL(c *config) string { return recordSQLFor(c, false) }
+func recordSQL(c *core.Config) string { return recordSQLFor(c, false) }
 
 // recordAwaySQL is recordSQL run on a backend of the Client's that holds
 // nothing, while the election's lock is held on another ($6): it waits for
 // the rows, and records the term only if that backend still holds the
 // election's lock when it starts (pg_locks); otherwise it returns no row.
-func recordAwaySQL(c *config) string { return recordSQLFor(c, true) }
+func recordAwaySQL(c *core.Config) string { return recordSQLFor(c, true) }
 
-func recordSQLFor(c *config, away bool) string {
+func recordSQLFor(c *core.Config, away bool) string {
 	holder, lockRows, probe := 0, "", ""
 	if away {
 		holder = 6
 	} else {
-		lockRows = `lk AS (SELECT count(*) AS n FROM (SELECT FROM ` + c.table("leaders") + ` AS r
+		lockRows = `lk AS (SELECT count(*) AS n FROM (SELECT FROM ` + c.Table("leaders") + ` AS r
 				WHERE r.name = $3 FOR UPDATE NOWAIT) AS r),
 		`
 		probe = " CROSS JOIN lk"
@@ -269,10 +271,10 @@ func recordSQLFor(c *config, away bool) string {
 				CASE WHEN NOT p.ended THEN GREATEST(p.not_before,
 					CASE WHEN NOT p.guarded OR p.server_start <> pg_catalog.pg_postmaster_start_time()
 						THEN now() + GREATEST(p.loss_deadline_ms, $8::int8) * interval '1 millisecond' END) END AS not_before
-			FROM (SELECT) AS one` + probe + ` LEFT JOIN ` + c.table("leaders") + ` AS p ON p.name = $3),
-		fence AS (` + issueFenceSQL(c, 9, holder, "h", !away) + `),
+			FROM (SELECT) AS one` + probe + ` LEFT JOIN ` + c.Table("leaders") + ` AS p ON p.name = $3),
+		fence AS (` + core.IssueFenceSQL(c, 9, holder, "h", !away) + `),
 		won AS (
-			INSERT INTO ` + c.table("leaders") + ` AS l (name, lock_key, identity, term, since, pid, guarded, server_start, ended, loss_deadline_ms, not_before)
+			INSERT INTO ` + c.Table("leaders") + ` AS l (name, lock_key, identity, term, since, pid, guarded, server_start, ended, loss_deadline_ms, not_before)
 			SELECT $3, $4, $5, fence.fence, now(), $6, true, pg_catalog.pg_postmaster_start_time(), false, h.loss, h.not_before FROM fence, h
 			ON CONFLICT (name) DO UPDATE SET lock_key = EXCLUDED.lock_key, identity = EXCLUDED.identity,
 				term = EXCLUDED.term, since = EXCLUDED.since, pid = EXCLUDED.pid,
@@ -291,9 +293,9 @@ func recordSQLFor(c *config, away bool) string {
 // recordArgs returns the arguments of recordSQL for a new leader whose
 // election lock is held by backend pid.
 func (e *Election) recordArgs(pid int32) []any {
-	space, fkey := fenceRow(e.key)
+	space, fkey := core.FenceRow(e.key)
 	k, _ := e.key.Int64()
-	return []any{space, fkey, e.name, k, e.identity, pid, leaderChannel, e.c.cfg.lossDeadline.Milliseconds(), ""}
+	return []any{space, fkey, e.name, k, e.identity, pid, leaderChannel, e.c.core.Cfg.LossDeadline.Milliseconds(), ""}
 }
 
 // recordStatement is recordSQL as the campaign's acquire prepares it on the
@@ -301,8 +303,8 @@ func (e *Election) recordArgs(pid int32) []any {
 // so that a takeover's record does not begin with the backend reading the
 // leaders and fences tables' metadata (about half of that statement's time
 // on a connection's first run).
-func (e *Election) recordStatement() preparedStatement {
-	return preparedStatement{sql: recordSQL(e.c.cfg), plan: e.recordArgs(0)}
+func (e *Election) recordStatement() core.PreparedStatement {
+	return core.PreparedStatement{Sql: recordSQL(e.c.core.Cfg), Plan: e.recordArgs(0)}
 }
 
 // record runs recordSQL, which the campaign's acquire prepared, on the
@@ -311,7 +313,7 @@ func (e *Election) recordStatement() preparedStatement {
 // longest loss deadline of the leaders since the last clean end (see
 // handover). It returns pgx.ErrNoRows, with the fence issued, when the
 // leaders table holds a newer term.
-func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, time.Duration, time.Duration, error) {
+func (e *Election) record(ctx context.Context, l *core.Lock) (Term, time.Time, time.Duration, time.Duration, error) {
 	c := e.c
 	var term, waitMS, loss int64
 	var since *time.Time
@@ -330,25 +332,25 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, time.D
 	run := func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 		return conn.QueryRow(ctx, sql, args...).Scan(&term, &since, new(bool), &waitMS, &loss)
 	}
-	err := c.blockAway(ctx, l.s, blockingStatement{
-		sql:     recordSQL(c.cfg),
-		args:    e.recordArgs(l.s.pid),
-		locks:   2, // the fences row, then the leaders row
-		run:     run,
-		quick:   true,
-		durable: true,
-	}, blockingStatement{
-		sql:   recordAwaySQL(c.cfg),
-		args:  e.recordArgs(l.s.pid),
-		locks: 2,
-		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+	err := c.core.BlockAway(ctx, l.S, core.BlockingStatement{
+		Sql:     recordSQL(c.core.Cfg),
+		Args:    e.recordArgs(l.S.Pid),
+		Locks:   2, // the fences row, then the leaders row
+		Run:     run,
+		Quick:   true,
+		Durable: true,
+	}, core.BlockingStatement{
+		Sql:   recordAwaySQL(c.core.Cfg),
+		Args:  e.recordArgs(l.S.Pid),
+		Locks: 2,
+		Run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 			err := run(ctx, conn, sql, args)
 			if errors.Is(err, pgx.ErrNoRows) {
-				err = errorf("%w: backend %d no longer holds %s", ErrLockLost, l.s.pid, e.key)
+				err = core.Errorf("%w: backend %d no longer holds %s", ErrLockLost, l.S.Pid, e.key)
 			}
 			return err
 		},
-		durable: true,
+		Durable: true,
 	})
 	if err != nil {
 		return Term(term), time.Time{}, 0, 0, err
@@ -364,20 +366,20 @@ func (e *Election) record(ctx context.Context, l *Lock) (Term, time.Time, time.D
 // backend held the lock when the change committed, and notifies notice to
 // observers, unless it is empty. Like record, it waits for the row in
 // slices. It returns an error if the row holds another term.
-func (e *Election) mark(ctx context.Context, l *Lock, term Term, set, notice string) error {
+func (e *Election) mark(ctx context.Context, l *core.Lock, term Term, set, notice string) error {
 	var n int64
-	err := l.s.block(ctx, blockingStatement{
-		sql: `WITH t AS (SELECT pg_catalog.set_config('lock_timeout', $5, true)),
-			u AS (UPDATE ` + e.c.cfg.table("leaders") + ` AS l SET ` + set + ` FROM t WHERE l.name = $1 AND l.term = $2 RETURNING 1)
+	err := l.S.Block(ctx, core.BlockingStatement{
+		Sql: `WITH t AS (SELECT pg_catalog.set_config('lock_timeout', $5, true)),
+			u AS (UPDATE ` + e.c.core.Cfg.Table("leaders") + ` AS l SET ` + set + ` FROM t WHERE l.name = $1 AND l.term = $2 RETURNING 1)
 			SELECT count(*), bool_or(CASE WHEN $4 <> '' THEN pg_catalog.pg_notify($3, $4) END IS NULL) FROM u`,
-		args: []any{e.name, int64(term), leaderChannel, notice, ""},
-		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+		Args: []any{e.name, int64(term), leaderChannel, notice, ""},
+		Run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 			return conn.QueryRow(ctx, sql, args...).Scan(&n, new(*bool))
 		},
-		quick: true,
+		Quick: true,
 	})
 	if err == nil && n != 1 {
-		err = errorf("the leaders row of election %q no longer holds term %d", e.name, term)
+		err = core.Errorf("the leaders row of election %q no longer holds term %d", e.name, term)
 	}
 	return err
 }
@@ -398,14 +400,14 @@ func (e *Election) mark(ctx context.Context, l *Lock, term Term, set, notice str
 // guard that is slow to come must not hold up another's for longer than a
 // slice. Slices that short also end before the server would look for a
 // deadlock between two Clients that take over from each other at once.
-func (e *Election) takeGuard(ctx context.Context, lockLost <-chan struct{}) (*Lock, error) {
+func (e *Election) takeGuard(ctx context.Context, lockLost <-chan struct{}) (*core.Lock, error) {
 	c := e.c
-	deadline := time.Now().Add(c.cfg.lossDeadline)
-	retry := minRetryInterval
+	deadline := time.Now().Add(c.core.Cfg.LossDeadline)
+	retry := core.MinRetryInterval
 	var err error
 	for lost := false; ; {
-		var s *Session
-		var g *Lock
+		var s *core.Session
+		var g *core.Lock
 		s, err = c.guardSession(ctx)
 		if err == nil {
 			err = ErrLocked // not tried yet: the first slice returns at once if the guard is free
@@ -413,12 +415,12 @@ func (e *Election) takeGuard(ctx context.Context, lockLost <-chan struct{}) (*Lo
 		for errors.Is(err, ErrLocked) || errors.Is(err, ErrDeadlock) {
 			left := time.Until(deadline)
 			if left <= 0 {
-				c.cfg.warnLogger().Warn("pgcoord: the previous leader did not free the election's guard within the loss deadline; leading without it",
-					"election", e.name, "loss_deadline", c.cfg.lossDeadline)
+				c.core.Cfg.WarnLogger().Warn("pgcoord: the previous leader did not free the election's guard within the loss deadline; leading without it",
+					"election", e.name, "loss_deadline", c.core.Cfg.LossDeadline)
 				return nil, nil
 			}
 			sctx, cancel := context.WithTimeout(ctx, min(guardSlice, left))
-			g, err = s.Lock(sctx, e.guard, withoutHooks())
+			g, err = s.Lock(sctx, e.guard, core.WithoutHooks())
 			// The slice's deadline may have passed by the clock a moment
 			// before sctx reports it.
 			if err != nil && ctx.Err() == nil && (sctx.Err() != nil || errors.Is(err, context.DeadlineExceeded)) {
@@ -430,21 +432,21 @@ func (e *Election) takeGuard(ctx context.Context, lockLost <-chan struct{}) (*Lo
 		case err == nil:
 			return g, nil
 		case ctx.Err() != nil:
-			return nil, errorf("take guard: %w", context.Cause(ctx))
-		case !connectionTrouble(err) || errors.Is(err, ErrClosed):
-			return nil, errorf("take guard: %w", err)
+			return nil, core.Errorf("take guard: %w", context.Cause(ctx))
+		case !core.ConnectionTrouble(err) || errors.Is(err, ErrClosed):
+			return nil, core.Errorf("take guard: %w", err)
 		}
 		// The guard session was lost (a new one is opened at once, the
 		// first time), or cannot be opened now: open another, at growing
 		// intervals, within the guard's deadline.
-		if errorIsLoss(err) && !lost {
+		if core.ErrorIsLoss(err) && !lost {
 			lost = true
 			continue
 		}
 		left := time.Until(deadline)
 		if left <= 0 {
-			c.cfg.warnLogger().Warn("pgcoord: the election's guard could not be taken within the loss deadline; leading without it",
-				"election", e.name, "loss_deadline", c.cfg.lossDeadline, "error", err)
+			c.core.Cfg.WarnLogger().Warn("pgcoord: the election's guard could not be taken within the loss deadline; leading without it",
+				"election", e.name, "loss_deadline", c.core.Cfg.LossDeadline, "error", err)
 			return nil, nil
 		}
 		t := time.NewTimer(min(retry, left))
@@ -455,9 +457,9 @@ func (e *Election) takeGuard(ctx context.Context, lockLost <-chan struct{}) (*Lo
 			return nil, errLostWhileWinning
 		case <-ctx.Done():
 			t.Stop()
-			return nil, errorf("take guard: %w", context.Cause(ctx))
+			return nil, core.Errorf("take guard: %w", context.Cause(ctx))
 		}
-		retry = min(2*retry, maxRetryInterval)
+		retry = min(2*retry, core.MaxRetryInterval)
 	}
 }
 
@@ -466,13 +468,13 @@ func (e *Election) takeGuard(ctx context.Context, lockLost <-chan struct{}) (*Lo
 const guardSlice = 20 * time.Millisecond
 
 // guardSession returns the Client's guard session, opening it if needed.
-func (c *Client) guardSession(ctx context.Context) (*Session, error) {
+func (c *Client) guardSession(ctx context.Context) (*core.Session, error) {
 	c.guardMu.Lock()
 	defer c.guardMu.Unlock()
 	if c.guard != nil && c.guard.Err() == nil {
 		return c.guard, nil
 	}
-	s, err := c.openSession(ctx)
+	s, err := c.core.OpenSession(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -481,7 +483,7 @@ func (c *Client) guardSession(ctx context.Context) (*Session, error) {
 }
 
 // guardLock returns the leadership's guard, nil while it leads without.
-func (ld *Leadership) guardLock() *Lock {
+func (ld *Leadership) guardLock() *core.Lock {
 	ld.mu.Lock()
 	defer ld.mu.Unlock()
 	return ld.guard
@@ -490,20 +492,20 @@ func (ld *Leadership) guardLock() *Lock {
 // retakeGuard tries, once and without waiting, to take the guard that a
 // leader that started without it lacks, and records in the leaders row
 // that it holds it (see handover). It returns the guard, or nil.
-func (ld *Leadership) retakeGuard() *Lock {
+func (ld *Leadership) retakeGuard() *core.Lock {
 	e := ld.e
-	ctx, cancel := context.WithTimeout(ld.ctx, e.c.cfg.heartbeat)
+	ctx, cancel := context.WithTimeout(ld.ctx, e.c.core.Cfg.Heartbeat)
 	defer cancel()
 	s, err := e.c.guardSession(ctx)
 	if err != nil {
 		return nil
 	}
-	g, err := s.TryLock(ctx, e.guard, withoutHooks())
+	g, err := s.TryLock(ctx, e.guard, core.WithoutHooks())
 	if err != nil {
 		return nil
 	}
 	if err := e.mark(ctx, ld.lock, ld.term, "guarded = true", ""); err != nil {
-		rctx, rcancel := withoutCancel(ctx, e.c.cfg.lossDeadline)
+		rctx, rcancel := core.WithoutCancel(ctx, e.c.core.Cfg.LossDeadline)
 		_ = g.Unlock(rctx)
 		rcancel()
 		return nil
@@ -511,14 +513,14 @@ func (ld *Leadership) retakeGuard() *Lock {
 	ld.mu.Lock()
 	ld.guard = g
 	ld.mu.Unlock()
-	e.c.cfg.infoLogger().Info("pgcoord: leader took the election's guard", "election", e.name, "term", int64(ld.term))
+	e.c.core.Cfg.InfoLogger().Info("pgcoord: leader took the election's guard", "election", e.name, "term", int64(ld.term))
 	return g
 }
 
 // watch ends the leadership when something ends it.
 func (ld *Leadership) watch() {
 	c := ld.e.c
-	defer c.wg.Done()
+	defer c.core.Wg.Done()
 	var guardDone <-chan struct{}
 	guard := ld.guardLock()
 	if guard != nil {
@@ -528,14 +530,14 @@ func (ld *Leadership) watch() {
 	// A request to resign is notified and recorded in the leaders row:
 	// read the row when notifications may have been lost (the listener
 	// resynced, or is not listening), and every loss deadline in any case.
-	tick := time.NewTicker(c.cfg.heartbeat)
+	tick := time.NewTicker(c.core.Cfg.Heartbeat)
 	defer tick.Stop()
 	read := time.Now()
 	// A leader without the guard tries to take it every heartbeat, in a
 	// goroutine of its own: the try runs on the guard session, which may
 	// itself be slow to answer or to reconnect, and must not keep the
 	// watch from seeing the end of the leadership.
-	retaken := make(chan *Lock, 1)
+	retaken := make(chan *core.Lock, 1)
 	retaking := false
 	var why error
 	for why == nil {
@@ -545,7 +547,7 @@ func (ld *Leadership) watch() {
 				retaking = true
 				go func() { retaken <- ld.retakeGuard() }()
 			}
-			if !c.listening.Load() || now.Sub(read) >= c.cfg.lossDeadline {
+			if !c.listening.Load() || now.Sub(read) >= c.core.Cfg.LossDeadline {
 				read = now
 				if ld.resignRecorded() {
 					why = errResignRequested
@@ -557,12 +559,12 @@ func (ld *Leadership) watch() {
 				guard, guardDone = g, g.Done()
 			}
 		case <-ld.lock.Done():
-			why = errorf("election lock: %w", ld.lock.Err())
+			why = core.Errorf("election lock: %w", ld.lock.Err())
 		case <-guardDone:
-			why = errorf("election guard: %w", guard.Err())
+			why = core.Errorf("election guard: %w", guard.Err())
 		case <-ld.resign:
 			why = errResigned
-		case <-c.closing.Done():
+		case <-c.core.Closing.Done():
 			why = ErrClosed
 		case <-ld.sub.kick:
 			resync := false
@@ -600,9 +602,9 @@ func (ld *Leadership) end(why error, settle func()) {
 	if errors.Is(context.Cause(ld.ctx), ErrClosed) {
 		// Close cancelled it as it began.
 		c := ld.e.c
-		c.mu.Lock()
-		at = c.closedAt
-		c.mu.Unlock()
+		c.core.Mu.Lock()
+		at = c.core.ClosedAt
+		c.core.Mu.Unlock()
 	}
 	ld.mu.Lock()
 	ld.cancelled = at
@@ -610,7 +612,7 @@ func (ld *Leadership) end(why error, settle func()) {
 	close(ld.stamped)
 	settle()
 	ld.sub.close()
-	ctx, cancel := withoutCancel(context.Background(), ld.e.c.cfg.lossDeadline)
+	ctx, cancel := core.WithoutCancel(context.Background(), ld.e.c.core.Cfg.LossDeadline)
 	defer cancel()
 	if errors.Is(why, ErrNotHeld) && ld.lock.Err() == nil {
 		// The term ended here, its context cancelled: the successor need
@@ -622,15 +624,15 @@ func (ld *Leadership) end(why error, settle func()) {
 	}
 	_ = ld.lock.Unlock(ctx)
 	ld.mu.Lock()
-	ld.err = errorf("lead election %q: term %d ended: %w", ld.e.name, ld.term, why)
+	ld.err = core.Errorf("lead election %q: term %d ended: %w", ld.e.name, ld.term, why)
 	ld.mu.Unlock()
 	c := ld.e.c
 	ev := LeadershipEvent{Election: ld.e.name, Identity: ld.e.identity, Term: ld.term}
 	if errors.Is(why, ErrLockLost) {
 		ev.Err = ld.err
-		c.cfg.warnLogger().Warn("pgcoord: leadership lost", "election", ld.e.name, "identity", ld.e.identity, "term", int64(ld.term), "error", why)
+		c.core.Cfg.WarnLogger().Warn("pgcoord: leadership lost", "election", ld.e.name, "identity", ld.e.identity, "term", int64(ld.term), "error", why)
 	} else {
-		c.cfg.infoLogger().Info("pgcoord: leadership ended", "election", ld.e.name, "term", int64(ld.term), "why", why)
+		c.core.Cfg.InfoLogger().Info("pgcoord: leadership ended", "election", ld.e.name, "term", int64(ld.term), "why", why)
 	}
 	c.events.leadership(ev)
 	close(ld.done)

@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -349,10 +351,10 @@ func TestElectionCampaignPreparesTakeover(t *testing.T) {
 	defer lb.Resign(ctx)
 
 	// prepared lists the statements s prepared before b could win.
-	prepared := func(s *Session) []string {
+	prepared := func(s *core.Session) []string {
 		t.Helper()
 		var stmts []string
-		err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		err := s.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 			rows, err := conn.Query(ctx, "SELECT statement FROM pg_prepared_statements WHERE prepare_time < $1", following)
 			if err != nil {
 				return err
@@ -365,19 +367,19 @@ func TestElectionCampaignPreparesTakeover(t *testing.T) {
 		}
 		return stmts
 	}
-	if got := prepared(lb.lock.s); !slices.Contains(got, recordSQL(b.cfg)) {
+	if got := prepared(lb.lock.S); !slices.Contains(got, recordSQL(b.core.Cfg)) {
 		t.Errorf("the new leader's lock backend has not prepared the statement that records the leader; prepared: %q", got)
 	}
 	guard, err := b.guardSession(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	try, _ := trySQL(lockFunc(false, true), []Key{eb.guard}, guard.pid)
+	try, _ := core.TrySQL(core.LockFunc(false, true), []core.Key{eb.guard}, guard.Pid)
 	if got := prepared(guard); !slices.Contains(got, try) {
 		t.Errorf("the guard session has not prepared the guard's try; prepared: %q", got)
 	}
-	if info, err := ea.Leader(ctx); err != nil || info.Identity != "b" || info.Term != lb.Term() || info.PID != lb.lock.s.PID() {
-		t.Fatalf("Leader = %+v, %v; want b, term %d, backend %d", info, err, lb.Term(), lb.lock.s.PID())
+	if info, err := ea.Leader(ctx); err != nil || info.Identity != "b" || info.Term != lb.Term() || info.PID != lb.lock.S.PID() {
+		t.Fatalf("Leader = %+v, %v; want b, term %d, backend %d", info, err, lb.Term(), lb.lock.S.PID())
 	}
 }
 
@@ -408,7 +410,7 @@ func TestCampaignReturnsItsErrors(t *testing.T) {
 		defer cancel()
 		ch := goCampaign(cctx, c.Election(name))
 		pgtest.Eventually(t, testTimeout, "the candidate waits for the lock", func() bool {
-			return waitingOn(t, dsn, electionKey(DefaultSchema, name)) >= 1
+			return waitingOn(t, dsn, Key{electionKey(DefaultSchema, name)}) >= 1
 		})
 		closed := make(chan time.Duration, 1)
 		start := time.Now()

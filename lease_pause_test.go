@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/pgcoord/pgcoord/internal/core"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -133,7 +134,7 @@ func backendGoneFrom(t testing.TB, conn *pgx.Conn, pid int32) {
 // checkLeaseBound checks a loss by its lease: declared (by the library's
 // clock) no later than L + one beat after the silence began, seen by the
 // test no later than L + leaseSlack after it, and reported as ErrLockLost.
-func checkLeaseBound(t *testing.T, s *Session, silence, seen time.Time, loss, beat time.Duration) time.Time {
+func checkLeaseBound(t *testing.T, s *core.Session, silence, seen time.Time, loss, beat time.Duration) time.Time {
 	t.Helper()
 	if !errors.Is(s.Err(), ErrLockLost) {
 		t.Fatalf("session Err after silence: %v, want ErrLockLost", s.Err())
@@ -166,13 +167,13 @@ func TestLeaseIdleBackendPaused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pid := l.s.PID()
+	pid := l.core.S.PID()
 	heldOnlyBy(t, dsn, k, pid)
 
 	silence, resume := pauseBackend(t, obs, pid, func(state, _, _ string) bool { return state == "idle" })
 	seen := awaitDone(t, l.Done(), loss+leaseSlack+testTimeout/2, "loss of a lock whose backend is paused")
 	resume()
-	checkLeaseBound(t, l.s, silence, seen, loss, beat)
+	checkLeaseBound(t, l.core.S, silence, seen, loss, beat)
 	if !errors.Is(l.Err(), ErrLockLost) {
 		t.Fatalf("lock Err: %v, want ErrLockLost", l.Err())
 	}
@@ -187,10 +188,10 @@ func TestLeaseIdleBackendPaused(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Lock after the loss: %v", err)
 	}
-	if l2.s.PID() == pid {
+	if l2.core.S.PID() == pid {
 		t.Fatalf("the key was taken again on the lost backend %d", pid)
 	}
-	heldOnlyBy(t, dsn, k, l2.s.PID())
+	heldOnlyBy(t, dsn, k, l2.core.S.PID())
 	mustUnlock(t, l2)
 }
 
@@ -275,7 +276,7 @@ func TestLeaseBusySessionThenSilence(t *testing.T) {
 	go func() { unlocked <- l2.Unlock(context.Background()) }()
 	seen := awaitDone(t, s.Done(), loss+leaseSlack+testTimeout/2, "loss after the network went silent")
 	close(stop)
-	declared := checkLeaseBound(t, s, silence, seen, loss, beat)
+	declared := checkLeaseBound(t, s.core, silence, seen, loss, beat)
 	mu.Lock()
 	last, n := lastOKStart, statements
 	mu.Unlock()
@@ -342,7 +343,7 @@ func TestLeaseWaitingBackendPaused(t *testing.T) {
 	// statement sent after now is answered.
 	waitingSince := time.Now()
 	pgtest.Eventually(t, testTimeout, "a wait slice ends and the wait resumes", func() bool {
-		return s.answeredAt().After(waitingSince)
+		return s.core.AnsweredAt().After(waitingSince)
 	})
 
 	silence, resume := pauseBackend(t, obs, s.PID(), func(state, wt, we string) bool {
@@ -350,7 +351,7 @@ func TestLeaseWaitingBackendPaused(t *testing.T) {
 	})
 	seen := awaitDone(t, s.Done(), loss+leaseSlack+testTimeout/2, "loss of a session whose backend is paused while it waits")
 	resume()
-	checkLeaseBound(t, s, silence, seen, loss, beat)
+	checkLeaseBound(t, s.core, silence, seen, loss, beat)
 	awaitEnd(t, l1, "held lock of the paused backend")
 	if !errors.Is(l1.Err(), ErrLockLost) {
 		t.Fatalf("held lock Err: %v, want ErrLockLost", l1.Err())
@@ -371,7 +372,7 @@ func TestLeaseWaitingBackendPaused(t *testing.T) {
 	}
 	backendGoneFrom(t, obs, s.PID())
 	notHeld(t, dsn, mine)
-	heldOnlyBy(t, dsn, wanted, h.s.PID())
+	heldOnlyBy(t, dsn, wanted, h.core.S.PID())
 	mustUnlock(t, h)
 	notHeld(t, dsn, wanted)
 }
@@ -402,7 +403,7 @@ func TestLeaseCancelledWait(t *testing.T) {
 				WithApplicationName(app), WithLogger(slog.New(logs)))
 			other := newTestClient(t, dsn)
 			obs := pgtest.Conn(t, dsn)
-			slice := c.cfg.waitSlice()
+			slice := c.core.Cfg.WaitSlice()
 			k, kept := HashKey("lease-pause", "cancel"), HashKey("lease-pause", "cancel-kept")
 
 			var s *Session
@@ -483,7 +484,7 @@ func TestLeaseCancelledWait(t *testing.T) {
 						t.Fatalf("round %d: Lock returned a lock while another Client held the key", i)
 					}
 					acquired++
-					pid := r.l.s.PID()
+					pid := r.l.core.S.PID()
 					heldOnlyBy(t, dsn, k, pid)
 					mustUnlock(t, r.l)
 				} else {
@@ -499,8 +500,8 @@ func TestLeaseCancelledWait(t *testing.T) {
 					// and the key granted to the holder only (or to nobody).
 					st := lockState(t, dsn)[k]
 					for _, x := range st {
-						if !x.granted || released || x.pid != h.s.PID() {
-							t.Fatalf("round %d: pg_locks for the key after a cancelled Lock: %+v (holder %d, released %v)", i, st, h.s.PID(), released)
+						if !x.granted || released || x.pid != h.core.S.PID() {
+							t.Fatalf("round %d: pg_locks for the key after a cancelled Lock: %+v (holder %d, released %v)", i, st, h.core.S.PID(), released)
 						}
 					}
 				}
@@ -568,7 +569,7 @@ func TestLeaseDeadlineShorterThanSlice(t *testing.T) {
 			logs := &lossLog{}
 			c := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(beat), WithLogger(slog.New(logs)))
 			other := newTestClient(t, dsn)
-			slice := c.cfg.waitSlice()
+			slice := c.core.Cfg.WaitSlice()
 			k, kept := HashKey("lease-pause", "deadline"), HashKey("lease-pause", "deadline-kept")
 			h, err := other.Lock(ctx, k)
 			if err != nil {
@@ -606,7 +607,7 @@ func TestLeaseDeadlineShorterThanSlice(t *testing.T) {
 					if over > 300*time.Millisecond {
 						t.Errorf("Lock with a %v deadline returned %v after it, want soon after (bound 300ms)", d, over)
 					}
-					heldOnlyBy(t, dsn, k, h.s.PID())
+					heldOnlyBy(t, dsn, k, h.core.S.PID())
 					if n := waitingOn(t, dsn, k); n != 0 {
 						t.Fatalf("after a Lock with a %v deadline: %d waiter(s) left in pg_locks", d, n)
 					}
@@ -627,7 +628,7 @@ func TestLeaseDeadlineShorterThanSlice(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Lock after the timed-out waits: %v", err)
 			}
-			if onSession && l.s != s {
+			if onSession && l.core.S != s.core {
 				t.Fatal("a Session lock on another connection")
 			}
 			mustUnlock(t, l)
@@ -695,10 +696,10 @@ func TestLeaseClientWaitRidesThroughPausedBackend(t *testing.T) {
 	if r.err != nil {
 		t.Fatalf("Lock after its wait backend was lost: %v, want the key", r.err)
 	}
-	if r.l.s.PID() == waiter {
+	if r.l.core.S.PID() == waiter {
 		t.Fatalf("the key was granted on the lost backend %d", waiter)
 	}
-	heldOnlyBy(t, dsn, k, r.l.s.PID())
+	heldOnlyBy(t, dsn, k, r.l.core.S.PID())
 	mustUnlock(t, r.l)
 	notHeld(t, dsn, k)
 }

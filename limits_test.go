@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -61,7 +63,7 @@ func TestConnectionSlotsExhausted(t *testing.T) {
 	for {
 		conn, err := pgx.Connect(ctx, dsn)
 		if err != nil {
-			if sqlState(err) != "53300" {
+			if core.SqlState(err) != "53300" {
 				t.Fatal(err)
 			}
 			break

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -38,7 +40,7 @@ func TestSessionAppliesServerLiveness(t *testing.T) {
 		"application_name":                 "liveness-test",
 		"default_transaction_isolation":    "read committed",
 	}
-	err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+	err := s.core.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 		for name, w := range want {
 			var got string
 			if err := conn.QueryRow(ctx, "SELECT current_setting($1)", name).Scan(&got); err != nil {
@@ -53,7 +55,7 @@ func TestSessionAppliesServerLiveness(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := serverBound(4 * time.Second); got != 8*time.Second {
+	if got := core.ServerBound(4 * time.Second); got != 8*time.Second {
 		t.Fatalf("serverBound(4s) = %v", got)
 	}
 }
@@ -80,7 +82,7 @@ func TestLongWaitSurvivesRoleStatementTimeout(t *testing.T) {
 	if got := settingThrough(t, control, "statement_timeout"); got != "50ms" {
 		t.Fatalf("statement_timeout = %q on an ordinary connection of the role, want 50ms", got)
 	}
-	if _, err := control.Exec(ctx, "SELECT pg_sleep(1)"); sqlState(err) != "57014" {
+	if _, err := control.Exec(ctx, "SELECT pg_sleep(1)"); core.SqlState(err) != "57014" {
 		t.Fatalf("a 1 s statement of the role: %v, want SQLSTATE 57014 (statement timeout)", err)
 	}
 
@@ -256,7 +258,7 @@ func TestStandbyIsRefused(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Lock after promotion: %v", err)
 	}
-	heldOnlyBy(t, sdsn, Int64Key(2), l.s.PID())
+	heldOnlyBy(t, sdsn, Int64Key(2), l.core.S.PID())
 	mustUnlock(t, l)
 }
 
@@ -289,7 +291,7 @@ func TestWaitLongerThanLossDeadline(t *testing.T) {
 		t.Fatalf("lock ended right after a long wait: %v", r.l.Err())
 	case <-time.After(1500 * time.Millisecond):
 	}
-	heldOnlyBy(t, dsn, k, r.l.s.PID())
+	heldOnlyBy(t, dsn, k, r.l.core.S.PID())
 	mustUnlock(t, r.l)
 }
 
@@ -357,9 +359,9 @@ func TestWaitProvesOtherLocksAlive(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	t.Logf("%d wait statements seen in %v of waiting (slice %v)", len(slices), 3*loss, c.cfg.waitSlice())
+	t.Logf("%d wait statements seen in %v of waiting (slice %v)", len(slices), 3*loss, c.core.Cfg.WaitSlice())
 	if len(slices) < 3 {
-		t.Fatalf("%d wait statements in three loss deadlines, want one every slice of %v", len(slices), c.cfg.waitSlice())
+		t.Fatalf("%d wait statements in three loss deadlines, want one every slice of %v", len(slices), c.core.Cfg.WaitSlice())
 	}
 	mustUnlock(t, h)
 	r := receive(t, wch)
@@ -390,13 +392,13 @@ func TestLossOnSilentNetwork(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pid := l.s.PID()
+	pid := l.core.S.PID()
 	heldOnlyBy(t, dsn, k, pid)
 
 	start := time.Now()
 	proxy.Blackhole()
 	awaitEnd(t, l, "loss on a silent network")
-	took := leaseLostAt(t, l.s).Sub(start)
+	took := leaseLostAt(t, l.core.S).Sub(start)
 	t.Logf("silence noticed (the loss declared) after %v: %v", took, l.Err())
 	if !errors.Is(l.Err(), ErrLockLost) {
 		t.Fatalf("Err: %v, want ErrLockLost", l.Err())
@@ -416,7 +418,7 @@ func TestLossOnSilentNetwork(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	heldOnlyBy(t, dsn, k, l2.s.PID())
+	heldOnlyBy(t, dsn, k, l2.core.S.PID())
 	mustUnlock(t, l2)
 }
 
@@ -462,7 +464,7 @@ func TestDatabaseDefaultsDoNotEndWaitsOrFences(t *testing.T) {
 	}
 	ch := goLock(func() (*Lock, error) { return c.Lock(ctx, k, WithFence()) })
 	began := time.Now()
-	slice := c.cfg.waitSlice()
+	slice := c.core.Cfg.WaitSlice()
 	// The wait goes on over several slices.
 	pgtest.Eventually(t, 10*time.Second, "the wait to last three slices", func() bool {
 		stillWaiting(t, ch)
@@ -501,7 +503,7 @@ func TestDatabaseDefaultsDoNotEndWaitsOrFences(t *testing.T) {
 	if lo.Err() != nil {
 		t.Fatalf("broken promise: the other lock was lost: %v", lo.Err())
 	}
-	heldOnlyBy(t, dsn, k, res.l.s.PID())
+	heldOnlyBy(t, dsn, k, res.l.core.S.PID())
 	mustUnlock(t, res.l)
 	mustUnlock(t, lo)
 	notHeld(t, dsn, k)
@@ -521,11 +523,11 @@ func TestLossOnTerminatedBackend(t *testing.T) {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	pgtest.Terminate(t, dsn, l.s.PID())
+	pgtest.Terminate(t, dsn, l.core.S.PID())
 	awaitEnd(t, l, "after the backend was terminated")
 	took := time.Since(start)
 	t.Logf("loss noticed after %v", took)
-	if bound := lossNoticeBound(c.cfg); took > bound {
+	if bound := lossNoticeBound(c.core.Cfg); took > bound {
 		t.Errorf("loss noticed after %v, documented bound %v", took, bound)
 	}
 	if !errors.Is(l.Err(), ErrLockLost) {
@@ -605,7 +607,7 @@ func TestLeaseHoldsDuringBlockedWait(t *testing.T) {
 	start := time.Now()
 	proxy.Blackhole()
 	awaitEnd(t, l1, "loss of k1 while waiting for k2")
-	took := leaseLostAt(t, s).Sub(start)
+	took := leaseLostAt(t, s.core).Sub(start)
 	t.Logf("held lock declared lost %v after the network went silent: %v", took, l1.Err())
 	if !errors.Is(l1.Err(), ErrLockLost) {
 		t.Fatalf("k1 Err: %v, want ErrLockLost", l1.Err())

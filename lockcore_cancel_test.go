@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
@@ -30,7 +32,7 @@ func cancelConn(t *testing.T, dsn string, delay time.Duration, dial func(net.Con
 		t.Fatal(err)
 	}
 	cc.BuildContextWatcherHandler = func(pc *pgconn.PgConn) ctxwatch.Handler {
-		return &cancelHandler{conn: pc, deadlineDelay: delay}
+		return &core.CancelHandler{Conn: pc, DeadlineDelay: delay}
 	}
 	if dial != nil {
 		base := cc.DialFunc
@@ -64,7 +66,7 @@ func cancelSenders() int {
 	buf = buf[:runtime.Stack(buf, true)]
 	n := 0
 	for _, g := range strings.Split(string(buf), "\n\ngoroutine ") {
-		if strings.Contains(g, "(*cancelHandler).HandleCancel.func") {
+		if strings.Contains(g, "(*CancelHandler).HandleCancel.func") {
 			n++
 		}
 	}
@@ -144,7 +146,7 @@ func TestCancelRepeatsEndWhenConnectionCut(t *testing.T) {
 	})
 	other := pgtest.Conn(t, dsn)
 	k := HashKey("lockcore", "cancel-cut")
-	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
 		t.Fatal(err)
 	}
 	mu.Lock()
@@ -153,7 +155,7 @@ func TestCancelRepeatsEndWhenConnectionCut(t *testing.T) {
 	sctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() {
-		_, err := conn.Exec(sctx, "SELECT pg_advisory_lock($1)", k.v)
+		_, err := conn.Exec(sctx, "SELECT pg_advisory_lock($1)", k.core.V)
 		done <- err
 	}()
 	pgtest.Eventually(t, testTimeout, "the lock waits", func() bool { return waitingOn(t, dsn, k) == 1 })
@@ -249,7 +251,7 @@ func TestCancelCutByDeadlineNeverReachesNextStatement(t *testing.T) {
 	// (Failing without reaching the server, the connection closed, is
 	// fine: that is the connection given up on a cancel in doubt.)
 	_, err = conn.Exec(context.Background(), "SELECT pg_sleep(1.5)")
-	if sqlState(err) == "57014" {
+	if core.SqlState(err) == "57014" {
 		t.Fatalf("a statement after the cancelled one was cancelled by the server: %v (a cancel request sent for the earlier statement, not answered by the handler's deadline, reached it)", err)
 	}
 	if err != nil && !conn.IsClosed() {

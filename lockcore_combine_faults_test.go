@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 	"go.uber.org/goleak"
 )
@@ -18,11 +20,11 @@ import (
 // and returns a func that gives it back once.
 func holdConn(t *testing.T, ctx context.Context, s *Session) func() {
 	t.Helper()
-	if err := s.grab(ctx); err != nil {
+	if err := s.core.Grab(ctx); err != nil {
 		t.Fatal(err)
 	}
 	var once sync.Once
-	release := func() { once.Do(s.release) }
+	release := func() { once.Do(s.core.Release) }
 	t.Cleanup(release)
 	return release
 }
@@ -31,16 +33,16 @@ func holdConn(t *testing.T, ctx context.Context, s *Session) func() {
 func awaitQueued(t *testing.T, s *Session, n int) {
 	t.Helper()
 	pgtest.Eventually(t, testTimeout, fmt.Sprintf("%d calls queued", n), func() bool {
-		s.state.Lock()
-		defer s.state.Unlock()
-		return s.calls.busy && len(s.calls.queue) == n
+		s.core.State.Lock()
+		defer s.core.State.Unlock()
+		return s.core.Calls.Busy && len(s.core.Calls.Queue) == n
 	})
 }
 
-func combinedCount(s *Session) int {
-	s.state.Lock()
-	defer s.state.Unlock()
-	return s.calls.combined
+func combinedCount(s *core.Session) int {
+	s.State.Lock()
+	defer s.State.Unlock()
+	return s.Calls.Combined
 }
 
 // pausedBackend stops backend pid (SIGSTOP) and returns a func that
@@ -174,29 +176,29 @@ func TestCombinedMixedKeyFormsAndModesAnswerEachCaller(t *testing.T) {
 			t.Fatal("Unlock did not return")
 		}
 	}
-	if n := combinedCount(s); n < 2 {
-		t.Errorf("%d combined statements, want at least 2 (%d calls, %d per statement)", n, len(tries)+len(toRelease), maxKeysCombined)
+	if n := combinedCount(s.core); n < 2 {
+		t.Errorf("%d combined statements, want at least 2 (%d calls, %d per statement)", n, len(tries)+len(toRelease), core.MaxKeysCombined)
 	}
-	mine := heldBy(t, dsn, s.pid)
+	mine := heldBy(t, dsn, s.core.Pid)
 	for _, tr := range tries {
 		shared, ok := mine[tr.k]
 		if ok != tr.want || ok && shared != tr.shared {
-			t.Errorf("pg_locks: %v granted to backend %d: %v (shared %v); try was shared %v, want held %v", tr.k, s.pid, ok, shared, tr.shared, tr.want)
+			t.Errorf("pg_locks: %v granted to backend %d: %v (shared %v); try was shared %v, want held %v", tr.k, s.core.Pid, ok, shared, tr.shared, tr.want)
 		}
 	}
 	for _, h := range toRelease {
 		if _, ok := mine[h.k]; ok {
-			t.Errorf("pg_locks: released %v still granted to backend %d", h.k, s.pid)
+			t.Errorf("pg_locks: released %v still granted to backend %d", h.k, s.core.Pid)
 		}
 	}
 	if len(mine) != len(got) {
-		t.Errorf("pg_locks: backend %d holds %d keys, %d tries answered yes: %v", s.pid, len(mine), len(got), mine)
+		t.Errorf("pg_locks: backend %d holds %d keys, %d tries answered yes: %v", s.core.Pid, len(mine), len(got), mine)
 	}
 	for _, l := range got {
 		mustUnlock(t, l)
 	}
-	if mine := heldBy(t, dsn, s.pid); len(mine) != 0 {
-		t.Errorf("pg_locks after every release: backend %d holds %v", s.pid, mine)
+	if mine := heldBy(t, dsn, s.core.Pid); len(mine) != 0 {
+		t.Errorf("pg_locks after every release: backend %d holds %v", s.core.Pid, mine)
 	}
 }
 
@@ -264,10 +266,10 @@ func TestCombinedCallsKeepExclusionAcrossClients(t *testing.T) {
 					if i%8 == 0 {
 						found := false
 						for _, pid := range grantedTo(t, dsn, k) {
-							found = found || pid == l.s.pid
+							found = found || pid == l.core.S.Pid
 						}
 						if !found {
-							t.Errorf("%v taken on backend %d, pg_locks grants it to %v", k, l.s.pid, grantedTo(t, dsn, k))
+							t.Errorf("%v taken on backend %d, pg_locks grants it to %v", k, l.core.S.Pid, grantedTo(t, dsn, k))
 						}
 						mu.Lock()
 						checked++
@@ -298,11 +300,11 @@ func TestCombinedCallsKeepExclusionAcrossClients(t *testing.T) {
 		if st := c.Stat(); st.Locks != 0 {
 			t.Errorf("Stat().Locks = %d after every Unlock", st.Locks)
 		}
-		c.mu.Lock()
-		for _, b := range c.backends {
+		c.core.Mu.Lock()
+		for _, b := range c.core.Backends {
 			combined += combinedCount(b)
 		}
-		c.mu.Unlock()
+		c.core.Mu.Unlock()
 	}
 	t.Logf("%d combined statements", combined)
 	if rows := lockState(t, dsn); len(rows) != 0 {
@@ -341,7 +343,7 @@ func TestCombinedQueuedCallsOnTerminatedBackendFailPromptly(t *testing.T) {
 		go func() { unlocks <- l.Unlock(ctx) }()
 	}
 	awaitQueued(t, s, 9+len(locks))
-	pgtest.Terminate(t, dsn, s.pid)
+	pgtest.Terminate(t, dsn, s.core.Pid)
 	start := time.Now()
 	release()
 	for _, ch := range tries {
@@ -373,7 +375,7 @@ func TestCombinedQueuedCallsOnTerminatedBackendFailPromptly(t *testing.T) {
 		awaitEnd(t, l, "backend terminated")
 	}
 	pgtest.Eventually(t, testTimeout, "the backend's locks gone from pg_locks", func() bool {
-		return len(heldBy(t, dsn, s.pid)) == 0
+		return len(heldBy(t, dsn, s.core.Pid)) == 0
 	})
 }
 
@@ -401,11 +403,11 @@ func TestCombinedStatementInFlightOnTerminatedBackend(t *testing.T) {
 	unlocked := make(chan error, 1)
 	go func() { unlocked <- held.Unlock(ctx) }()
 	awaitQueued(t, s, 6)
-	resume := pausedBackend(t, s.pid)
+	resume := pausedBackend(t, s.core.Pid)
 	release()
-	pgtest.Eventually(t, testTimeout, "the calls go out combined", func() bool { return combinedCount(s) == 1 })
+	pgtest.Eventually(t, testTimeout, "the calls go out combined", func() bool { return combinedCount(s.core) == 1 })
 	other := pgtest.Conn(t, dsn)
-	if _, err := other.Exec(ctx, "SELECT pg_terminate_backend($1)", s.pid); err != nil {
+	if _, err := other.Exec(ctx, "SELECT pg_terminate_backend($1)", s.core.Pid); err != nil {
 		t.Fatal(err)
 	}
 	resume()
@@ -428,7 +430,7 @@ func TestCombinedStatementInFlightOnTerminatedBackend(t *testing.T) {
 	}
 	pgtest.Eventually(t, testTimeout, "the session is lost", func() bool { return errors.Is(s.Err(), ErrLockLost) })
 	pgtest.Eventually(t, testTimeout, "the backend's locks gone from pg_locks", func() bool {
-		return len(heldBy(t, dsn, s.pid)) == 0
+		return len(heldBy(t, dsn, s.core.Pid)) == 0
 	})
 }
 
@@ -498,8 +500,8 @@ func TestCombinedCallsQueuedAtSessionCloseAllReturn(t *testing.T) {
 	case <-time.After(testTimeout):
 		t.Fatal("Close did not return")
 	}
-	if mine := heldBy(t, dsn, s.pid); len(mine) != 0 {
-		t.Errorf("pg_locks after Close: backend %d holds %v", s.pid, mine)
+	if mine := heldBy(t, dsn, s.core.Pid); len(mine) != 0 {
+		t.Errorf("pg_locks after Close: backend %d holds %v", s.core.Pid, mine)
 	}
 	if err := c.Close(ctx); err != nil {
 		t.Errorf("Client.Close: %v", err)
@@ -545,9 +547,9 @@ func TestCombinedStatementInFlightAtSessionCloseAllReturn(t *testing.T) {
 	unlocked := make(chan error, 1)
 	go func() { unlocked <- held.Unlock(ctx) }()
 	awaitQueued(t, s, 5)
-	resume := pausedBackend(t, s.pid)
+	resume := pausedBackend(t, s.core.Pid)
 	release()
-	pgtest.Eventually(t, testTimeout, "the calls go out combined", func() bool { return combinedCount(s) == 1 })
+	pgtest.Eventually(t, testTimeout, "the calls go out combined", func() bool { return combinedCount(s.core) == 1 })
 	cctx, ccancel := context.WithTimeout(ctx, 200*time.Millisecond)
 	err = s.Close(cctx)
 	ccancel()
@@ -567,7 +569,7 @@ func TestCombinedStatementInFlightAtSessionCloseAllReturn(t *testing.T) {
 	}
 	resume()
 	pgtest.Eventually(t, testTimeout, "the backend's locks gone from pg_locks", func() bool {
-		return len(heldBy(t, dsn, s.pid)) == 0
+		return len(heldBy(t, dsn, s.core.Pid)) == 0
 	})
 	if err := c.Close(ctx); err != nil {
 		t.Errorf("Client.Close: %v", err)
@@ -638,11 +640,11 @@ func TestCombinedCallsInterleaveWithBlockingWait(t *testing.T) {
 	t.Logf("%d try+unlock pairs in %v while a Lock waited: mean %v, slowest %v", workers*rounds, time.Since(began), total/(workers*rounds), slowest)
 	stillWaiting(t, blocked)
 	for _, pid := range grantedTo(t, dsn, waited) {
-		if pid == s.pid {
-			t.Fatalf("pg_locks: %v granted to backend %d while backend %d holds it", waited, s.pid, other.PgConn().PID())
+		if pid == s.core.Pid {
+			t.Fatalf("pg_locks: %v granted to backend %d while backend %d holds it", waited, s.core.Pid, other.PgConn().PID())
 		}
 	}
-	t.Logf("%d combined statements while the Lock waited", combinedCount(s))
+	t.Logf("%d combined statements while the Lock waited", combinedCount(s.core))
 	if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1::int8)", int64(8_000_000)); err != nil {
 		t.Fatal(err)
 	}
@@ -650,7 +652,7 @@ func TestCombinedCallsInterleaveWithBlockingWait(t *testing.T) {
 	if r.err != nil {
 		t.Fatalf("blocking Lock after the key was freed: %v", r.err)
 	}
-	heldOnlyBy(t, dsn, waited, s.pid)
+	heldOnlyBy(t, dsn, waited, s.core.Pid)
 	mustUnlock(t, r.l)
 	if rows := lockState(t, dsn); len(rows) != 0 {
 		t.Errorf("pg_locks after every release: %v", rows)
@@ -712,7 +714,7 @@ func TestCombinedTriesOnFullLockTableHoldExactlyWhatTheySay(t *testing.T) {
 				switch {
 				case err == nil:
 					got = append(got, l)
-				case errors.Is(err, ErrTooManyLocks) || sqlState(err) == "53200":
+				case errors.Is(err, ErrTooManyLocks) || core.SqlState(err) == "53200":
 					full++
 				default:
 					t.Errorf("try %v: %v, want a lock or ErrTooManyLocks", k, err)
@@ -722,7 +724,7 @@ func TestCombinedTriesOnFullLockTableHoldExactlyWhatTheySay(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	t.Logf("%d taken, %d refused for the full table, %d combined statements", len(got), full, combinedCount(s))
+	t.Logf("%d taken, %d refused for the full table, %d combined statements", len(got), full, combinedCount(s.core))
 	if full == 0 {
 		t.Errorf("no try found the lock table full: the test proves nothing")
 	}
@@ -735,21 +737,21 @@ func TestCombinedTriesOnFullLockTableHoldExactlyWhatTheySay(t *testing.T) {
 	if err := filler.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
-	mine := heldBy(t, dsn, s.pid)
+	mine := heldBy(t, dsn, s.core.Pid)
 	for _, l := range got {
-		shared, ok := mine[l.keys[0]]
-		if !ok || shared != l.shared {
-			t.Errorf("pg_locks: %v granted to backend %d: %v (shared %v), but its try said yes (shared %v)", l.keys[0], s.pid, ok, shared, l.shared)
+		shared, ok := mine[Key{l.core.KeyList[0]}]
+		if !ok || shared != l.core.Shared {
+			t.Errorf("pg_locks: %v granted to backend %d: %v (shared %v), but its try said yes (shared %v)", l.core.KeyList[0], s.core.Pid, ok, shared, l.core.Shared)
 		}
 	}
 	if len(mine) != len(got) {
-		t.Errorf("pg_locks: backend %d holds %d keys, %d tries said yes: %v", s.pid, len(mine), len(got), mine)
+		t.Errorf("pg_locks: backend %d holds %d keys, %d tries said yes: %v", s.core.Pid, len(mine), len(got), mine)
 	}
 	for _, l := range got {
 		mustUnlock(t, l)
 	}
-	if mine := heldBy(t, dsn, s.pid); len(mine) != 0 {
-		t.Errorf("pg_locks after every release: backend %d holds %v", s.pid, mine)
+	if mine := heldBy(t, dsn, s.core.Pid); len(mine) != 0 {
+		t.Errorf("pg_locks after every release: backend %d holds %v", s.core.Pid, mine)
 	}
 }
 
@@ -813,20 +815,20 @@ func TestCombinedCallsDoNotInterruptBlockingWaitPerStatement(t *testing.T) {
 	if r.err != nil {
 		t.Fatalf("blocking Lock after the key was freed: %v", r.err)
 	}
-	heldOnlyBy(t, dsn, waited, s.pid)
+	heldOnlyBy(t, dsn, waited, s.core.Pid)
 	mustUnlock(t, r.l)
 	if err := s.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
 	pgtest.Eventually(t, testTimeout, "the session's backend exits", func() bool {
 		var n int
-		if err := obs.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", s.pid).Scan(&n); err != nil {
+		if err := obs.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", s.core.Pid).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n == 0
 	})
 	n := rollbacks()
-	t.Logf("%d statements aborted (interrupted wait slices) for %d try+unlock pairs, %d combined statements", n, workers*rounds, combinedCount(s))
+	t.Logf("%d statements aborted (interrupted wait slices) for %d try+unlock pairs, %d combined statements", n, workers*rounds, combinedCount(s.core))
 	if limit := int64(workers * rounds / 40); n > limit {
 		t.Errorf("the waiting Lock was interrupted %d times by %d try+unlock pairs (want at most %d): it takes the connection while calls queue for it", n, workers*rounds, limit)
 	}
@@ -937,12 +939,12 @@ func TestCombinedCallsSurviveBackendTermination(t *testing.T) {
 		wg.Go(func() {
 			for i := range rounds {
 				if w == 0 && i == rounds/3 {
-					c.mu.Lock()
+					c.core.Mu.Lock()
 					var pid int32
-					for _, b := range c.backends {
-						pid = b.pid
+					for _, b := range c.core.Backends {
+						pid = b.Pid
 					}
-					c.mu.Unlock()
+					c.core.Mu.Unlock()
 					if pid != 0 {
 						pgtest.Terminate(t, dsn, pid)
 						terminated <- pid

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -18,13 +20,13 @@ import (
 
 // sendCombined runs calls as one combined statement on s, as sendCalls
 // does once it holds the connection.
-func sendCombined(t *testing.T, ctx context.Context, s *Session, calls []*keyCall) {
+func sendCombined(t *testing.T, ctx context.Context, s *Session, calls []*core.KeyCall) {
 	t.Helper()
-	if err := s.grab(ctx); err != nil {
+	if err := s.core.Grab(ctx); err != nil {
 		t.Fatal(err)
 	}
-	s.answerCalls(context.WithoutCancel(ctx), calls)
-	s.release()
+	s.core.AnswerCalls(context.WithoutCancel(ctx), calls)
+	s.core.Release()
 }
 
 // serverStatements returns the texts of the statements prepared on s's
@@ -32,7 +34,7 @@ func sendCombined(t *testing.T, ctx context.Context, s *Session, calls []*keyCal
 func serverStatements(t *testing.T, ctx context.Context, s *Session) map[string]bool {
 	t.Helper()
 	var names []string
-	err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+	err := s.core.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 		rows, _ := conn.Query(ctx, "SELECT statement FROM pg_prepared_statements", pgx.QueryExecModeSimpleProtocol)
 		var err error
 		names, err = pgx.CollectRows(rows, pgx.RowTo[string])
@@ -50,10 +52,10 @@ func serverStatements(t *testing.T, ctx context.Context, s *Session) map[string]
 
 // markedPrepared returns the combined texts s records as prepared.
 func markedPrepared(s *Session) []string {
-	s.state.Lock() // not needed by the library (the holder of the connection uses it); the test reads it between statements
-	defer s.state.Unlock()
+	s.core.State.Lock() // not needed by the library (the holder of the connection uses it); the test reads it between statements
+	defer s.core.State.Unlock()
 	var out []string
-	for sql := range s.calls.prepared {
+	for sql := range s.core.Calls.Prepared {
 		out = append(out, sql)
 	}
 	return out
@@ -107,35 +109,35 @@ func combinedRound(t *testing.T, ctx context.Context, dsn string, s *Session, r 
 	t.Helper()
 	base := int64(5_000_000 + r*10)
 	type want struct {
-		c      *keyCall
+		c      *core.KeyCall
 		ok     bool
 		shared bool
 	}
 	tries := []want{
-		{&keyCall{fn: lockFunc(false, true), key: Int64Key(base)}, true, false},
-		{&keyCall{fn: lockFunc(false, true), key: PairKey(77, int32(r))}, true, false},
-		{&keyCall{fn: lockFunc(true, true), key: Int64Key(base + 1)}, true, true},
-		{&keyCall{fn: lockFunc(false, true), key: heldExcl1}, false, false},
-		{&keyCall{fn: lockFunc(true, true), key: heldExcl2}, false, true},
-		{&keyCall{fn: lockFunc(true, true), key: heldShared}, true, true},
+		{&core.KeyCall{Fn: core.LockFunc(false, true), Key: Int64Key(base).core}, true, false},
+		{&core.KeyCall{Fn: core.LockFunc(false, true), Key: PairKey(77, int32(r)).core}, true, false},
+		{&core.KeyCall{Fn: core.LockFunc(true, true), Key: Int64Key(base + 1).core}, true, true},
+		{&core.KeyCall{Fn: core.LockFunc(false, true), Key: heldExcl1.core}, false, false},
+		{&core.KeyCall{Fn: core.LockFunc(true, true), Key: heldExcl2.core}, false, true},
+		{&core.KeyCall{Fn: core.LockFunc(true, true), Key: heldShared.core}, true, true},
 	}
-	var calls []*keyCall
+	var calls []*core.KeyCall
 	for _, w := range tries {
 		calls = append(calls, w.c)
 	}
 	sendCombined(t, ctx, s, calls)
-	held := heldBy(t, dsn, s.pid)
-	var releases []*keyCall
+	held := heldBy(t, dsn, s.core.Pid)
+	var releases []*core.KeyCall
 	for _, w := range tries {
-		if w.c.err != nil || w.c.ok != w.ok {
-			t.Fatalf("round %d: %s(%v) = %v, %v; want %v", r, w.c.fn, w.c.key, w.c.ok, w.c.err, w.ok)
+		if w.c.Cause != nil || w.c.Ok != w.ok {
+			t.Fatalf("round %d: %s(%v) = %v, %v; want %v", r, w.c.Fn, w.c.Key, w.c.Ok, w.c.Cause, w.ok)
 		}
-		shared, ok := held[w.c.key]
+		shared, ok := held[Key{w.c.Key}]
 		if ok != w.ok || (ok && shared != w.shared) {
-			t.Fatalf("round %d: pg_locks: %v granted to backend %d: %v (shared %v), want %v (shared %v)", r, w.c.key, s.pid, ok, shared, w.ok, w.shared)
+			t.Fatalf("round %d: pg_locks: %v granted to backend %d: %v (shared %v), want %v (shared %v)", r, w.c.Key, s.core.Pid, ok, shared, w.ok, w.shared)
 		}
 		if w.ok {
-			releases = append(releases, &keyCall{fn: unlockFunc(w.shared), key: w.c.key})
+			releases = append(releases, &core.KeyCall{Fn: core.UnlockFunc(w.shared), Key: w.c.Key})
 		}
 	}
 	if len(held) != len(releases) {
@@ -143,11 +145,11 @@ func combinedRound(t *testing.T, ctx context.Context, dsn string, s *Session, r 
 	}
 	sendCombined(t, ctx, s, releases)
 	for _, c := range releases {
-		if c.err != nil || !c.ok {
-			t.Fatalf("round %d: %s(%v) = %v, %v; want true", r, c.fn, c.key, c.ok, c.err)
+		if c.Cause != nil || !c.Ok {
+			t.Fatalf("round %d: %s(%v) = %v, %v; want true", r, c.Fn, c.Key, c.Ok, c.Cause)
 		}
 	}
-	if held := heldBy(t, dsn, s.pid); len(held) != 0 {
+	if held := heldBy(t, dsn, s.core.Pid); len(held) != 0 {
 		t.Fatalf("round %d: backend still holds %v after the releases", r, held)
 	}
 }
@@ -194,7 +196,7 @@ func TestCombinedPreparedStatementsAnswerEachCallUnderEveryConnConfig(t *testing
 			s := newTestSession(t, c)
 			if cfg.name == "force_generic_plan" {
 				var mode string
-				err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+				err := s.core.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 					return conn.QueryRow(ctx, "SHOW plan_cache_mode", pgx.QueryExecModeSimpleProtocol).Scan(&mode)
 				})
 				if err != nil || mode != "force_generic_plan" {
@@ -219,7 +221,7 @@ func TestCombinedPreparedStatementsAnswerEachCallUnderEveryConnConfig(t *testing
 			onServer := serverStatements(t, ctx, s)
 			for _, sql := range marked {
 				if !onServer[sql] {
-					t.Errorf("%q recorded as prepared, absent from pg_prepared_statements on backend %d", sql, s.pid)
+					t.Errorf("%q recorded as prepared, absent from pg_prepared_statements on backend %d", sql, s.core.Pid)
 				}
 			}
 			if cfg.name == "tracer" {
@@ -263,13 +265,13 @@ func TestCombinedPreparedStatementsAnswerEachCallUnderEveryConnConfig(t *testing
 			for err := range errs {
 				t.Error(err)
 			}
-			if held := heldBy(t, dsn, s.pid); len(held) != 0 {
-				t.Errorf("backend %d still holds %v", s.pid, held)
+			if held := heldBy(t, dsn, s.core.Pid); len(held) != 0 {
+				t.Errorf("backend %d still holds %v", s.core.Pid, held)
 			}
 			if err := s.Err(); err != nil {
 				t.Errorf("session ended: %v", err)
 			}
-			t.Logf("%d combined statements", combinedCount(s))
+			t.Logf("%d combined statements", combinedCount(s.core))
 		})
 	}
 }
@@ -291,18 +293,18 @@ func TestCombinedStatementPrepareRefusedIsNotRecordedAndAnswersEachCall(t *testi
 	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", mustInt64(held)); err != nil {
 		t.Fatal(err)
 	}
-	shape := func(r int64) []*keyCall {
-		return []*keyCall{
-			{fn: lockFunc(false, true), key: Int64Key(8_100_000 + r)},
-			{fn: lockFunc(false, true), key: held},
-			{fn: lockFunc(false, true), key: Int64Key(8_200_000 + r)},
+	shape := func(r int64) []*core.KeyCall {
+		return []*core.KeyCall{
+			{Fn: core.LockFunc(false, true), Key: Int64Key(8_100_000 + r).core},
+			{Fn: core.LockFunc(false, true), Key: held.core},
+			{Fn: core.LockFunc(false, true), Key: Int64Key(8_200_000 + r).core},
 		}
 	}
-	sql, _ := combinedSQL(shape(0), s.pid)
+	sql, _ := core.CombinedSQL(shape(0), s.core.Pid)
 	// The name pgx gives a statement prepared under its own text, another
 	// statement: three columns, all true.
 	digest := sha256.Sum256([]byte(sql))
-	err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+	err := s.core.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 		_, err := conn.PgConn().Prepare(ctx, "stmt_"+hex.EncodeToString(digest[:24]), "SELECT true, true, true", nil)
 		return err
 	})
@@ -312,24 +314,24 @@ func TestCombinedStatementPrepareRefusedIsNotRecordedAndAnswersEachCall(t *testi
 	for r := range int64(3) {
 		calls := shape(r)
 		sendCombined(t, ctx, s, calls)
-		got := heldBy(t, dsn, s.pid)
+		got := heldBy(t, dsn, s.core.Pid)
 		for _, c := range calls {
-			want := c.key != held
-			if c.err != nil || c.ok != want {
-				t.Fatalf("round %d: %s(%v) = %v, %v; want %v", r, c.fn, c.key, c.ok, c.err, want)
+			want := c.Key != held.core
+			if c.Cause != nil || c.Ok != want {
+				t.Fatalf("round %d: %s(%v) = %v, %v; want %v", r, c.Fn, c.Key, c.Ok, c.Cause, want)
 			}
-			if _, ok := got[c.key]; ok != want {
-				t.Fatalf("round %d: pg_locks: %v granted to backend %d: %v, want %v", r, c.key, s.pid, ok, want)
+			if _, ok := got[Key{c.Key}]; ok != want {
+				t.Fatalf("round %d: pg_locks: %v granted to backend %d: %v, want %v", r, c.Key, s.core.Pid, ok, want)
 			}
 		}
-		var rel []*keyCall
+		var rel []*core.KeyCall
 		for _, c := range calls {
-			if c.ok {
-				rel = append(rel, &keyCall{fn: unlockFunc(false), key: c.key})
+			if c.Ok {
+				rel = append(rel, &core.KeyCall{Fn: core.UnlockFunc(false), Key: c.Key})
 			}
 		}
 		sendCombined(t, ctx, s, rel)
-		if got := heldBy(t, dsn, s.pid); len(got) != 0 {
+		if got := heldBy(t, dsn, s.core.Pid); len(got) != 0 {
 			t.Fatalf("round %d: backend holds %v after the releases", r, got)
 		}
 	}
@@ -372,27 +374,27 @@ func TestCombinedPreparedStatementOnFullLockTableAnswersEachCall(t *testing.T) {
 	// is taken alone first.
 	// (combinedSQL sorts the calls it is given: the tries and the release
 	// are kept apart.)
-	shape := func(base int64, relKey Key) (tried []*keyCall, rel *keyCall, calls []*keyCall) {
+	shape := func(base int64, relKey Key) (tried []*core.KeyCall, rel *core.KeyCall, calls []*core.KeyCall) {
 		for i := range int64(tries) {
-			tried = append(tried, &keyCall{fn: lockFunc(false, true), key: Int64Key(base + i)})
+			tried = append(tried, &core.KeyCall{Fn: core.LockFunc(false, true), Key: Int64Key(base + i).core})
 		}
-		rel = &keyCall{fn: unlockFunc(false), key: relKey}
+		rel = &core.KeyCall{Fn: core.UnlockFunc(false), Key: relKey.core}
 		return tried, rel, append(slices.Clone(tried), rel)
 	}
 	take := func(k Key) {
 		t.Helper()
-		if ok, err := s.callKey(ctx, lockFunc(false, true), k); err != nil || !ok {
+		if ok, err := s.core.CallKey(ctx, core.LockFunc(false, true), k.core); err != nil || !ok {
 			t.Fatalf("take %v: %v, %v", k, ok, err)
 		}
 	}
 	// First, with room: prepares the text.
 	take(Int64Key(9_500_000))
 	firstTries, _, first := shape(9_600_000, Int64Key(9_500_000))
-	sql, _ := combinedSQL(slices.Clone(first), s.pid)
+	sql, _ := core.CombinedSQL(slices.Clone(first), s.core.Pid)
 	sendCombined(t, ctx, s, first)
 	for _, c := range first {
-		if c.err != nil || !c.ok {
-			t.Fatalf("with room: %s(%v) = %v, %v", c.fn, c.key, c.ok, c.err)
+		if c.Cause != nil || !c.Ok {
+			t.Fatalf("with room: %s(%v) = %v, %v", c.Fn, c.Key, c.Ok, c.Cause)
 		}
 	}
 	prepared := false
@@ -403,8 +405,8 @@ func TestCombinedPreparedStatementOnFullLockTableAnswersEachCall(t *testing.T) {
 		t.Fatalf("the combined text was not prepared on the backend: the test would not run it prepared")
 	}
 	for _, c := range firstTries {
-		if ok, err := s.callKey(ctx, unlockFunc(false), c.key); err != nil || !ok {
-			t.Fatalf("release %v: %v, %v", c.key, ok, err)
+		if ok, err := s.core.CallKey(ctx, core.UnlockFunc(false), c.Key); err != nil || !ok {
+			t.Fatalf("release %v: %v, %v", c.Key, ok, err)
 		}
 	}
 	take(Int64Key(9_500_001))
@@ -425,7 +427,7 @@ func TestCombinedPreparedStatementOnFullLockTableAnswersEachCall(t *testing.T) {
 		mustUnlock(t, l)
 	}
 	secondTries, rel, second := shape(9_700_000, Int64Key(9_500_001))
-	if got, _ := combinedSQL(slices.Clone(second), s.pid); got != sql {
+	if got, _ := core.CombinedSQL(slices.Clone(second), s.core.Pid); got != sql {
 		t.Fatalf("second text %q differs from the prepared one %q", got, sql)
 	}
 	sendCombined(t, ctx, s, second)
@@ -435,49 +437,49 @@ func TestCombinedPreparedStatementOnFullLockTableAnswersEachCall(t *testing.T) {
 	if err := filler.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
-	mine := heldBy(t, dsn, s.pid)
+	mine := heldBy(t, dsn, s.core.Pid)
 	taken, full := 0, 0
 	for _, c := range secondTries {
-		_, holds := mine[c.key]
+		_, holds := mine[Key{c.Key}]
 		switch {
-		case c.err == nil && c.ok:
+		case c.Cause == nil && c.Ok:
 			taken++
 			if !holds {
-				t.Errorf("try %v said yes, pg_locks shows it not granted to backend %d", c.key, s.pid)
+				t.Errorf("try %v said yes, pg_locks shows it not granted to backend %d", c.Key, s.core.Pid)
 			}
-		case c.err == nil:
-			t.Errorf("try %v of a free key said no", c.key)
-		case sqlState(c.err) == "53200" || errors.Is(c.err, ErrTooManyLocks):
+		case c.Cause == nil:
+			t.Errorf("try %v of a free key said no", c.Key)
+		case core.SqlState(c.Cause) == "53200" || errors.Is(c.Cause, ErrTooManyLocks):
 			full++
 			if holds {
-				t.Errorf("try %v failed (%v), pg_locks shows it granted to backend %d", c.key, c.err, s.pid)
+				t.Errorf("try %v failed (%v), pg_locks shows it granted to backend %d", c.Key, c.Cause, s.core.Pid)
 			}
 		default:
-			t.Errorf("try %v: %v, want an answer or the full table's error", c.key, c.err)
+			t.Errorf("try %v: %v, want an answer or the full table's error", c.Key, c.Cause)
 		}
 	}
-	if rel.err != nil || !rel.ok {
-		t.Errorf("release of %v in the failed statement: %v, %v; want true", rel.key, rel.ok, rel.err)
+	if rel.Cause != nil || !rel.Ok {
+		t.Errorf("release of %v in the failed statement: %v, %v; want true", rel.Key, rel.Ok, rel.Cause)
 	}
-	if _, holds := mine[rel.key]; holds {
-		t.Errorf("released %v still granted to backend %d", rel.key, s.pid)
+	if _, holds := mine[Key{rel.Key}]; holds {
+		t.Errorf("released %v still granted to backend %d", rel.Key, s.core.Pid)
 	}
 	if len(mine) != taken {
-		t.Errorf("backend %d holds %d keys, %d tries said yes: %v", s.pid, len(mine), taken, mine)
+		t.Errorf("backend %d holds %d keys, %d tries said yes: %v", s.core.Pid, len(mine), taken, mine)
 	}
 	if full == 0 {
 		t.Errorf("no try found the table full: the statement did not fail, the test proves nothing (%d taken)", taken)
 	}
 	t.Logf("%d taken, %d refused for the full table", taken, full)
 	for _, c := range secondTries {
-		if c.err == nil && c.ok {
-			if ok, err := s.callKey(ctx, unlockFunc(false), c.key); err != nil || !ok {
-				t.Errorf("release %v: %v, %v", c.key, ok, err)
+		if c.Cause == nil && c.Ok {
+			if ok, err := s.core.CallKey(ctx, core.UnlockFunc(false), c.Key); err != nil || !ok {
+				t.Errorf("release %v: %v, %v", c.Key, ok, err)
 			}
 		}
 	}
-	if mine := heldBy(t, dsn, s.pid); len(mine) != 0 {
-		t.Errorf("backend %d still holds %v", s.pid, mine)
+	if mine := heldBy(t, dsn, s.core.Pid); len(mine) != 0 {
+		t.Errorf("backend %d still holds %v", s.core.Pid, mine)
 	}
 }
 
@@ -498,7 +500,7 @@ func TestCombinedPreparedCallsRaceBlockingLockAndCloseLeaveNothingHeld(t *testin
 	if err != nil {
 		t.Fatal(err)
 	}
-	pid := s.pid
+	pid := s.core.Pid
 	other := pgtest.Conn(t, dsn)
 	blocked := Int64Key(9_900_000)
 	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", mustInt64(blocked)); err != nil {
@@ -540,7 +542,7 @@ func TestCombinedPreparedCallsRaceBlockingLockAndCloseLeaveNothingHeld(t *testin
 		})
 	}
 	pgtest.Eventually(t, testTimeout, "combined statements while the Lock waits", func() bool {
-		return combinedCount(s) >= 20
+		return combinedCount(s.core) >= 20
 	})
 	if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", mustInt64(blocked)); err != nil {
 		t.Fatal(err)
@@ -556,9 +558,9 @@ func TestCombinedPreparedCallsRaceBlockingLockAndCloseLeaveNothingHeld(t *testin
 	if pids := grantedTo(t, dsn, blocked); len(pids) != 1 || pids[0] != pid {
 		t.Fatalf("pg_locks: %v granted to %v, want backend %d", blocked, pids, pid)
 	}
-	before := combinedCount(s)
+	before := combinedCount(s.core)
 	pgtest.Eventually(t, testTimeout, "more combined statements after the grant", func() bool {
-		return combinedCount(s) >= before+20
+		return combinedCount(s.core) >= before+20
 	})
 	if err := s.Close(ctx); err != nil {
 		t.Fatalf("Close with calls in flight: %v", err)
@@ -578,10 +580,10 @@ func TestCombinedPreparedCallsRaceBlockingLockAndCloseLeaveNothingHeld(t *testin
 	if held := heldBy(t, dsn, pid); len(held) != 0 {
 		t.Errorf("after Close returned nil, backend %d holds %v", pid, held)
 	}
-	if n := len(markedPrepared(s)); n == 0 || n > maxCombinedTexts {
-		t.Errorf("%d combined texts recorded as prepared, want between 1 and %d", n, maxCombinedTexts)
+	if n := len(markedPrepared(s)); n == 0 || n > core.MaxCombinedTexts {
+		t.Errorf("%d combined texts recorded as prepared, want between 1 and %d", n, core.MaxCombinedTexts)
 	}
-	t.Logf("%d combined statements, %d texts prepared", combinedCount(s), len(markedPrepared(s)))
+	t.Logf("%d combined statements, %d texts prepared", combinedCount(s.core), len(markedPrepared(s)))
 }
 
 // Picking, among backends of equal load, the one with the fewest calls
@@ -616,7 +618,7 @@ func TestCombinedRouteTieBreakNeverTriesOnWaitingBackend(t *testing.T) {
 		}
 		return false
 	})
-	if waiter == shared.s.pid {
+	if waiter == shared.core.S.Pid {
 		t.Fatalf("the blocking Lock waits on backend %d, which holds a shared key", waiter)
 	}
 	const workers, rounds = 12, 60
@@ -631,12 +633,12 @@ func TestCombinedRouteTieBreakNeverTriesOnWaitingBackend(t *testing.T) {
 					errs <- fmt.Errorf("worker %d: TryLock %v: %v", w, k, err)
 					return
 				}
-				if l.s.pid == waiter {
+				if l.core.S.Pid == waiter {
 					errs <- fmt.Errorf("worker %d: %v taken on backend %d, which waits", w, k, waiter)
 				}
 				if i%15 == 0 {
-					if pids := grantedTo(t, dsn, k); len(pids) != 1 || pids[0] == waiter || pids[0] != l.s.pid {
-						errs <- fmt.Errorf("worker %d: pg_locks: %v granted to %v, want backend %d (waiter %d)", w, k, pids, l.s.pid, waiter)
+					if pids := grantedTo(t, dsn, k); len(pids) != 1 || pids[0] == waiter || pids[0] != l.core.S.Pid {
+						errs <- fmt.Errorf("worker %d: pg_locks: %v granted to %v, want backend %d (waiter %d)", w, k, pids, l.core.S.Pid, waiter)
 					}
 				}
 				if i%10 == 5 {
@@ -648,7 +650,7 @@ func TestCombinedRouteTieBreakNeverTriesOnWaitingBackend(t *testing.T) {
 					// Past the handoff bounds a reader takes the key on
 					// another backend (see backends.go), never on the
 					// one that waits.
-					if j.s.pid == waiter {
+					if j.core.S.Pid == waiter {
 						errs <- fmt.Errorf("worker %d: shared %v taken on backend %d, which waits", w, shared.Key(), waiter)
 					}
 					mustUnlock(t, j)
@@ -668,17 +670,17 @@ func TestCombinedRouteTieBreakNeverTriesOnWaitingBackend(t *testing.T) {
 	if held := heldBy(t, dsn, waiter); len(held) != 0 {
 		t.Errorf("pg_locks: the waiting backend %d holds %v", waiter, held)
 	}
-	if pids := grantedTo(t, dsn, shared.Key()); len(pids) != 1 || pids[0] != shared.s.pid {
-		t.Errorf("pg_locks: shared %v granted to %v, want backend %d alone", shared.Key(), pids, shared.s.pid)
+	if pids := grantedTo(t, dsn, shared.Key()); len(pids) != 1 || pids[0] != shared.core.S.Pid {
+		t.Errorf("pg_locks: shared %v granted to %v, want backend %d alone", shared.Key(), pids, shared.core.S.Pid)
 	}
 	combined := 0
-	c.mu.Lock()
-	for _, b := range c.backends {
-		b.state.Lock()
-		combined += b.calls.combined
-		b.state.Unlock()
+	c.core.Mu.Lock()
+	for _, b := range c.core.Backends {
+		b.State.Lock()
+		combined += b.Calls.Combined
+		b.State.Unlock()
 	}
-	c.mu.Unlock()
+	c.core.Mu.Unlock()
 	t.Logf("%d combined statements", combined)
 	if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", mustInt64(waited)); err != nil {
 		t.Fatal(err)

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -59,8 +61,8 @@ func TestCombinedCallsAnswerEachKey(t *testing.T) {
 					return
 				}
 				if i%10 == 0 {
-					if pids := grantedTo(t, dsn, k); len(pids) != 1 || pids[0] != l.s.pid {
-						errs <- fmt.Errorf("worker %d: %v taken, granted in pg_locks to %v, want backend %d", w, k, pids, l.s.pid)
+					if pids := grantedTo(t, dsn, k); len(pids) != 1 || pids[0] != l.core.S.Pid {
+						errs <- fmt.Errorf("worker %d: %v taken, granted in pg_locks to %v, want backend %d", w, k, pids, l.core.S.Pid)
 					}
 				}
 				if err := l.Unlock(ctx); err != nil {
@@ -76,13 +78,13 @@ func TestCombinedCallsAnswerEachKey(t *testing.T) {
 		t.Error(err)
 	}
 	combined := 0
-	c.mu.Lock()
-	for _, b := range c.backends {
-		b.state.Lock()
-		combined += b.calls.combined
-		b.state.Unlock()
+	c.core.Mu.Lock()
+	for _, b := range c.core.Backends {
+		b.State.Lock()
+		combined += b.Calls.Combined
+		b.State.Unlock()
 	}
-	c.mu.Unlock()
+	c.core.Mu.Unlock()
 	if combined == 0 {
 		t.Errorf("no statement carried more than one call: the test did not combine")
 	}
@@ -125,7 +127,7 @@ func TestCombinedStatementFailureCostsNoOtherKey(t *testing.T) {
 	}
 	// Hold the connection so that the calls queue, then let them go out
 	// as one statement: a release of a held key and tries of free ones.
-	if err := s.grab(ctx); err != nil {
+	if err := s.core.Grab(ctx); err != nil {
 		t.Fatal(err)
 	}
 	tries := []Key{HashKey("t", "1"), HashKey("t", "2"), HashKey("t", "3")}
@@ -135,30 +137,30 @@ func TestCombinedStatementFailureCostsNoOtherKey(t *testing.T) {
 	}
 	releaseDone := make(chan answer, 1)
 	go func() {
-		ok, err := s.callKey(ctx, unlockFunc(false), release)
+		ok, err := s.core.CallKey(ctx, core.UnlockFunc(false), release.core)
 		releaseDone <- answer{ok, err}
 	}()
 	tryDone := make([]chan answer, len(tries))
 	for i, k := range tries {
 		tryDone[i] = make(chan answer, 1)
 		go func() {
-			ok, err := s.callKey(ctx, lockFunc(false, true), k)
+			ok, err := s.core.CallKey(ctx, core.LockFunc(false, true), k.core)
 			tryDone[i] <- answer{ok, err}
 		}()
 	}
 	pgtest.Eventually(t, testTimeout, "every call queued", func() bool {
-		s.state.Lock()
-		defer s.state.Unlock()
-		return s.calls.busy && len(s.calls.queue) == len(tries)
+		s.core.State.Lock()
+		defer s.core.State.Unlock()
+		return s.core.Calls.Busy && len(s.core.Calls.Queue) == len(tries)
 	})
-	s.release()
+	s.core.Release()
 	r := <-releaseDone
 	if r.err != nil || !r.ok {
 		t.Fatalf("release in a failed combined statement: (%v, %v), want (true, nil)", r.ok, r.err)
 	}
-	s.state.Lock()
-	combined := s.calls.combined
-	s.state.Unlock()
+	s.core.State.Lock()
+	combined := s.core.Calls.Combined
+	s.core.State.Unlock()
 	if combined != 1 {
 		t.Fatalf("%d combined statements, want 1", combined)
 	}
@@ -167,7 +169,7 @@ func TestCombinedStatementFailureCostsNoOtherKey(t *testing.T) {
 		a := <-tryDone[i]
 		if a.err != nil {
 			failed++
-			if sqlState(a.err) != "53200" {
+			if core.SqlState(a.err) != "53200" {
 				t.Errorf("try %v: %v, want out of shared memory or an answer", k, a.err)
 			}
 		}
@@ -176,11 +178,11 @@ func TestCombinedStatementFailureCostsNoOtherKey(t *testing.T) {
 			filler.Close(ctx)
 		}
 		pids := grantedTo(t, dsn, k)
-		if a.ok != (len(pids) == 1 && pids[0] == s.pid) || len(pids) > 1 {
+		if a.ok != (len(pids) == 1 && pids[0] == s.core.Pid) || len(pids) > 1 {
 			t.Errorf("try %v answered (%v, %v), granted in pg_locks to %v", k, a.ok, a.err, pids)
 		}
 		if a.ok {
-			if _, err := s.callKey(ctx, unlockFunc(false), k); err != nil {
+			if _, err := s.core.CallKey(ctx, core.UnlockFunc(false), k.core); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -257,40 +259,40 @@ func TestCombinedCallCancelledInFlightLeavesNothingHeld(t *testing.T) {
 	ctx := testCtx(t)
 	dsn := pgtest.DB(t)
 	s := newTestSession(t, newTestClient(t, dsn))
-	if err := s.grab(ctx); err != nil {
+	if err := s.core.Grab(ctx); err != nil {
 		t.Fatal(err)
 	}
 	first, second := Int64Key(3_000_001), Int64Key(3_000_002)
 	leader := goLock(func() (*Lock, error) { return s.TryLock(ctx, first) })
 	pgtest.Eventually(t, testTimeout, "the first try waits for the connection", func() bool {
-		s.state.Lock()
-		defer s.state.Unlock()
-		return s.calls.busy
+		s.core.State.Lock()
+		defer s.core.State.Unlock()
+		return s.core.Calls.Busy
 	})
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	queued := goLock(func() (*Lock, error) { return s.TryLock(cctx, second) })
 	pgtest.Eventually(t, testTimeout, "the second try queues", func() bool {
-		s.state.Lock()
-		defer s.state.Unlock()
-		return len(s.calls.queue) == 1
+		s.core.State.Lock()
+		defer s.core.State.Unlock()
+		return len(s.core.Calls.Queue) == 1
 	})
-	if err := syscall.Kill(int(s.pid), syscall.SIGSTOP); err != nil {
-		t.Skipf("cannot pause backend %d (the server runs as another user): %v", s.pid, err)
+	if err := syscall.Kill(int(s.core.Pid), syscall.SIGSTOP); err != nil {
+		t.Skipf("cannot pause backend %d (the server runs as another user): %v", s.core.Pid, err)
 	}
 	resumed := false
 	resume := func() {
 		if !resumed {
 			resumed = true
-			_ = syscall.Kill(int(s.pid), syscall.SIGCONT)
+			_ = syscall.Kill(int(s.core.Pid), syscall.SIGCONT)
 		}
 	}
 	defer resume()
-	s.release()
+	s.core.Release()
 	pgtest.Eventually(t, testTimeout, "both tries go out in one statement", func() bool {
-		s.state.Lock()
-		defer s.state.Unlock()
-		return len(s.calls.queue) == 0 && s.calls.combined == 1
+		s.core.State.Lock()
+		defer s.core.State.Unlock()
+		return len(s.core.Calls.Queue) == 0 && s.core.Calls.Combined == 1
 	})
 	cancel()
 	resume()
@@ -307,7 +309,7 @@ func TestCombinedCallCancelledInFlightLeavesNothingHeld(t *testing.T) {
 		t.Errorf("second TryLock: %v, want context.Canceled", r.err)
 	}
 	notHeld(t, dsn, second)
-	heldOnlyBy(t, dsn, first, s.pid)
+	heldOnlyBy(t, dsn, first, s.core.Pid)
 }
 
 // A caller whose turn it is to send the queue, but whose ctx ends while it
@@ -318,7 +320,7 @@ func TestCombinedTurnPassesOnWhenItsCallerGivesUp(t *testing.T) {
 	ctx := testCtx(t)
 	dsn := pgtest.DB(t)
 	s := newTestSession(t, newTestClient(t, dsn))
-	if err := s.grab(ctx); err != nil {
+	if err := s.core.Grab(ctx); err != nil {
 		t.Fatal(err)
 	}
 	first, second := Int64Key(4_000_001), Int64Key(4_000_002)
@@ -326,27 +328,27 @@ func TestCombinedTurnPassesOnWhenItsCallerGivesUp(t *testing.T) {
 	defer cancel()
 	giving := goLock(func() (*Lock, error) { return s.TryLock(cctx, first) })
 	pgtest.Eventually(t, testTimeout, "the first try waits for the connection", func() bool {
-		s.state.Lock()
-		defer s.state.Unlock()
-		return s.calls.busy
+		s.core.State.Lock()
+		defer s.core.State.Unlock()
+		return s.core.Calls.Busy
 	})
 	queued := goLock(func() (*Lock, error) { return s.TryLock(ctx, second) })
-	var call *keyCall
+	var call *core.KeyCall
 	pgtest.Eventually(t, testTimeout, "the second try queues", func() bool {
-		s.state.Lock()
-		defer s.state.Unlock()
-		if len(s.calls.queue) == 1 {
-			call = s.calls.queue[0]
+		s.core.State.Lock()
+		defer s.core.State.Unlock()
+		if len(s.core.Calls.Queue) == 1 {
+			call = s.core.Calls.Queue[0]
 		}
 		return call != nil
 	})
 	cancel()
 	pgtest.Eventually(t, testTimeout, "the queued try takes the turn", func() bool {
-		s.state.Lock()
-		defer s.state.Unlock()
-		return !slices.Contains(s.calls.queue, call)
+		s.core.State.Lock()
+		defer s.core.State.Unlock()
+		return !slices.Contains(s.core.Calls.Queue, call)
 	})
-	s.release()
+	s.core.Release()
 	if r := receive(t, giving); !errors.Is(r.err, context.Canceled) {
 		t.Fatalf("first TryLock, cancelled while waiting for the connection: (%v, %v), want context.Canceled", r.l, r.err)
 	}
@@ -354,7 +356,7 @@ func TestCombinedTurnPassesOnWhenItsCallerGivesUp(t *testing.T) {
 	if r.err != nil {
 		t.Fatalf("second TryLock, queued behind a caller that gave up: %v", r.err)
 	}
-	heldOnlyBy(t, dsn, second, s.pid)
+	heldOnlyBy(t, dsn, second, s.core.Pid)
 	notHeld(t, dsn, first)
 	mustUnlock(t, r.l)
 }
@@ -375,16 +377,16 @@ func TestCombinedStatementsPreparedAreBounded(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close(ctx)
-	send := func(calls []*keyCall) {
+	send := func(calls []*core.KeyCall) {
 		t.Helper()
-		if err := s.grab(ctx); err != nil {
+		if err := s.core.Grab(ctx); err != nil {
 			t.Fatal(err)
 		}
-		s.answerCalls(ctx, calls)
-		s.release()
+		s.core.AnswerCalls(ctx, calls)
+		s.core.Release()
 		for _, c := range calls {
-			if c.err != nil {
-				t.Fatalf("%s(%v): %v", c.fn, c.key, c.err)
+			if c.Cause != nil {
+				t.Fatalf("%s(%v): %v", c.Fn, c.Key, c.Cause)
 			}
 		}
 	}
@@ -392,49 +394,49 @@ func TestCombinedStatementsPreparedAreBounded(t *testing.T) {
 	texts := 0
 	for tries := 1; tries <= 12; tries++ {
 		for releases := 1; releases <= 12; releases++ {
-			var calls, taken []*keyCall
+			var calls, taken []*core.KeyCall
 			for range tries {
 				next++
-				calls = append(calls, &keyCall{fn: lockFunc(false, true), key: Int64Key(next)})
+				calls = append(calls, &core.KeyCall{Fn: core.LockFunc(false, true), Key: Int64Key(next).core})
 			}
 			taken = slices.Clone(calls)
 			for range releases {
 				next++
-				calls = append(calls, &keyCall{fn: unlockFunc(false), key: Int64Key(next)})
+				calls = append(calls, &core.KeyCall{Fn: core.UnlockFunc(false), Key: Int64Key(next).core})
 			}
 			send(calls)
 			texts++
 			for _, c := range calls {
-				if want := c.fn == lockFunc(false, true); c.ok != want {
-					t.Fatalf("%d tries, %d releases: %s(%v) answered %v, want %v", tries, releases, c.fn, c.key, c.ok, want)
+				if want := c.Fn == core.LockFunc(false, true); c.Ok != want {
+					t.Fatalf("%d tries, %d releases: %s(%v) answered %v, want %v", tries, releases, c.Fn, c.Key, c.Ok, want)
 				}
 			}
-			if got := heldBy(t, dsn, s.pid); len(got) != tries {
+			if got := heldBy(t, dsn, s.core.Pid); len(got) != tries {
 				t.Fatalf("%d tries, %d releases: backend holds %d keys in pg_locks, want %d", tries, releases, len(got), tries)
 			}
 			if len(taken) == 1 {
-				ok, err := s.callKey(ctx, unlockFunc(false), taken[0].key)
+				ok, err := s.core.CallKey(ctx, core.UnlockFunc(false), taken[0].Key)
 				if err != nil || !ok {
-					t.Fatalf("release of %v: %v, %v", taken[0].key, ok, err)
+					t.Fatalf("release of %v: %v, %v", taken[0].Key, ok, err)
 				}
 				continue
 			}
 			for _, c := range taken {
-				c.fn, c.ok = unlockFunc(false), false
+				c.Fn, c.Ok = core.UnlockFunc(false), false
 			}
 			send(taken)
 			for _, c := range taken {
-				if !c.ok {
-					t.Fatalf("release of %v answered false, want true", c.key)
+				if !c.Ok {
+					t.Fatalf("release of %v answered false, want true", c.Key)
 				}
 			}
 		}
 	}
-	if got := heldBy(t, dsn, s.pid); len(got) != 0 {
+	if got := heldBy(t, dsn, s.core.Pid); len(got) != 0 {
 		t.Fatalf("backend still holds %v", got)
 	}
 	var statements []string
-	err = s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+	err = s.core.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 		rows, _ := conn.Query(ctx, "SELECT statement FROM pg_prepared_statements")
 		statements, err = pgx.CollectRows(rows, pgx.RowTo[string])
 		return err
@@ -444,12 +446,12 @@ func TestCombinedStatementsPreparedAreBounded(t *testing.T) {
 	}
 	prepared := 0
 	for _, st := range statements {
-		calls := strings.HasPrefix(st, "SELECT "+lockFunc(false, true)+"(") || strings.HasPrefix(st, "SELECT "+unlockFunc(false)+"(")
+		calls := strings.HasPrefix(st, "SELECT "+core.LockFunc(false, true)+"(") || strings.HasPrefix(st, "SELECT "+core.UnlockFunc(false)+"(")
 		if calls && strings.Contains(st, "), pg_") {
 			prepared++ // a statement of more than one call
 		}
 	}
-	if texts <= maxCombinedTexts || prepared != maxCombinedTexts {
-		t.Fatalf("%d combined texts sent, %d prepared on the backend, want %d: %q", texts, prepared, maxCombinedTexts, statements)
+	if texts <= core.MaxCombinedTexts || prepared != core.MaxCombinedTexts {
+		t.Fatalf("%d combined texts sent, %d prepared on the backend, want %d: %q", texts, prepared, core.MaxCombinedTexts, statements)
 	}
 }

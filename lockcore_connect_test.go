@@ -127,7 +127,7 @@ func TestLockWithoutStatementCacheInOtherQueryModes(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			heldOnlyBy(t, dsn, k, l.s.PID())
+			heldOnlyBy(t, dsn, k, l.core.S.PID())
 			if err := l.Unlock(ctx); err != nil {
 				t.Fatal(err)
 			}

@@ -33,7 +33,7 @@ func TestUnlockOnEndedBackendErrSaysLost(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		pid := l.s.PID()
+		pid := l.core.S.PID()
 		pgtest.Terminate(t, dsn, pid)
 		admin := pgtest.Conn(t, dsn)
 		backendGoneFrom(t, admin, pid)
@@ -92,9 +92,9 @@ func TestUnfencedHandoffFromTerminatedBackendReportsLoss(t *testing.T) {
 			}
 			bch := goLock(func() (*Lock, error) { return lock(ctx, k) })
 			pgtest.Eventually(t, testTimeout, "B queued at the key's gate", func() bool { return gateWaiters(c, k) == 1 })
-			pid = a.s.PID()
-			answered := a.s.answeredAt()
-			pgtest.Eventually(t, testTimeout, "a heartbeat answered", func() bool { return a.s.answeredAt().After(answered) })
+			pid = a.core.S.PID()
+			answered := a.core.S.AnsweredAt()
+			pgtest.Eventually(t, testTimeout, "a heartbeat answered", func() bool { return a.core.S.AnsweredAt().After(answered) })
 			pgtest.Terminate(t, dsn, pid)
 			terminated = time.Now()
 			backendGoneFrom(t, admin, pid)
@@ -119,7 +119,7 @@ func TestUnfencedHandoffFromTerminatedBackendReportsLoss(t *testing.T) {
 			t.Fatalf("A's Unlock %v; B's Lock %v", uerr, r.err)
 		}
 		b := r.l
-		t.Logf("A's Unlock: %v; B on backend %d (A's was %d)", uerr, b.s.PID(), pid)
+		t.Logf("A's Unlock: %v; B on backend %d (A's was %d)", uerr, b.core.S.PID(), pid)
 		bound := 2 * beat
 		select {
 		case <-b.Done():
@@ -135,7 +135,7 @@ func TestUnfencedHandoffFromTerminatedBackendReportsLoss(t *testing.T) {
 		if err := b.Unlock(ctx); !errors.Is(err, ErrLockLost) {
 			t.Fatalf("B's Unlock: %v, want ErrLockLost", err)
 		}
-		heldOnlyBy(t, dsn, k, cl.s.PID())
+		heldOnlyBy(t, dsn, k, cl.core.S.PID())
 		mustUnlock(t, cl)
 		notHeld(t, dsn, k)
 	})

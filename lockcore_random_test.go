@@ -123,6 +123,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -752,7 +754,7 @@ func (p *lcProc) probe(ctx context.Context, dsn string) {
 	if err != nil {
 		return
 	}
-	defer closeConn(conn, time.Second)
+	defer core.CloseConn(conn, time.Second)
 	const every = 50 * time.Millisecond
 	tick := time.NewTicker(every)
 	defer tick.Stop()
@@ -972,7 +974,7 @@ func (w *lcWorker) round(ctx context.Context, on lcLocker, s *Session, kind lcKi
 		}
 		return
 	}
-	op.PID, op.Fence = lockBackendPID(l), int64(l.Fence())
+	op.PID, op.Fence = lockBackendPID(&l.core), int64(l.Fence())
 	var doneAt int64
 	var doneErr error
 	watched := make(chan struct{})

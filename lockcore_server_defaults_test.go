@@ -4,6 +4,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -52,7 +54,7 @@ func TestServerDefaultsOnDatabaseDoNotEndLocks(t *testing.T) {
 	}
 	// The defaults are in force on an ordinary new connection.
 	control := pgtest.Conn(t, dsn)
-	if _, err := control.Exec(ctx, "SELECT pg_sleep(0.5)"); sqlState(err) != "57014" {
+	if _, err := control.Exec(ctx, "SELECT pg_sleep(0.5)"); core.SqlState(err) != "57014" {
 		t.Fatalf("a 0.5 s statement on an ordinary connection: %v, want SQLSTATE 57014", err)
 	}
 
@@ -71,7 +73,7 @@ func TestServerDefaultsOnDatabaseDoNotEndLocks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pids := map[Key]int32{k1: l1.s.PID(), k2: l2.s.PID(), k3: l34.s.PID(), k4: l34.s.PID()}
+	pids := map[Key]int32{k1: l1.core.S.PID(), k2: l2.core.S.PID(), k3: l34.core.S.PID(), k4: l34.core.S.PID()}
 
 	wch := goLock(func() (*Lock, error) { return waiter.Lock(ctx, k1) })
 	var wpid int32
@@ -109,10 +111,10 @@ func TestServerDefaultsOnDatabaseDoNotEndLocks(t *testing.T) {
 	if r.err != nil {
 		t.Fatalf("the waiter's Lock after the holder's Unlock: %v", r.err)
 	}
-	if r.l.s.PID() != wpid {
-		t.Logf("the waiter was granted on backend %d, it waited on %d", r.l.s.PID(), wpid)
+	if r.l.core.S.PID() != wpid {
+		t.Logf("the waiter was granted on backend %d, it waited on %d", r.l.core.S.PID(), wpid)
 	}
-	heldOnlyBy(t, dsn, k1, r.l.s.PID())
+	heldOnlyBy(t, dsn, k1, r.l.core.S.PID())
 	mustUnlock(t, r.l)
 	mustUnlock(t, l2)
 	mustUnlock(t, l34)
@@ -122,7 +124,7 @@ func TestServerDefaultsOnDatabaseDoNotEndLocks(t *testing.T) {
 	k5 := HashKey("lockcore", "defaults", "fenced")
 	if l, err := waiter.Lock(ctx, k5, WithFence()); err == nil {
 		t.Fatalf("Lock WithFence in a database whose transactions are read-only by default: fence %d, want an error", l.Fence())
-	} else if sqlState(err) != "25006" {
+	} else if core.SqlState(err) != "25006" {
 		t.Logf("Lock WithFence: %v", err)
 	}
 	notHeld(t, dsn, k5)
@@ -130,7 +132,7 @@ func TestServerDefaultsOnDatabaseDoNotEndLocks(t *testing.T) {
 	if err != nil {
 		t.Fatalf("TryLock after the failed fenced acquire: %v", err)
 	}
-	heldOnlyBy(t, dsn, k5, l5.s.PID())
+	heldOnlyBy(t, dsn, k5, l5.core.S.PID())
 	mustUnlock(t, l5)
 	for _, k := range []Key{k1, k2, k3, k4, k5} {
 		notHeld(t, dsn, k)

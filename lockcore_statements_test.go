@@ -38,7 +38,7 @@ func TestStatementsYieldAndBlockingLockNotStarvedOnOneSession(t *testing.T) {
 	wait := goLock(func() (*Lock, error) { return s.Lock(ctx, k) })
 	pgtest.Eventually(t, 10*time.Second, "blocking Lock waits", func() bool { return waitingOn(t, dsn, k) == 1 })
 
-	slice := c.cfg.waitSlice()
+	slice := c.core.Cfg.WaitSlice()
 	prompt := min(slice/4, 2*time.Second)
 	const workers, rounds = 8, 25
 	var stop atomic.Bool
@@ -363,10 +363,10 @@ func TestDoneClosesForEveryEndAndKeyIsFreeAfter(t *testing.T) {
 			// The second waits in this process, at the key's gate: let it
 			// get there (bounded), then end the first.
 			pgtest.Eventually(t, 10*time.Second, "second Lock queued at the key's gate", func() bool {
-				c.gates.mu.Lock()
-				defer c.gates.mu.Unlock()
-				g := c.gates.m[k]
-				return g != nil && len(g.queue) == 1
+				c.core.Gates.Mu.Lock()
+				defer c.core.Gates.Mu.Unlock()
+				g := c.core.Gates.M[k.core]
+				return g != nil && len(g.Queue) == 1
 			})
 			mustUnlock(t, l)
 			checkLockEnded(t, l, before, ErrNotHeld, fmt.Sprintf("handoff round %d", round))
@@ -499,8 +499,8 @@ func TestAcquireContextErrStaysTheSameOnceEnded(t *testing.T) {
 	}
 	caller, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
-	a := c.acquireCtx(caller)
-	defer a.end()
+	a := c.core.AcquireCtx(caller)
+	defer a.End()
 	if err := c.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}

@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -74,7 +76,7 @@ func setDeadlockTimeout(t testing.TB, dsn string, d time.Duration) time.Duration
 	}
 	sql := fmt.Sprintf("ALTER DATABASE %s SET deadlock_timeout = '%dms'", pgx.Identifier{db}.Sanitize(), d.Milliseconds())
 	if _, err := conn.Exec(ctx, sql); err != nil {
-		if sqlState(err) != "42501" {
+		if core.SqlState(err) != "42501" {
 			t.Fatal(err)
 		}
 		t.Logf("deadlock_timeout stays at 1s: %v", err)
@@ -88,7 +90,7 @@ func outcome(r result) string {
 	if r.err != nil {
 		return fmt.Sprintf("failed: %v", r.err)
 	}
-	return fmt.Sprintf("got the lock on backend %d", r.l.s.PID())
+	return fmt.Sprintf("got the lock on backend %d", r.l.core.S.PID())
 }
 
 // settle polls cond for at most 2s, for a state that the scenario aims at
@@ -114,8 +116,8 @@ func stillHeld(t testing.TB, dsn string, l *Lock, what string) {
 	default:
 	}
 	for _, k := range l.Keys() {
-		if !holdsOn(t, dsn, k, l.s.PID()) {
-			t.Fatalf("%s: pg_locks shows %v granted to %v, not to the lock's backend %d", what, k, grantedTo(t, dsn, k), l.s.PID())
+		if !holdsOn(t, dsn, k, l.core.S.PID()) {
+			t.Fatalf("%s: pg_locks shows %v granted to %v, not to the lock's backend %d", what, k, grantedTo(t, dsn, k), l.core.S.PID())
 		}
 	}
 }
@@ -137,7 +139,7 @@ func TestUnlockLeavesKeyFreeAfterLockTimeoutRace(t *testing.T) {
 	// release_at releases a key at a moment given to the microsecond, on
 	// the server: pg_sleep to just before it, then a bounded spin.
 	setup := pgtest.Conn(t, dsn)
-	if serverMajor(setup.PgConn().ParameterStatus("server_version")) < 14 {
+	if core.ServerMajor(setup.PgConn().ParameterStatus("server_version")) < 14 {
 		t.Skip("aiming at the end of a wait slice needs pg_locks.waitstart (PostgreSQL 14+)")
 	}
 	if _, err := setup.Exec(testCtx(t), `CREATE FUNCTION release_at(k bigint, target timestamptz) RETURNS boolean
@@ -179,7 +181,7 @@ func TestUnlockLeavesKeyFreeAfterLockTimeoutRace(t *testing.T) {
 						t.Errorf("%s trial %d.%d: %v", kind.name, li, i, err)
 						return
 					}
-					pid := l.s.PID()
+					pid := l.core.S.PID()
 					if err := l.Unlock(ctx); err != nil {
 						t.Errorf("%s trial %d.%d: Unlock: %v", kind.name, li, i, err)
 						return
@@ -316,7 +318,7 @@ func TestNoDeadlockAcrossClientsAtConnectionLimit(t *testing.T) {
 				extra = append(extra, r.l)
 			}
 			t.Logf("client 1 backends: a on %d, v0 on %d; client 2 backends: d on %d, v1 on %d",
-				g1.s.PID(), extra[0].s.PID(), h1.s.PID(), extra[1].s.PID())
+				g1.core.S.PID(), extra[0].core.S.PID(), h1.core.S.PID(), extra[1].core.S.PID())
 
 			g2 := goLock(func() (*Lock, error) { return acquire(c1, d) })
 			h2 := goLock(func() (*Lock, error) { return acquire(c2, a) })
@@ -384,7 +386,7 @@ func TestNoDeadlockAcrossClientsAtConnectionLimit(t *testing.T) {
 					t.Fatalf("%s after the holders released: %v", w.name, r.err)
 				}
 				for _, k := range w.ks {
-					heldOnlyBy(t, dsn, k, r.l.s.PID())
+					heldOnlyBy(t, dsn, k, r.l.core.S.PID())
 				}
 				mustUnlock(t, r.l)
 			}
@@ -409,15 +411,15 @@ func TestMultiKeyWaitKeepsOtherLocks(t *testing.T) {
 	run := func(t *testing.T, dsn string, held []*Lock, queued func() bool, lockAll func(ctx context.Context, keys ...Key) (*Lock, error)) {
 		ctx := testCtx(t)
 		outside := pgtest.Conn(t, dsn)
-		keys, err := canonicalKeys([]Key{HashKey("multi", "1"), HashKey("multi", "2"), HashKey("multi", "3"), HashKey("multi", "4")})
+		keys, err := core.CanonicalKeys(coreKeys([]Key{HashKey("multi", "1"), HashKey("multi", "2"), HashKey("multi", "3"), HashKey("multi", "4")}))
 		if err != nil {
 			t.Fatal(err)
 		}
 		for _, k := range keys {
-			outsideLock(t, outside, k)
+			outsideLock(t, outside, Key{k})
 		}
-		ch := goLock(func() (*Lock, error) { return lockAll(ctx, keys...) })
-		pgtest.Eventually(t, testTimeout, "LockAll waits for the first key", func() bool { return waitingOn(t, dsn, keys[0]) == 1 || queued() })
+		ch := goLock(func() (*Lock, error) { return lockAll(ctx, keysOf(keys)...) })
+		pgtest.Eventually(t, testTimeout, "LockAll waits for the first key", func() bool { return waitingOn(t, dsn, Key{keys[0]}) == 1 || queued() })
 		start := time.Now()
 		// Free the keys one by one, 0.36 L apart, in the order LockAll
 		// takes them, watching the locks beside the wait meanwhile.
@@ -445,7 +447,7 @@ func TestMultiKeyWaitKeepsOtherLocks(t *testing.T) {
 					}
 				}
 			}
-			outsideUnlock(t, outside, k)
+			outsideUnlock(t, outside, Key{k})
 		}
 		r := receive(t, ch)
 		took := time.Since(start)
@@ -457,12 +459,12 @@ func TestMultiKeyWaitKeepsOtherLocks(t *testing.T) {
 		if r.err != nil {
 			t.Fatalf("LockAll after all its keys were freed (%v): %v", took, r.err)
 		}
-		t.Logf("LockAll returned after %v on backend %d", took, r.l.s.PID())
+		t.Logf("LockAll returned after %v on backend %d", took, r.l.core.S.PID())
 		for _, l := range held {
 			stillHeld(t, dsn, l, "the unrelated lock on "+l.Key().String())
 		}
 		for _, k := range keys {
-			heldOnlyBy(t, dsn, k, r.l.s.PID())
+			heldOnlyBy(t, dsn, Key{k}, r.l.core.S.PID())
 		}
 		mustUnlock(t, r.l)
 	}
@@ -564,8 +566,8 @@ func TestFenceWaitKeepsOtherLocks(t *testing.T) {
 				case <-u.Done():
 					t.Fatalf("the unrelated lock was lost %v into the fenced Lock's wait for the CheckFence transaction (Err: %v); issuing a fence must not hold its backend past the loss deadline %v", time.Since(open), u.Err(), tc.loss)
 				case <-tick.C:
-					if !holdsOn(t, dsn, unrelated, u.s.PID()) {
-						t.Fatalf("%v into the fenced Lock's wait, pg_locks shows the unrelated key granted to %v, not to its backend %d", time.Since(open), grantedTo(t, dsn, unrelated), u.s.PID())
+					if !holdsOn(t, dsn, unrelated, u.core.S.PID()) {
+						t.Fatalf("%v into the fenced Lock's wait, pg_locks shows the unrelated key granted to %v, not to its backend %d", time.Since(open), grantedTo(t, dsn, unrelated), u.core.S.PID())
 					}
 				case <-end:
 					break watching
@@ -581,7 +583,7 @@ func TestFenceWaitKeepsOtherLocks(t *testing.T) {
 			if r.l.Fence() <= old.Fence() {
 				t.Fatalf("fence %d, want more than the old holder's %d", r.l.Fence(), old.Fence())
 			}
-			heldOnlyBy(t, dsn, k, r.l.s.PID())
+			heldOnlyBy(t, dsn, k, r.l.core.S.PID())
 			stillHeld(t, dsn, u, "the unrelated lock")
 			mustUnlock(t, r.l)
 			mustUnlock(t, u)
@@ -659,7 +661,7 @@ func TestWriterNotStarvedByReadersOfOneClient(t *testing.T) {
 		t.Fatalf("the writer of another Client waited %v in the queue, while the readers of one Client took %d more shared locks, and then failed: %v; RLock promises that a waiting exclusive holder is not starved", waited, during, res.err)
 	}
 	t.Logf("writer got the key %v after it queued; %d reads meanwhile", waited, during)
-	heldOnlyBy(t, dsn, k, res.l.s.PID())
+	heldOnlyBy(t, dsn, k, res.l.core.S.PID())
 	mustUnlock(t, res.l)
 	if waited > time.Second {
 		t.Fatalf("the writer of another Client waited %v in the queue, while the readers of one Client took %d more shared locks; RLock promises that a waiting exclusive holder is not starved", waited, during)
@@ -712,7 +714,7 @@ func TestInterruptedLastSliceWaitsUntilDeadline(t *testing.T) {
 		if !errors.Is(r.err, context.DeadlineExceeded) {
 			t.Fatalf("Unlock of another lock of the Session %v into a %v Lock: Lock returned at its deadline with %v, want an error wrapping context.DeadlineExceeded", at, timeout, r.err)
 		}
-		heldOnlyBy(t, dsn, k, h.s.PID())
+		heldOnlyBy(t, dsn, k, h.core.S.PID())
 		if s.Err() != nil {
 			t.Fatalf("session ended: %v", s.Err())
 		}
@@ -739,7 +741,7 @@ func TestHandoffFenceOnLostBackendGoesOn(t *testing.T) {
 		}
 		bch := goLock(func() (*Lock, error) { return c.Lock(ctx, k, WithFence()) })
 		pgtest.Eventually(t, testTimeout, "B queued at the key's gate", func() bool { return gateWaiters(c, k) == 1 })
-		dead := a.s.PID()
+		dead := a.core.S.PID()
 		pgtest.Terminate(t, dsn, dead)
 		uerr := a.Unlock(ctx)
 		if uerr == nil {
@@ -753,7 +755,7 @@ func TestHandoffFenceOnLostBackendGoesOn(t *testing.T) {
 		if r.l.Fence() <= a.Fence() {
 			t.Fatalf("attempt %d: B's fence %d, want more than A's %d", attempt, r.l.Fence(), a.Fence())
 		}
-		pid := r.l.s.PID()
+		pid := r.l.core.S.PID()
 		if pid == dead {
 			t.Fatalf("attempt %d: B's lock is on the terminated backend %d", attempt, dead)
 		}
@@ -926,7 +928,7 @@ func TestNoSpuriousDeadlockRandomized(t *testing.T) {
 		}
 		mustUnlock(t, probe)
 		for _, w := range workers {
-			if w.c == c && len(w.private) == 2 && w.private[1].s == probe.s {
+			if w.c == c && len(w.private) == 2 && w.private[1].core.S == probe.core.S {
 				mustUnlock(t, w.private[1])
 				w.private = w.private[:1]
 			}
@@ -988,9 +990,9 @@ func TestNoSpuriousDeadlockRandomized(t *testing.T) {
 				lost++
 				t.Errorf("goroutine %d: private lock on %v lost: %v", w, l.Key(), l.Err())
 			default:
-				if !holdsOn(t, dsn, l.Key(), l.s.PID()) {
+				if !holdsOn(t, dsn, l.Key(), l.core.S.PID()) {
 					lost++
-					t.Errorf("goroutine %d: pg_locks shows private %v granted to %v, not to its backend %d", w, l.Key(), grantedTo(t, dsn, l.Key()), l.s.PID())
+					t.Errorf("goroutine %d: pg_locks shows private %v granted to %v, not to its backend %d", w, l.Key(), grantedTo(t, dsn, l.Key()), l.core.S.PID())
 				}
 			}
 		}
@@ -1027,11 +1029,11 @@ func TestUnlockOfJoinedSharedHoldAfterBackendEnded(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if a.s != b.s {
-		t.Fatalf("the second RLock did not join the first's hold (backends %d and %d)", a.s.PID(), b.s.PID())
+	if a.core.S != b.core.S {
+		t.Fatalf("the second RLock did not join the first's hold (backends %d and %d)", a.core.S.PID(), b.core.S.PID())
 	}
-	heldOnlyBy(t, dsn, k, a.s.PID())
-	terminateBackend(t, pool, a.s.PID())
+	heldOnlyBy(t, dsn, k, a.core.S.PID())
+	terminateBackend(t, pool, a.core.S.PID())
 	if n := len(grantedTo(t, dsn, k)); n != 0 {
 		t.Fatalf("the key is still granted to %d backends after its backend was terminated", n)
 	}
@@ -1077,7 +1079,7 @@ func campaignBlockedByTableLock(t *testing.T, ctx context.Context, opts ...Optio
 	if err != nil {
 		t.Fatal(err)
 	}
-	b1 := lx.s.PID()
+	b1 := lx.core.S.PID()
 	obs = pgtest.Conn(t, dsn)
 
 	locker := pgtest.Conn(t, dsn)
@@ -1128,7 +1130,7 @@ func campaignBlockedByTableLock(t *testing.T, ctx context.Context, opts ...Optio
 func TestUnlockAnswersWithinSliceWhileCampaignPrepareWaits(t *testing.T) {
 	ctx := testCtx(t)
 	c, lx, _, release := campaignBlockedByTableLock(t, ctx, WithLossDeadline(2*time.Second), WithHeartbeat(500*time.Millisecond))
-	slice := c.cfg.waitSlice()
+	slice := c.core.Cfg.WaitSlice()
 	start := time.Now()
 	err := lx.Unlock(ctx)
 	took := time.Since(start)
@@ -1230,7 +1232,7 @@ func TestTryRLockReadersDoNotStarveWaitingWriter(t *testing.T) {
 	if stillWaiting && !refused {
 		t.Fatalf("broken promise: a writer waited %v behind %d TryRLock readers of one Client that arrived after it (the first was taken long before the handoff window %v): "+
 			"each joined the backend's shared hold without asking the server, so the key never became free for the writer",
-			stream, reads, c.cfg.handoffWindow)
+			stream, reads, c.core.Cfg.HandoffWindow)
 	}
 	t.Logf("%d reads after the writer queued; refused: %v", reads, refused)
 }

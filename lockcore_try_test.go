@@ -32,7 +32,7 @@ func TestTryRLockDoesNotWaitForAnotherReadersWait(t *testing.T) {
 		c := newTestClient(t, dsn)
 		k := HashKey("lockcore", "tryrlock-joins-wait", name)
 		other := pgtest.Conn(t, dsn)
-		if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+		if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
 			t.Fatal(err)
 		}
 		rlock, tryRLock := c.RLock, c.TryRLock
@@ -62,7 +62,7 @@ func TestTryRLockDoesNotWaitForAnotherReadersWait(t *testing.T) {
 		if r := receive(t, wch); r.err == nil {
 			_ = r.l.Unlock(ctx)
 		}
-		if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
+		if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.core.V); err != nil {
 			t.Fatal(err)
 		}
 		pgtest.Eventually(t, testTimeout, "key free", func() bool { return len(lockState(t, dsn)[k]) == 0 })
@@ -81,7 +81,7 @@ func TestTryRLockDuringOtherReadersTryStopsWhenItWaits(t *testing.T) {
 	s := newTestSession(t, newTestClient(t, dsn))
 	k := HashKey("lockcore", "tryrlock-during-try")
 	other := pgtest.Conn(t, dsn)
-	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
 		t.Fatal(err)
 	}
 	release := holdConn(t, ctx, s)
@@ -89,10 +89,10 @@ func TestTryRLockDuringOtherReadersTryStopsWhenItWaits(t *testing.T) {
 	defer cancelWait()
 	wch := goLock(func() (*Lock, error) { return s.RLock(wctx, k) })
 	pgtest.Eventually(t, testTimeout, "the RLock reserved the key and waits for the connection", func() bool {
-		s.state.Lock()
-		defer s.state.Unlock()
-		h := s.keys[k]
-		return h != nil && h.busy != nil && s.calls.busy
+		s.core.State.Lock()
+		defer s.core.State.Unlock()
+		h := s.core.Holds[k.core]
+		return h != nil && h.Busy != nil && s.core.Calls.Busy
 	})
 	tctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -104,9 +104,9 @@ func TestTryRLockDuringOtherReadersTryStopsWhenItWaits(t *testing.T) {
 			t.Fatalf("TryRLock returned (%v, %v) before the RLock's try was answered", r.l, r.err)
 		default:
 		}
-		s.state.Lock()
-		defer s.state.Unlock()
-		return s.keys[k] != nil && s.keys[k].waitsSet != nil
+		s.core.State.Lock()
+		defer s.core.State.Unlock()
+		return s.core.Holds[k.core] != nil && s.core.Holds[k.core].WaitsSet != nil
 	})
 	release()
 	pgtest.Eventually(t, testTimeout, "the RLock waits on the server", func() bool { return waitingOn(t, dsn, k) == 1 })
@@ -118,7 +118,7 @@ func TestTryRLockDuringOtherReadersTryStopsWhenItWaits(t *testing.T) {
 	if r := receive(t, wch); r.err == nil {
 		t.Fatalf("RLock took %v while a writer elsewhere holds it", k)
 	}
-	if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.core.V); err != nil {
 		t.Fatal(err)
 	}
 	notHeld(t, dsn, k)
@@ -173,7 +173,7 @@ func TestTriesNeverWaitAmidRandomWaitsAndCancels(t *testing.T) {
 	enter := func(l *Lock) {
 		for _, k := range l.Keys() {
 			n := counts[k]
-			if l.shared {
+			if l.core.Shared {
 				n.readers.Add(1)
 				if w := n.writers.Load(); w != 0 {
 					fail("%v: a reader entered while %d writers hold it", k, w)
@@ -190,7 +190,7 @@ func TestTriesNeverWaitAmidRandomWaitsAndCancels(t *testing.T) {
 	}
 	leave := func(l *Lock) {
 		for _, k := range l.Keys() {
-			if l.shared {
+			if l.core.Shared {
 				counts[k].readers.Add(-1)
 			} else {
 				counts[k].writers.Add(-1)
@@ -230,7 +230,7 @@ func TestTriesNeverWaitAmidRandomWaitsAndCancels(t *testing.T) {
 		for phase := 0; phase < 1000 && !stopped(); phase++ {
 			if phase%2 == 0 {
 				for _, k := range keys {
-					if !exec("SELECT pg_try_advisory_lock($1)", k.v) {
+					if !exec("SELECT pg_try_advisory_lock($1)", k.core.V) {
 						return
 					}
 				}
@@ -251,7 +251,7 @@ func TestTriesNeverWaitAmidRandomWaitsAndCancels(t *testing.T) {
 					fn, unlock = "pg_try_advisory_lock_shared", "pg_advisory_unlock_shared"
 				}
 				var got bool
-				if err := remote.QueryRow(ctx, "SELECT "+fn+"($1)", k.v).Scan(&got); err != nil {
+				if err := remote.QueryRow(ctx, "SELECT "+fn+"($1)", k.core.V).Scan(&got); err != nil {
 					fail("remote %s: %v", fn, err)
 					return
 				}
@@ -260,7 +260,7 @@ func TestTriesNeverWaitAmidRandomWaitsAndCancels(t *testing.T) {
 						return
 					}
 				}
-				if got && !exec("SELECT "+unlock+"($1)", k.v) {
+				if got && !exec("SELECT "+unlock+"($1)", k.core.V) {
 					return
 				}
 			}
@@ -385,7 +385,7 @@ func TestTryInterruptsFreshlyResumedWaitSlice(t *testing.T) {
 	s := newTestSession(t, c)
 	k, k2 := Int64Key(77_101), Int64Key(77_102)
 	wch, endWait := lockWaitingOn(t, ctx, dsn, s, k)
-	slice := c.cfg.waitSlice()
+	slice := c.core.Cfg.WaitSlice()
 	var slow []string
 	var slowest time.Duration
 	end := time.Now().Add(5 * time.Second)
@@ -436,7 +436,7 @@ func TestTryAfterWaitEndsJoinsOrTakesAtOnce(t *testing.T) {
 		other := pgtest.Conn(t, dsn)
 		for round := range 2 {
 			granted := round == 0
-			if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+			if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
 				t.Fatal(err)
 			}
 			wctx, cancelWait := context.WithCancel(ctx)
@@ -450,7 +450,7 @@ func TestTryAfterWaitEndsJoinsOrTakesAtOnce(t *testing.T) {
 			}
 			var waiter *Lock
 			if granted {
-				if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
+				if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.core.V); err != nil {
 					t.Fatal(err)
 				}
 				r := receive(t, wch)
@@ -463,7 +463,7 @@ func TestTryAfterWaitEndsJoinsOrTakesAtOnce(t *testing.T) {
 				if r := receive(t, wch); r.err == nil {
 					t.Fatal("the cancelled RLock took the key")
 				}
-				if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
+				if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.core.V); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -490,7 +490,7 @@ func TestTryAfterWaitEndsJoinsOrTakesAtOnce(t *testing.T) {
 func lockWaitingOn(t *testing.T, ctx context.Context, dsn string, s *Session, k Key) (wch <-chan result, endWait func()) {
 	t.Helper()
 	outside := pgtest.Conn(t, dsn)
-	if _, err := outside.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+	if _, err := outside.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
 		t.Fatal(err)
 	}
 	wctx, cancelWait := context.WithCancel(ctx)

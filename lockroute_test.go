@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -29,7 +31,7 @@ import (
 func waitingQuery(t *testing.T, dsn string, k Key) string {
 	t.Helper()
 	conn := pgtest.Conn(t, dsn)
-	classid, objid, objsubid := k.lockColumns()
+	classid, objid, objsubid := k.core.LockColumns()
 	var query string
 	pgtest.Eventually(t, testTimeout, "a backend waiting for "+k.String(), func() bool {
 		err := conn.QueryRow(context.Background(), `
@@ -57,7 +59,7 @@ func TestContendedKeyTriesAndWaitsInOneStatement(t *testing.T) {
 	watched := newTestClient(t, dsn, WithHooks(rec.hooks()))
 	plain := newTestClient(t, dsn)
 	for _, c := range []*Client{watched, plain} {
-		c.contention.memory = time.Hour // the test's pace does not matter
+		c.core.Contention.Memory = time.Hour // the test's pace does not matter
 	}
 	k := Int64Key(7001)
 
@@ -83,7 +85,7 @@ func TestContendedKeyTriesAndWaitsInOneStatement(t *testing.T) {
 		if l == nil {
 			t.FailNow()
 		}
-		heldOnlyBy(t, dsn, k, l.s.PID())
+		heldOnlyBy(t, dsn, k, l.core.S.PID())
 		mustUnlock(t, l)
 		return q
 	}
@@ -92,7 +94,7 @@ func TestContendedKeyTriesAndWaitsInOneStatement(t *testing.T) {
 	if q := lockWhileHeld(plain); strings.Contains(q, "CASE WHEN") {
 		t.Fatalf("the first contended Lock waits in %q, want the plain wait after a try", q)
 	}
-	if !plain.contention.recent(k) {
+	if !plain.core.Contention.Recent(k.core) {
 		t.Fatal("the Client did not remember that the key was held elsewhere")
 	}
 	// The next one waits in the statement that tries.
@@ -104,7 +106,7 @@ func TestContendedKeyTriesAndWaitsInOneStatement(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	heldOnlyBy(t, dsn, k, l.s.PID())
+	heldOnlyBy(t, dsn, k, l.core.S.PID())
 	mustUnlock(t, l)
 
 	// The watched Client tries first every time, and reports each wait.
@@ -113,7 +115,7 @@ func TestContendedKeyTriesAndWaitsInOneStatement(t *testing.T) {
 			t.Fatalf("a Client with OnContention waits in %q, want the plain wait after a try", q)
 		}
 	}
-	if !watched.contention.recent(k) {
+	if !watched.core.Contention.Recent(k.core) {
 		t.Fatal("the watched Client did not remember that the key was held elsewhere")
 	}
 	rec.until(t, 2, 2, 2, 0)
@@ -128,7 +130,7 @@ func TestManyKeysSpreadOverBackends(t *testing.T) {
 	ctx := testCtx(t)
 	dsn := pgtest.DB(t)
 	c := newTestClient(t, dsn)
-	const n = 4 * spreadAbove
+	const n = 4 * core.SpreadAbove
 	locks := make([]*Lock, 0, n)
 	for i := range n {
 		l, err := c.TryLock(ctx, Int64Key(int64(80_000+i)))
@@ -194,7 +196,7 @@ func waitsWhileHolding(t testing.TB, dsn string, allowed ...Key) {
 	for k, hs := range lockState(t, dsn) {
 		for _, h := range hs {
 			if h.granted {
-				if !containsKey(allowed, k) {
+				if !core.ContainsKey(coreKeys(allowed), k.core) {
 					held[h.pid] = append(held[h.pid], k)
 				}
 			} else {
@@ -223,7 +225,7 @@ func TestLockWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 	// A long slice, so that the grant's wait for the row outlasts the test's
 	// steps on a loaded machine.
 	c := newTestClient(t, dsn, WithSharedBackends(1), WithLossDeadline(20*time.Second))
-	c.contention.memory = time.Hour
+	c.core.Contention.Memory = time.Hour
 	sem := c.Semaphore("grant-in-flight", 1)
 	k := Int64Key(7101)
 
@@ -231,13 +233,13 @@ func TestLockWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 	if st := c.Stat(); st.Backends != 1 {
 		t.Fatalf("Stat: %+v, want one backend", st)
 	}
-	shared := c.backends[0].PID()
+	shared := c.core.Backends[0].PID()
 
 	holder := pgtest.Conn(t, dsn)
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
 		t.Fatal(err)
 	}
-	c.contention.note(k) // found held a moment ago: the Lock waits at once
+	c.core.Contention.Note(k.core) // found held a moment ago: the Lock waits at once
 
 	// Another transaction holds the semaphore's row.
 	row, err := pool.Begin(ctx)
@@ -272,7 +274,7 @@ func TestLockWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 		t.Fatalf("TryAcquire: %v", g.err)
 	}
 	slot := sem.slotKey(g.p.Slot())
-	heldOnlyBy(t, dsn, slot, shared)
+	heldOnlyBy(t, dsn, Key{slot}, shared)
 	pgtest.Eventually(t, testTimeout, "the Lock to wait for the key on the server", func() bool {
 		return waitingOn(t, dsn, k) == 1
 	})
@@ -282,24 +284,24 @@ func TestLockWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 	// wait for the key share a backend.
 	asked := make(chan error, 1)
 	go func() {
-		_, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", slot.v)
+		_, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", slot.V)
 		asked <- err
 	}()
 	pgtest.Eventually(t, testTimeout, "the holder to wait for the slot", func() bool {
-		return waitingOn(t, dsn, slot) == 1
+		return waitingOn(t, dsn, Key{slot}) == 1
 	})
 	mustRelease(t, g.p)
 	if err := <-asked; err != nil {
 		t.Fatalf("the holder's request for the slot: %v", err)
 	}
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1), pg_advisory_unlock($2)", k.v, slot.v); err != nil {
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1), pg_advisory_unlock($2)", k.core.V, slot.V); err != nil {
 		t.Fatal(err)
 	}
 	r := receive(t, locked)
 	if r.err != nil {
 		t.Fatalf("Lock: %v, want the key once its holder let it go", r.err)
 	}
-	heldOnlyBy(t, dsn, k, r.l.s.PID())
+	heldOnlyBy(t, dsn, k, r.l.core.S.PID())
 	mustUnlock(t, r.l)
 }
 
@@ -323,12 +325,12 @@ func TestQueueHeadWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 	defer mustRelease(t, full)
 
 	// This Client heads semaphore A's queue on its one shared backend.
-	q, err := c.Lock(ctx, semA.queueKey(), withoutHooks())
+	q, err := c.core.Lock(ctx, semA.queueKey(), core.WithoutHooks())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer mustUnlock(t, q)
-	b := q.s
+	defer mustUnlock(t, faceOf(q))
+	b := q.S
 	sub, err := c.subscribe(semaphoreChannel, semA.payload)
 	if err != nil {
 		t.Fatal(err)
@@ -343,14 +345,14 @@ func TestQueueHeadWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 
 	// Semaphore B's grant goes to the same backend and waits for its
 	// connection, which a statement of the test holds.
-	if err := b.grab(ctx); err != nil {
+	if err := b.Grab(ctx); err != nil {
 		t.Fatal(err)
 	}
 	busy := true
 	free := func() {
 		if busy {
 			busy = false
-			b.release()
+			b.Release()
 		}
 	}
 	defer free()
@@ -360,9 +362,9 @@ func TestQueueHeadWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 		granted <- permitResult{p, err}
 	}()
 	pgtest.Eventually(t, testTimeout, "B's grant to wait for the head's backend", func() bool {
-		b.state.Lock()
-		defer b.state.Unlock()
-		return b.pending > 0
+		b.State.Lock()
+		defer b.State.Unlock()
+		return b.Pending > 0
 	})
 
 	type awaited struct {
@@ -385,9 +387,9 @@ func TestQueueHeadWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 			returned = true
 			return true
 		default:
-			b.state.Lock()
-			defer b.state.Unlock()
-			return b.waiting
+			b.State.Lock()
+			defer b.State.Unlock()
+			return b.Waiting
 		}
 	})
 	free()
@@ -396,7 +398,7 @@ func TestQueueHeadWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 		t.Fatalf("TryAcquire of B: %v", g.err)
 	}
 	defer mustRelease(t, g.p)
-	heldOnlyBy(t, dsn, semB.slotKey(g.p.Slot()), b.PID())
+	heldOnlyBy(t, dsn, Key{semB.slotKey(g.p.Slot())}, b.PID())
 
 	pgtest.Eventually(t, testTimeout, "the head to give up waiting there, or to wait for slot 0", func() bool {
 		if returned {
@@ -407,10 +409,10 @@ func TestQueueHeadWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 			returned = true
 			return true
 		default:
-			return waitingOn(t, dsn, semA.slotKey(0)) > 0
+			return waitingOn(t, dsn, Key{semA.slotKey(0)}) > 0
 		}
 	})
-	waitsWhileHolding(t, dsn, semA.queueKey())
+	waitsWhileHolding(t, dsn, Key{semA.queueKey()})
 	if !returned {
 		a = <-head
 	}
@@ -430,23 +432,23 @@ func TestGrantAvoidsBackendClaimedToWait(t *testing.T) {
 	c := newTestClient(t, dsn, WithSharedBackends(1))
 	sem := c.Semaphore("claimed-backend", 1)
 	mustRelease(t, mustAcquire(t, sem, true)) // one backend is open
-	b := c.backends[0]
+	b := c.core.Backends[0]
 
-	claimed, done, err := c.waitBackend(ctx)
+	claimed, done, err := c.core.WaitBackend(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if claimed != b {
 		t.Fatalf("waitBackend claimed backend %d, want the one open, %d", claimed.PID(), b.PID())
 	}
-	if _, _, err := sem.admitOn(ctx, b, nil, false); !errors.Is(err, errRoute) {
+	if _, _, err := sem.admitOn(ctx, b, nil, false); !errors.Is(err, core.ErrRoute) {
 		t.Fatalf("a grant on a backend claimed to wait: %v, want errRoute", err)
 	}
 	p := mustAcquire(t, sem, true)
-	if p.l.s == b {
+	if p.l.S == b {
 		t.Fatal("the permit went to the backend claimed to wait")
 	}
-	heldOnlyBy(t, dsn, sem.slotKey(p.Slot()), p.l.s.PID())
+	heldOnlyBy(t, dsn, Key{sem.slotKey(p.Slot())}, p.l.S.PID())
 	if got := lockState(t, dsn); len(got) != 1 {
 		t.Fatalf("pg_locks: %v, want only the permit's slot", got)
 	}
@@ -492,9 +494,9 @@ func TestContendedDirectWaitReportedAndCancelled(t *testing.T) {
 	var rec recorder
 	holder := newTestClient(t, dsn)
 	c := newTestClient(t, dsn, WithHooks(rec.hooks()))
-	c.contention.memory = time.Hour // the test's pace does not matter
+	c.core.Contention.Memory = time.Hour // the test's pace does not matter
 	k := Int64Key(7301)
-	c.contention.note(k) // found held elsewhere a moment ago
+	c.core.Contention.Note(k.core) // found held elsewhere a moment ago
 
 	h, err := holder.Lock(ctx, k)
 	if err != nil {
@@ -504,8 +506,8 @@ func TestContendedDirectWaitReportedAndCancelled(t *testing.T) {
 	// path) reports its contention while it waits.
 	var ctl recorder
 	cc := newTestClient(t, dsn, WithHooks(ctl.hooks()))
-	cc.contention.memory = time.Hour
-	cc.contention.note(k)
+	cc.core.Contention.Memory = time.Hour
+	cc.core.Contention.Note(k.core)
 	rctx, rcancel := context.WithCancel(ctx)
 	rch := goLock(func() (*Lock, error) { return cc.RLock(rctx, k) })
 	if !pgtest.Poll(testTimeout, func() bool { return ctl.contentionCount() == 1 }) {
@@ -533,7 +535,7 @@ func TestContendedDirectWaitReportedAndCancelled(t *testing.T) {
 		t.Fatalf("Lock cancelled mid-wait = %v, %v; want context.Canceled", r.l, r.err)
 	}
 	// Nothing of c's stays on the key: only the holder.
-	heldOnlyBy(t, dsn, k, h.s.PID())
+	heldOnlyBy(t, dsn, k, h.core.S.PID())
 	if n := waitingOn(t, dsn, k); n != 0 {
 		t.Fatalf("pg_locks: %d backends still wait for %v after the cancelled Lock returned", n, k)
 	}
@@ -543,8 +545,8 @@ func TestContendedDirectWaitReportedAndCancelled(t *testing.T) {
 
 	// The one statement that tries and waits, cancelled mid-wait.
 	d := newTestClient(t, dsn)
-	d.contention.memory = time.Hour
-	d.contention.note(k)
+	d.core.Contention.Memory = time.Hour
+	d.core.Contention.Note(k.core)
 	dctx, dcancel := context.WithCancel(ctx)
 	defer dcancel()
 	dch := goLock(func() (*Lock, error) { return d.Lock(dctx, k) })
@@ -556,7 +558,7 @@ func TestContendedDirectWaitReportedAndCancelled(t *testing.T) {
 	if r := receive(t, dch); !errors.Is(r.err, context.Canceled) {
 		t.Fatalf("Lock cancelled mid-wait in the one statement = %v, %v; want context.Canceled", r.l, r.err)
 	}
-	heldOnlyBy(t, dsn, k, h.s.PID())
+	heldOnlyBy(t, dsn, k, h.core.S.PID())
 	if n := waitingOn(t, dsn, k); n != 0 {
 		t.Fatalf("pg_locks: %d backends still wait for %v after the cancelled Lock returned", n, k)
 	}
@@ -567,7 +569,7 @@ func TestContendedDirectWaitReportedAndCancelled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	heldOnlyBy(t, dsn, k, l.s.PID())
+	heldOnlyBy(t, dsn, k, l.core.S.PID())
 	mustUnlock(t, l)
 	notHeld(t, dsn, k)
 }
@@ -583,9 +585,9 @@ func TestContendedDirectWaitBackendTerminated(t *testing.T) {
 	var rec recorder
 	holder := newTestClient(t, dsn)
 	c := newTestClient(t, dsn, WithHooks(rec.hooks()))
-	c.contention.memory = time.Hour
+	c.core.Contention.Memory = time.Hour
 	k := Int64Key(7302)
-	c.contention.note(k)
+	c.core.Contention.Note(k.core)
 
 	h, err := holder.Lock(ctx, k)
 	if err != nil {
@@ -602,9 +604,9 @@ func TestContendedDirectWaitBackendTerminated(t *testing.T) {
 	if r.err != nil {
 		t.Fatalf("Lock after its waiting backend %d was terminated: %v", first, r.err)
 	}
-	heldOnlyBy(t, dsn, k, r.l.s.PID())
-	if r.l.s.PID() != second {
-		t.Logf("granted on backend %d, which waited second was %d", r.l.s.PID(), second)
+	heldOnlyBy(t, dsn, k, r.l.core.S.PID())
+	if r.l.core.S.PID() != second {
+		t.Logf("granted on backend %d, which waited second was %d", r.l.core.S.PID(), second)
 	}
 	if !pgtest.Poll(5*time.Second, func() bool { return rec.contentionCount() == 1 }) {
 		t.Errorf("OnContention: %d events for one blocking Lock that waited (twice, on backends %d and %d), want 1", rec.contentionCount(), first, second)
@@ -615,8 +617,8 @@ func TestContendedDirectWaitBackendTerminated(t *testing.T) {
 	// The same on the one statement that tries and waits (a Client
 	// without OnContention).
 	d := newTestClient(t, dsn)
-	d.contention.memory = time.Hour
-	d.contention.note(k)
+	d.core.Contention.Memory = time.Hour
+	d.core.Contention.Note(k.core)
 	if h, err = holder.Lock(ctx, k); err != nil {
 		t.Fatal(err)
 	}
@@ -633,7 +635,7 @@ func TestContendedDirectWaitBackendTerminated(t *testing.T) {
 	if r.err != nil {
 		t.Fatalf("Lock after its waiting backend %d was terminated: %v", first, r.err)
 	}
-	heldOnlyBy(t, dsn, k, r.l.s.PID())
+	heldOnlyBy(t, dsn, k, r.l.core.S.PID())
 	mustUnlock(t, r.l)
 	notHeld(t, dsn, k)
 }
@@ -654,15 +656,15 @@ func TestContendedPairKeysAndFence(t *testing.T) {
 	}
 	holder := newTestClient(t, dsn)
 	c := newTestClient(t, dsn)
-	c.contention.memory = time.Hour
+	c.core.Contention.Memory = time.Hour
 	p := PairKey(12, 34)
-	i := Int64Key(p.v)
-	if c.contention.slot(p) != c.contention.slot(i) {
+	i := Int64Key(p.core.V)
+	if c.core.Contention.Slot(p.core) != c.core.Contention.Slot(i.core) {
 		t.Fatal("the pair key and the bigint key of the same bits do not share a slot")
 	}
 
 	// The pair key is contended.
-	c.contention.note(p)
+	c.core.Contention.Note(p.core)
 	hp, err := holder.Lock(ctx, p)
 	if err != nil {
 		t.Fatal(err)
@@ -672,13 +674,13 @@ func TestContendedPairKeysAndFence(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	heldOnlyBy(t, dsn, i, li.s.PID())
-	heldOnlyBy(t, dsn, p, hp.s.PID())
+	heldOnlyBy(t, dsn, i, li.core.S.PID())
+	heldOnlyBy(t, dsn, p, hp.core.S.PID())
 	mustUnlock(t, li)
 	mustUnlock(t, hp)
 
 	// The bigint key is contended; the pair key is free.
-	c.contention.note(i)
+	c.core.Contention.Note(i.core)
 	hi, err := holder.Lock(ctx, i)
 	if err != nil {
 		t.Fatal(err)
@@ -687,8 +689,8 @@ func TestContendedPairKeysAndFence(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	heldOnlyBy(t, dsn, p, lp.s.PID())
-	heldOnlyBy(t, dsn, i, hi.s.PID())
+	heldOnlyBy(t, dsn, p, lp.core.S.PID())
+	heldOnlyBy(t, dsn, i, hi.core.S.PID())
 	mustUnlock(t, lp)
 
 	// A fenced Lock of the contended bigint key waits in the statement
@@ -698,7 +700,7 @@ func TestContendedPairKeysAndFence(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c.contention.note(i)
+	c.core.Contention.Note(i.core)
 	ch := goLock(func() (*Lock, error) { return c.Lock(ctx, i, WithFence()) })
 	if q := waitingQuery(t, dsn, i); !strings.Contains(q, "CASE WHEN") {
 		t.Fatalf("the contended fenced Lock waits in %q, want the statement that tries and waits", q)
@@ -711,7 +713,7 @@ func TestContendedPairKeysAndFence(t *testing.T) {
 	if r.l.Fence() <= hf.Fence() {
 		t.Fatalf("fence after the handoff %d, want more than the holder's %d", r.l.Fence(), hf.Fence())
 	}
-	heldOnlyBy(t, dsn, i, r.l.s.PID())
+	heldOnlyBy(t, dsn, i, r.l.core.S.PID())
 	mustUnlock(t, r.l)
 	notHeld(t, dsn, i)
 	notHeld(t, dsn, p)
@@ -727,8 +729,8 @@ func TestContendedPairKeysAndFence(t *testing.T) {
 func TestManyKeysBoundsAndWaits(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct{ shared, waits, keys int }{
-		{1, 1, 2*spreadAbove + 10},
-		{1, 2, 3*spreadAbove + 10},
+		{1, 1, 2*core.SpreadAbove + 10},
+		{1, 2, 3*core.SpreadAbove + 10},
 	} {
 		t.Run(fmt.Sprintf("shared=%d,waits=%d", tc.shared, tc.waits), func(t *testing.T) {
 			t.Parallel()
@@ -776,7 +778,7 @@ func TestManyKeysBoundsAndWaits(t *testing.T) {
 					if r.err != nil {
 						t.Fatalf("round %d: blocking Lock of %v: %v", round, ks[i], r.err)
 					}
-					heldOnlyBy(t, dsn, ks[i], r.l.s.PID())
+					heldOnlyBy(t, dsn, ks[i], r.l.core.S.PID())
 					locks = append(locks, r.l)
 				}
 			}

@@ -11,6 +11,8 @@ import (
 	"slices"
 	"strconv"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 )
 
@@ -26,7 +28,7 @@ var migrationFiles embed.FS
 
 // migrateKey is the transaction-level advisory lock that serialises every
 // Migrate call on a database, whatever its schema.
-var migrateKey = HashKey("pgcoord", "migrate")
+var migrateKey = core.HashKey("pgcoord", "migrate")
 
 // Migrations returns pgcoord's SQL migrations for use with a migration tool
 // instead of [Migrate]. The files sit at the root of the returned file system
@@ -80,21 +82,21 @@ var migrationName = regexp.MustCompile(`^([0-9]+)_([a-z0-9_]+)\.(up|down)\.sql$`
 func loadMigrations(fsys fs.FS) ([]migration, error) {
 	entries, err := fs.ReadDir(fsys, ".")
 	if err != nil {
-		return nil, errorf("read migrations: %w", err)
+		return nil, core.Errorf("read migrations: %w", err)
 	}
 	byVersion := map[int64]*migration{}
 	for _, e := range entries {
 		m := migrationName.FindStringSubmatch(e.Name())
 		if m == nil || e.IsDir() {
-			return nil, errorf("migrations: unexpected file %q (want NNNNNN_name.up.sql or NNNNNN_name.down.sql)", e.Name())
+			return nil, core.Errorf("migrations: unexpected file %q (want NNNNNN_name.up.sql or NNNNNN_name.down.sql)", e.Name())
 		}
 		v, err := strconv.ParseInt(m[1], 10, 64)
 		if err != nil || v <= 0 {
-			return nil, errorf("migrations: bad version in %q", e.Name())
+			return nil, core.Errorf("migrations: bad version in %q", e.Name())
 		}
 		body, err := fs.ReadFile(fsys, path.Clean(e.Name()))
 		if err != nil {
-			return nil, errorf("read migration %s: %w", e.Name(), err)
+			return nil, core.Errorf("read migration %s: %w", e.Name(), err)
 		}
 		mg := byVersion[v]
 		if mg == nil {
@@ -102,7 +104,7 @@ func loadMigrations(fsys fs.FS) ([]migration, error) {
 			byVersion[v] = mg
 		}
 		if mg.name != m[2] {
-			return nil, errorf("migrations: version %d has two names, %q and %q", v, mg.name, m[2])
+			return nil, core.Errorf("migrations: version %d has two names, %q and %q", v, mg.name, m[2])
 		}
 		if m[3] == "up" {
 			mg.up = string(body)
@@ -113,14 +115,14 @@ func loadMigrations(fsys fs.FS) ([]migration, error) {
 	out := make([]migration, 0, len(byVersion))
 	for _, mg := range byVersion {
 		if mg.up == "" || mg.down == "" {
-			return nil, errorf("migrations: version %d (%s) needs a non-empty up and down file", mg.version, mg.name)
+			return nil, core.Errorf("migrations: version %d (%s) needs a non-empty up and down file", mg.version, mg.name)
 		}
 		out = append(out, *mg)
 	}
 	slices.SortFunc(out, func(a, b migration) int { return cmp.Compare(a.version, b.version) })
 	for i, mg := range out {
 		if mg.version != int64(i+1) {
-			return nil, errorf("migrations: version %d is missing", i+1)
+			return nil, core.Errorf("migrations: version %d is missing", i+1)
 		}
 	}
 	return out, nil
@@ -172,7 +174,7 @@ func loadMigrations(fsys fs.FS) ([]migration, error) {
 // errors.As.
 func Migrate(ctx context.Context, db TxBeginner, opts ...MigrateOption) error {
 	if ctx == nil {
-		return errorf("migrate: ctx is nil")
+		return core.Errorf("migrate: ctx is nil")
 	}
 	c, err := newMigrateConfig(opts)
 	if err != nil {
@@ -186,18 +188,18 @@ func Migrate(ctx context.Context, db TxBeginner, opts ...MigrateOption) error {
 // are as for [Migrate]; after Close it returns an error wrapping [ErrClosed].
 func (c *Client) Migrate(ctx context.Context) error {
 	if ctx == nil {
-		return errorf("migrate schema %q: ctx is nil", c.cfg.schema)
+		return core.Errorf("migrate schema %q: ctx is nil", c.core.Cfg.Schema)
 	}
-	if err := c.refuseClosed(); err != nil {
-		return errorf("migrate schema %q: %w", c.cfg.schema, err)
+	if err := c.core.RefuseClosed(); err != nil {
+		return core.Errorf("migrate schema %q: %w", c.core.Cfg.Schema, err)
 	}
-	return migrate(ctx, c.cfg, c.pool)
+	return migrate(ctx, c.core.Cfg, c.core.Pool)
 }
 
-func migrate(ctx context.Context, c *config, db TxBeginner) error {
-	op := fmt.Sprintf("migrate schema %q", c.schema)
+func migrate(ctx context.Context, c *core.Config, db TxBeginner) error {
+	op := fmt.Sprintf("migrate schema %q", c.Schema)
 	if db == nil {
-		return errorf("%s: db is nil", op)
+		return core.Errorf("%s: db is nil", op)
 	}
 	migs, err := loadMigrations(Migrations())
 	if err != nil {
@@ -206,30 +208,30 @@ func migrate(ctx context.Context, c *config, db TxBeginner) error {
 	return inMigrationTx(ctx, c, db, op, func(tx pgx.Tx) error {
 		var have int64
 		var exists bool
-		if err := tx.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", c.table("schema_version")).Scan(&exists); err != nil {
-			return pgError(op+": look for schema_version", err)
+		if err := tx.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", c.Table("schema_version")).Scan(&exists); err != nil {
+			return core.PgError(op+": look for schema_version", err)
 		}
 		if exists {
-			if err := tx.QueryRow(ctx, "SELECT coalesce(max(version), 0) FROM "+c.table("schema_version")).Scan(&have); err != nil {
+			if err := tx.QueryRow(ctx, "SELECT coalesce(max(version), 0) FROM "+c.Table("schema_version")).Scan(&have); err != nil {
 				return privilegeError(op+": read schema_version", err, "reading the version needs USAGE on the schema and SELECT on schema_version")
 			}
 		}
 		latest := migs[len(migs)-1].version
 		if have >= latest {
 			if have > latest {
-				c.warnLogger().WarnContext(ctx, "pgcoord: database schema is newer than this version of pgcoord knows", "schema", c.schema, "version", have, "known", latest)
+				c.WarnLogger().WarnContext(ctx, "pgcoord: database schema is newer than this version of pgcoord knows", "schema", c.Schema, "version", have, "known", latest)
 			}
 			return nil
 		}
 		if !exists {
-			if _, err := tx.Exec(ctx, `CREATE TABLE `+c.table("schema_version")+` (
+			if _, err := tx.Exec(ctx, `CREATE TABLE `+c.Table("schema_version")+` (
 				version    bigint      PRIMARY KEY CHECK (version > 0),
 				name       text        NOT NULL,
 				applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
 				return privilegeError(op+": create schema_version", err, "creating pgcoord's tables needs USAGE and CREATE on the schema")
 			}
-			if _, err := tx.Exec(ctx, "COMMENT ON TABLE "+c.table("schema_version")+" IS 'pgcoord migrations applied by pgcoord.Migrate to this schema: one row per version.'"); err != nil {
-				return pgError(op+": comment on schema_version", err)
+			if _, err := tx.Exec(ctx, "COMMENT ON TABLE "+c.Table("schema_version")+" IS 'pgcoord migrations applied by pgcoord.Migrate to this schema: one row per version.'"); err != nil {
+				return core.PgError(op+": comment on schema_version", err)
 			}
 		}
 		// A role that may create but does not own the tables fails at
@@ -246,10 +248,10 @@ func migrate(ctx context.Context, c *config, db TxBeginner) error {
 			if err := runMigrationSQL(ctx, c, tx, m.up); err != nil {
 				return privilegeError(step, err, need)
 			}
-			if _, err := tx.Exec(ctx, "INSERT INTO "+c.table("schema_version")+" (version, name) VALUES ($1, $2)", m.version, m.name); err != nil {
+			if _, err := tx.Exec(ctx, "INSERT INTO "+c.Table("schema_version")+" (version, name) VALUES ($1, $2)", m.version, m.name); err != nil {
 				return privilegeError(fmt.Sprintf("%s: record version %d", op, m.version), err, "recording a version needs INSERT on schema_version")
 			}
-			c.infoLogger().InfoContext(ctx, "pgcoord: applied migration", "schema", c.schema, "version", m.version, "name", m.name)
+			c.InfoLogger().InfoContext(ctx, "pgcoord: applied migration", "schema", c.Schema, "version", m.version, "name", m.name)
 		}
 		return nil
 	})
@@ -265,12 +267,12 @@ func migrateDown(ctx context.Context, db TxBeginner, target int64, opts ...Migra
 	if err != nil {
 		return err
 	}
-	op := fmt.Sprintf("migrate down schema %q", c.schema)
+	op := fmt.Sprintf("migrate down schema %q", c.Schema)
 	if db == nil {
-		return errorf("%s: db is nil", op)
+		return core.Errorf("%s: db is nil", op)
 	}
 	if target < 0 {
-		return errorf("%s: target version %d is negative", op, target)
+		return core.Errorf("%s: target version %d is negative", op, target)
 	}
 	migs, err := loadMigrations(Migrations())
 	if err != nil {
@@ -278,24 +280,24 @@ func migrateDown(ctx context.Context, db TxBeginner, target int64, opts ...Migra
 	}
 	return inMigrationTx(ctx, c, db, op, func(tx pgx.Tx) error {
 		var have int64
-		if err := tx.QueryRow(ctx, "SELECT coalesce(max(version), 0) FROM "+c.table("schema_version")).Scan(&have); err != nil {
-			return notMigrated(c, op+": read schema_version", err)
+		if err := tx.QueryRow(ctx, "SELECT coalesce(max(version), 0) FROM "+c.Table("schema_version")).Scan(&have); err != nil {
+			return core.NotMigrated(c, op+": read schema_version", err)
 		}
 		if have > int64(len(migs)) {
-			return errorf("%s: the schema is at version %d, newer than the %d migrations known", op, have, len(migs))
+			return core.Errorf("%s: the schema is at version %d, newer than the %d migrations known", op, have, len(migs))
 		}
 		for i := have; i > target; i-- {
 			m := migs[i-1]
 			if err := runMigrationSQL(ctx, c, tx, m.down); err != nil {
-				return pgError(fmt.Sprintf("%s: revert %06d_%s", op, m.version, m.name), err)
+				return core.PgError(fmt.Sprintf("%s: revert %06d_%s", op, m.version, m.name), err)
 			}
-			if _, err := tx.Exec(ctx, "DELETE FROM "+c.table("schema_version")+" WHERE version = $1", m.version); err != nil {
-				return pgError(fmt.Sprintf("%s: unrecord version %d", op, m.version), err)
+			if _, err := tx.Exec(ctx, "DELETE FROM "+c.Table("schema_version")+" WHERE version = $1", m.version); err != nil {
+				return core.PgError(fmt.Sprintf("%s: unrecord version %d", op, m.version), err)
 			}
 		}
 		if target == 0 {
-			if _, err := tx.Exec(ctx, "DROP TABLE "+c.table("schema_version")); err != nil {
-				return pgError(op+": drop schema_version", err)
+			if _, err := tx.Exec(ctx, "DROP TABLE "+c.Table("schema_version")); err != nil {
+				return core.PgError(op+": drop schema_version", err)
 			}
 		}
 		return nil
@@ -306,10 +308,10 @@ func migrateDown(ctx context.Context, db TxBeginner, target int64, opts ...Migra
 // migration advisory lock and in which the schema exists. The transaction is
 // committed if fn returns nil and rolled back otherwise. op starts the
 // messages of its errors.
-func inMigrationTx(ctx context.Context, c *config, db TxBeginner, op string, fn func(pgx.Tx) error) (err error) {
+func inMigrationTx(ctx context.Context, c *core.Config, db TxBeginner, op string, fn func(pgx.Tx) error) (err error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
-		return pgError(op+": begin", err)
+		return core.PgError(op+": begin", err)
 	}
 	defer func() {
 		if err != nil {
@@ -319,19 +321,19 @@ func inMigrationTx(ctx context.Context, c *config, db TxBeginner, op string, fn 
 	// A later snapshot must see what the previous lock holder committed, so
 	// the version read after the lock wait must not reuse an older snapshot.
 	if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"); err != nil {
-		return pgError(op+": set READ COMMITTED", err)
+		return core.PgError(op+": set READ COMMITTED", err)
 	}
 	// The lock comes before any catalog change, so concurrent calls do not
 	// race on CREATE SCHEMA or CREATE TABLE.
-	if err := XactLock(ctx, tx, migrateKey); err != nil {
-		return errorf("%s: wait for other migrations: %w", op, err)
+	if err := XactLock(ctx, tx, Key{migrateKey}); err != nil {
+		return core.Errorf("%s: wait for other migrations: %w", op, err)
 	}
 	var exists bool
-	if err := tx.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname = $1)", c.schema).Scan(&exists); err != nil {
-		return pgError(op+": look for the schema", err)
+	if err := tx.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname = $1)", c.Schema).Scan(&exists); err != nil {
+		return core.PgError(op+": look for the schema", err)
 	}
 	if !exists {
-		if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+c.quotedSchema()); err != nil {
+		if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+c.QuotedSchema()); err != nil {
 			return privilegeError(op+": create the schema", err, "creating the schema needs CREATE on the database")
 		}
 	}
@@ -339,7 +341,7 @@ func inMigrationTx(ctx context.Context, c *config, db TxBeginner, op string, fn 
 		return err
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return pgError(op+": commit", err)
+		return core.PgError(op+": commit", err)
 	}
 	return nil
 }
@@ -347,21 +349,21 @@ func inMigrationTx(ctx context.Context, c *config, db TxBeginner, op string, fn 
 // privilegeError is pgError(step, err), saying after a missing privilege
 // (SQLSTATE 42501) what the step needs.
 func privilegeError(step string, err error, need string) error {
-	if sqlState(err) == "42501" {
-		return errorf("%s: %w (%s)", step, err, need)
+	if core.SqlState(err) == "42501" {
+		return core.Errorf("%s: %w (%s)", step, err, need)
 	}
-	return pgError(step, err)
+	return core.PgError(step, err)
 }
 
 // runMigrationSQL runs the statements of one migration file with
 // search_path set to the schema (pg_temp last, so a temporary table cannot
 // shadow ours), then restores the previous search_path.
-func runMigrationSQL(ctx context.Context, c *config, tx pgx.Tx, sql string) error {
+func runMigrationSQL(ctx context.Context, c *core.Config, tx pgx.Tx, sql string) error {
 	var old string
 	if err := tx.QueryRow(ctx, "SELECT pg_catalog.current_setting('search_path')").Scan(&old); err != nil {
 		return err
 	}
-	if _, err := tx.Exec(ctx, "SET LOCAL search_path TO "+c.quotedSchema()+", pg_temp"); err != nil {
+	if _, err := tx.Exec(ctx, "SET LOCAL search_path TO "+c.QuotedSchema()+", pg_temp"); err != nil {
 		return err
 	}
 	// No arguments: pgx sends the file with the simple protocol, which runs

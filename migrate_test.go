@@ -225,7 +225,7 @@ func TestMigrateWaitsForLockBeforeCatalog(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- Migrate(ctx, pool) }()
 
-	classid, objid, objsubid := migrateKey.lockColumns()
+	classid, objid, objsubid := migrateKey.LockColumns()
 	pgtest.Eventually(t, 10*time.Second, "Migrate never waited on its advisory lock", func() bool {
 		for _, l := range pgtest.AdvisoryLocks(t, dsn) {
 			if !l.Granted && l.ClassID == classid && l.ObjID == objid && l.ObjSubID == objsubid && l.Mode == "ExclusiveLock" {

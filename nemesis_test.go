@@ -99,6 +99,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -383,9 +385,9 @@ func nemesisCampaign(ctx context.Context, out *childOut, c *Client, pool *pgxpoo
 			ld := leadershipOf(lctx)
 			var guardPID int32
 			if g := ld.guardLock(); g != nil {
-				guardPID = g.s.PID()
+				guardPID = g.S.PID()
 			}
-			out.printf("lead %s %d %d %d %d %d", et.name, term, time.Now().UnixNano(), ld.Since().UnixNano(), ld.lock.s.PID(), guardPID)
+			out.printf("lead %s %d %d %d %d %d", et.name, term, time.Now().UnixNano(), ld.Since().UnixNano(), ld.lock.S.PID(), guardPID)
 			wrote := 0
 			pace := time.NewTimer(0)
 			defer pace.Stop()
@@ -474,7 +476,7 @@ func nemesisHold(ctx context.Context, out *childOut, c *Client, pool *pgxpool.Po
 			wait(50 * time.Millisecond) // the server may be restarting
 			continue
 		}
-		pid := p.l.s.PID()
+		pid := p.l.S.PID()
 		out.printf("permit %d %d", p.Slot(), pid)
 		key := s.prefix()<<16 | int64(p.Slot())
 		lost := false
@@ -987,7 +989,7 @@ func (n *nemesis) do(s nemesisStep) bool {
 		a := n.resolve(s)
 		switch {
 		case s.target == nemTargetLeader:
-			ok = n.cut(s.kind, "a.pid IN ("+nemesisHolderSQL+" AND k = $1)", nemesisElections[s.election].key().v)
+			ok = n.cut(s.kind, "a.pid IN ("+nemesisHolderSQL+" AND k = $1)", nemesisElections[s.election].key().core.V)
 		case a.holder:
 			ok = n.cut(s.kind, "a.application_name = $1 AND a.pid IN ("+nemesisHolderSQL+" AND k >> 16 = $2 AND k & 65535 <> 65535)",
 				a.name, semaphoreTarget{name: nemesisPermits}.prefix())
@@ -995,7 +997,7 @@ func (n *nemesis) do(s nemesisStep) bool {
 			ok = n.cut(s.kind, "a.application_name = $1 AND a.pid IN ("+nemesisHolderSQL+" AND k = ANY($2))", a.name, nemesisKeys(electionKey))
 		}
 	case nemCutGuard:
-		ok = n.cut(s.kind, "a.pid IN ("+nemesisHolderSQL+" AND k = $1)", nemesisGuardKey(nemesisElections[s.election].name).v)
+		ok = n.cut(s.kind, "a.pid IN ("+nemesisHolderSQL+" AND k = $1)", nemesisGuardKey(nemesisElections[s.election].name).core.V)
 	case nemCutListener:
 		ok = n.cut(s.kind, "a.application_name = $1 AND a.query LIKE 'LISTEN%'", n.resolve(s).name)
 	case nemCutAll:
@@ -1045,10 +1047,10 @@ const nemesisHolderSQL = `SELECT l.pid FROM (SELECT pid, (classid::bigint << 32)
 func nemesisGuardKey(name string) Key { return HashKey("pgcoord.election.guard", DefaultSchema, name) }
 
 // nemesisKeys returns the bigint values of key for every election.
-func nemesisKeys(key func(schema, name string) Key) []int64 {
+func nemesisKeys(key func(schema, name string) core.Key) []int64 {
 	var ks []int64
 	for _, e := range nemesisElections {
-		ks = append(ks, key(DefaultSchema, e.name).v)
+		ks = append(ks, key(DefaultSchema, e.name).V)
 	}
 	return ks
 }
@@ -1062,7 +1064,7 @@ func (n *nemesis) resolve(s nemesisStep) *nemesisActor {
 		defer cancel()
 		var app string
 		err := n.pool.QueryRow(ctx, "SELECT coalesce(a.application_name, '') FROM ("+nemesisHolderSQL+
-			" AND k = $1) h JOIN pg_catalog.pg_stat_activity a ON a.pid = h.pid LIMIT 1", nemesisElections[s.election].key().v).Scan(&app)
+			" AND k = $1) h JOIN pg_catalog.pg_stat_activity a ON a.pid = h.pid LIMIT 1", nemesisElections[s.election].key().core.V).Scan(&app)
 		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			n.pool.Reset()
 		}
@@ -1158,10 +1160,10 @@ func (n *nemesis) cut(kind, where string, args ...any) bool {
 		prefix := semaphoreTarget{name: nemesisPermits}.prefix()
 		for _, k := range r.Keys {
 			for _, e := range nemesisElections {
-				if k == e.key().v {
+				if k == e.key().core.V {
 					v.lockOf = append(v.lockOf, e.name)
 				}
-				if k == nemesisGuardKey(e.name).v {
+				if k == nemesisGuardKey(e.name).core.V {
 					v.guardOf = append(v.guardOf, e.name)
 				}
 			}
@@ -1390,7 +1392,7 @@ func (n *nemesis) guardlessIn(et electionTarget) bool {
 		}
 		last = at
 	}
-	n.cut(nemGuardless, "a.pid = $1 OR a.pid IN ("+nemesisHolderSQL+" AND k = $2)", next.lockPID, nemesisGuardKey(et.name).v)
+	n.cut(nemGuardless, "a.pid = $1 OR a.pid IN ("+nemesisHolderSQL+" AND k = $2)", next.lockPID, nemesisGuardKey(et.name).core.V)
 	n.mu.Lock()
 	cuts := next.actor.cuts
 	hit := len(cuts) > 0 && !cuts[len(cuts)-1].at.Before(from) &&
@@ -1448,7 +1450,7 @@ func (n *nemesis) requestResign(name string) bool {
 		return false
 	}
 	var asked *int64
-	if err := n.pool.QueryRow(ctx, "SELECT resign_term FROM "+(&config{schema: DefaultSchema}).table("leaders")+" WHERE name = $1", name).Scan(&asked); err != nil || asked == nil {
+	if err := n.pool.QueryRow(ctx, "SELECT resign_term FROM "+(&core.Config{Schema: DefaultSchema}).Table("leaders")+" WHERE name = $1", name).Scan(&asked); err != nil || asked == nil {
 		n.pool.Reset()
 		n.mu.Lock()
 		n.note("resign requests not read back", fmt.Sprint(err))

@@ -6,6 +6,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 )
 
@@ -64,10 +66,10 @@ type subscription struct {
 // listens, so a subscriber reads the state it follows after it is sure to
 // see later changes. It returns ErrClosed after Close.
 func (c *Client) subscribe(channel, prefix string) (*subscription, error) {
-	if err := c.enter(); err != nil {
+	if err := c.core.Enter(); err != nil {
 		return nil, err
 	}
-	defer c.wg.Done()
+	defer c.core.Wg.Done()
 	sub := &subscription{c: c, channel: channel, prefix: prefix, kick: make(chan struct{}, 1)}
 	n := &c.notifier
 	n.mu.Lock()
@@ -79,13 +81,13 @@ func (c *Client) subscribe(channel, prefix string) (*subscription, error) {
 	n.started = true
 	n.mu.Unlock()
 	if start {
-		c.mu.Lock()
-		if c.closed {
-			c.mu.Unlock()
+		c.core.Mu.Lock()
+		if c.core.Closed {
+			c.core.Mu.Unlock()
 			return nil, ErrClosed
 		}
-		c.wg.Add(1)
-		c.mu.Unlock()
+		c.core.Wg.Add(1)
+		c.core.Mu.Unlock()
 		go c.listen()
 	} else if c.listening.Load() {
 		sub.push("")
@@ -122,7 +124,7 @@ func (sub *subscription) next(ctx context.Context, timer <-chan time.Time) ([]st
 		return nil, nil
 	case <-ctx.Done():
 		return nil, context.Cause(ctx)
-	case <-sub.c.closing.Done():
+	case <-sub.c.core.Closing.Done():
 		return nil, ErrClosed
 	}
 	return sub.take(), nil
@@ -162,19 +164,19 @@ func (n *notifier) dispatch(channel, payload string) {
 
 // listen runs the listener until the Client closes.
 func (c *Client) listen() {
-	defer c.wg.Done()
+	defer c.core.Wg.Done()
 	backoff := listenerMinBackoff
-	for c.closing.Err() == nil {
+	for c.core.Closing.Err() == nil {
 		err := c.listenOnce()
 		c.listening.Store(false)
-		if c.closing.Err() != nil {
+		if c.core.Closing.Err() != nil {
 			return
 		}
-		c.cfg.warnLogger().Warn("pgcoord: listener connection failed; reopening", "error", err, "retry_in", backoff)
+		c.core.Cfg.WarnLogger().Warn("pgcoord: listener connection failed; reopening", "error", err, "retry_in", backoff)
 		t := time.NewTimer(backoff)
 		select {
 		case <-t.C:
-		case <-c.closing.Done():
+		case <-c.core.Closing.Done():
 			t.Stop()
 			return
 		}
@@ -185,14 +187,14 @@ func (c *Client) listen() {
 // listenOnce opens the listener's connection, listens, and delivers
 // notifications until the connection fails or the Client closes.
 func (c *Client) listenOnce() error {
-	ctx, cancel := context.WithTimeout(c.closing, c.connectTimeout)
-	conn, _, err := c.connect(ctx)
+	ctx, cancel := context.WithTimeout(c.core.Closing, c.core.ConnectTimeout)
+	conn, _, err := c.core.Connect(ctx)
 	cancel()
 	if err != nil {
 		return err
 	}
-	defer closeConn(conn, c.cfg.lossDeadline)
-	ctx, cancel = context.WithTimeout(c.closing, c.cfg.lossDeadline)
+	defer core.CloseConn(conn, c.core.Cfg.LossDeadline)
+	ctx, cancel = context.WithTimeout(c.core.Closing, c.core.Cfg.LossDeadline)
 	_, err = conn.Exec(ctx, "LISTEN "+pgx.Identifier{leaderChannel}.Sanitize()+"; LISTEN "+pgx.Identifier{semaphoreChannel}.Sanitize())
 	cancel()
 	if err != nil {
@@ -203,14 +205,14 @@ func (c *Client) listenOnce() error {
 
 	// Wait with no context to watch: Close ends the wait through the
 	// socket's deadline, which leaves nothing to cancel on the server.
-	stop := context.AfterFunc(c.closing, func() {
+	stop := context.AfterFunc(c.core.Closing, func() {
 		_ = conn.PgConn().Conn().SetReadDeadline(time.Now())
 	})
 	defer stop()
 	for {
 		nt, err := conn.WaitForNotification(context.Background())
 		if err != nil {
-			if c.closing.Err() != nil {
+			if c.core.Closing.Err() != nil {
 				return ErrClosed
 			}
 			return err

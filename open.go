@@ -9,6 +9,8 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -24,7 +26,7 @@ func New(pool *pgxpool.Pool, opts ...Option) (*Client, error) {
 		return nil, errors.New("pgcoord: new client: pool is nil")
 	}
 	if poolClosed(pool) {
-		return nil, errorf("new client: the pool was closed: %w", ErrClosed)
+		return nil, core.Errorf("new client: the pool was closed: %w", ErrClosed)
 	}
 	return openClient(pool, false, opts)
 }
@@ -63,16 +65,16 @@ func Open(ctx context.Context, connString string, opts ...Option) (*Client, erro
 	}
 	pool, err := pgxpool.New(ctx, connString)
 	if err != nil {
-		return nil, errorf("Open: %w", err)
+		return nil, core.Errorf("Open: %w", err)
 	}
 	c, err := openClient(pool, true, opts)
 	if err != nil {
 		pool.Close()
 		return nil, err
 	}
-	if err := c.warm(ctx, 1); err != nil {
+	if err := c.core.WarmUp(ctx, 1); err != nil {
 		_ = c.Close(context.Background())
-		return nil, errorf("Open: %w", err)
+		return nil, core.Errorf("Open: %w", err)
 	}
 	return c, nil
 }
@@ -85,10 +87,12 @@ func openClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
 		return nil, err
 	}
 	events := newEventHooks(opts, cfg)
-	c := newClient(pool, own, cfg)
-	c.coordState = coordState{semaphoreRecheck: semaphoreRecheck, events: events}
+	c := &Client{core: core.NewClient(pool, own, cfg)}
+	c.core.NewHandle = newHandle
+	c.semaphoreRecheck = semaphoreRecheck
+	c.events = events
 	if events != nil {
-		events.q = c.hooks
+		events.q = c.core.Hooks
 	}
 	return c, nil
 }
@@ -101,8 +105,8 @@ type coordState struct {
 	semaphoreRecheck time.Duration
 	noAwait          atomic.Bool // the schema has no semaphore_await: heads wait for notifications
 
-	notifier  notifier    // the listener connection's subscriptions
-	guardMu   sync.Mutex  // guards guard
-	guard     *Session    // holds the guards of the Client's leaderships
-	listening atomic.Bool // the listener listens now
+	notifier  notifier      // the listener connection's subscriptions
+	guardMu   sync.Mutex    // guards guard
+	guard     *core.Session // holds the guards of the Client's leaderships
+	listening atomic.Bool   // the listener listens now
 }

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"github.com/pgcoord/pgcoord/internal/core"
 )
 
 // Options of a Client
@@ -30,27 +32,27 @@ const (
 // types of their own, so an option that does not apply there does not
 // compile; [WithSchema] and [WithLogger] serve more than one.
 type Option interface {
-	apply(*config) error
+	apply(*core.Config) error
 }
 
 // MigrateOption configures [Migrate]: [WithSchema] and [WithLogger].
 type MigrateOption interface {
-	applyMigrate(*config) error
+	applyMigrate(*core.Config) error
 }
 
 // FenceOption configures [CheckFence]: [WithSchema].
 type FenceOption interface {
-	applyFence(*config) error
+	applyFence(*core.Config) error
 }
 
 type optionFunc struct {
 	name string
-	f    func(*config) error
+	f    func(*core.Config) error
 }
 
-func (o optionFunc) apply(c *config) error {
+func (o optionFunc) apply(c *core.Config) error {
 	if err := o.f(c); err != nil {
-		return errorf("option %s: %w", o.name, err)
+		return core.Errorf("option %s: %w", o.name, err)
 	}
 	return nil
 }
@@ -59,19 +61,19 @@ func (o optionFunc) apply(c *config) error {
 // [MigrateOption] and a [FenceOption].
 type SchemaOption struct{ o optionFunc }
 
-func (o SchemaOption) apply(c *config) error        { return o.o.apply(c) }
-func (o SchemaOption) applyMigrate(c *config) error { return o.o.apply(c) }
-func (o SchemaOption) applyFence(c *config) error   { return o.o.apply(c) }
+func (o SchemaOption) apply(c *core.Config) error        { return o.o.apply(c) }
+func (o SchemaOption) applyMigrate(c *core.Config) error { return o.o.apply(c) }
+func (o SchemaOption) applyFence(c *core.Config) error   { return o.o.apply(c) }
 
 // LoggerOption is the option of [WithLogger]: an [Option] and a
 // [MigrateOption].
 type LoggerOption struct{ o optionFunc }
 
-func (o LoggerOption) apply(c *config) error        { return o.o.apply(c) }
-func (o LoggerOption) applyMigrate(c *config) error { return o.o.apply(c) }
+func (o LoggerOption) apply(c *core.Config) error        { return o.o.apply(c) }
+func (o LoggerOption) applyMigrate(c *core.Config) error { return o.o.apply(c) }
 
-func newConfig(opts []Option) (*config, error) {
-	fs := make([]func(*config) error, len(opts))
+func newConfig(opts []Option) (*core.Config, error) {
+	fs := make([]func(*core.Config) error, len(opts))
 	for i, o := range opts {
 		if o != nil {
 			fs[i] = o.apply
@@ -80,8 +82,8 @@ func newConfig(opts []Option) (*config, error) {
 	return buildConfig("Option", fs)
 }
 
-func newMigrateConfig(opts []MigrateOption) (*config, error) {
-	fs := make([]func(*config) error, len(opts))
+func newMigrateConfig(opts []MigrateOption) (*core.Config, error) {
+	fs := make([]func(*core.Config) error, len(opts))
 	for i, o := range opts {
 		if o != nil {
 			fs[i] = o.applyMigrate
@@ -90,8 +92,8 @@ func newMigrateConfig(opts []MigrateOption) (*config, error) {
 	return buildConfig("MigrateOption", fs)
 }
 
-func newFenceConfig(opts []FenceOption) (*config, error) {
-	fs := make([]func(*config) error, len(opts))
+func newFenceConfig(opts []FenceOption) (*core.Config, error) {
+	fs := make([]func(*core.Config) error, len(opts))
 	for i, o := range opts {
 		if o != nil {
 			fs[i] = o.applyFence
@@ -102,17 +104,17 @@ func newFenceConfig(opts []FenceOption) (*config, error) {
 
 // buildConfig applies the options fs (nil for a nil option of the given
 // kind) to the defaults.
-func buildConfig(kind string, fs []func(*config) error) (*config, error) {
-	c := &config{
-		heartbeat:    DefaultHeartbeat,
-		lossDeadline: DefaultLossDeadline,
-		appName:      "pgcoord",
-		schema:       DefaultSchema,
+func buildConfig(kind string, fs []func(*core.Config) error) (*core.Config, error) {
+	c := &core.Config{
+		Heartbeat:    DefaultHeartbeat,
+		LossDeadline: DefaultLossDeadline,
+		AppName:      "pgcoord",
+		Schema:       DefaultSchema,
 
-		maxWaits:       DefaultMaxWaits,
-		sharedBackends: DefaultSharedBackends,
-		maxHandoffs:    DefaultMaxHandoffs,
-		handoffWindow:  DefaultHandoffWindow,
+		MaxWaits:       DefaultMaxWaits,
+		SharedBackends: DefaultSharedBackends,
+		MaxHandoffs:    DefaultMaxHandoffs,
+		HandoffWindow:  DefaultHandoffWindow,
 	}
 	var errs []error
 	for _, f := range fs {
@@ -122,8 +124,8 @@ func buildConfig(kind string, fs []func(*config) error) (*config, error) {
 		}
 		errs = append(errs, f(c))
 	}
-	if c.heartbeat*2 > c.lossDeadline {
-		errs = append(errs, errorf("heartbeat %v must be at most half the loss deadline %v, so one missed beat is not a loss", c.heartbeat, c.lossDeadline))
+	if c.Heartbeat*2 > c.LossDeadline {
+		errs = append(errs, core.Errorf("heartbeat %v must be at most half the loss deadline %v, so one missed beat is not a loss", c.Heartbeat, c.LossDeadline))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
@@ -135,11 +137,11 @@ func buildConfig(kind string, fs []func(*config) error) (*config, error) {
 // (default [DefaultHeartbeat]). It must be positive and at most half the loss
 // deadline.
 func WithHeartbeat(d time.Duration) Option {
-	return optionFunc{"WithHeartbeat", func(c *config) error {
+	return optionFunc{"WithHeartbeat", func(c *core.Config) error {
 		if d <= 0 {
-			return errorf("interval must be positive, got %v", d)
+			return core.Errorf("interval must be positive, got %v", d)
 		}
-		c.heartbeat = d
+		c.Heartbeat = d
 		return nil
 	}}
 }
@@ -150,11 +152,11 @@ func WithHeartbeat(d time.Duration) Option {
 // client's locks after about 2L (see the package documentation), so the old
 // holder gives up before anyone else can acquire. It must be at least 1s.
 func WithLossDeadline(d time.Duration) Option {
-	return optionFunc{"WithLossDeadline", func(c *config) error {
+	return optionFunc{"WithLossDeadline", func(c *core.Config) error {
 		if d < time.Second {
-			return errorf("deadline must be at least 1s, got %v", d)
+			return core.Errorf("deadline must be at least 1s, got %v", d)
 		}
-		c.lossDeadline = d
+		c.LossDeadline = d
 		return nil
 	}}
 }
@@ -167,11 +169,11 @@ func WithLossDeadline(d time.Duration) Option {
 // others are discarded. Debug records cost nothing unless the logger is
 // enabled for Debug. It must not be nil.
 func WithLogger(l *slog.Logger) LoggerOption {
-	return LoggerOption{optionFunc{"WithLogger", func(c *config) error {
+	return LoggerOption{optionFunc{"WithLogger", func(c *core.Config) error {
 		if l == nil {
 			return errors.New("logger is nil")
 		}
-		c.logger = l
+		c.Logger = l
 		return nil
 	}}}
 }
@@ -180,11 +182,11 @@ func WithLogger(l *slog.Logger) LoggerOption {
 // (default "pgcoord"), which shows in pg_stat_activity next to their locks.
 // It must be non-empty and shorter than 64 bytes.
 func WithApplicationName(name string) Option {
-	return optionFunc{"WithApplicationName", func(c *config) error {
+	return optionFunc{"WithApplicationName", func(c *core.Config) error {
 		if name == "" || len(name) >= 64 {
-			return errorf("name must be 1 to 63 bytes, got %d bytes", len(name))
+			return core.Errorf("name must be 1 to 63 bytes, got %d bytes", len(name))
 		}
-		c.appName = name
+		c.AppName = name
 		return nil
 	}}
 }
@@ -203,16 +205,16 @@ func WithApplicationName(name string) Option {
 // in every schema, as advisory locks are per database; their fences are
 // counted in the schema's fences table.
 func WithSchema(name string) SchemaOption {
-	return SchemaOption{optionFunc{"WithSchema", func(c *config) error {
+	return SchemaOption{optionFunc{"WithSchema", func(c *core.Config) error {
 		if name == "" || len(name) >= 64 {
-			return errorf("schema name must be 1 to 63 bytes, got %d bytes", len(name))
+			return core.Errorf("schema name must be 1 to 63 bytes, got %d bytes", len(name))
 		}
 		for _, r := range name {
 			if r == 0 {
 				return errors.New("schema name must not contain NUL")
 			}
 		}
-		c.schema = name
+		c.Schema = name
 		return nil
 	}}}
 }
@@ -228,11 +230,11 @@ func WithSchema(name string) SchemaOption {
 // connection meanwhile, and never holds up other acquires. It must be 1 to
 // 1000.
 func WithMaxWaits(n int) Option {
-	return optionFunc{"WithMaxWaits", func(c *config) error {
+	return optionFunc{"WithMaxWaits", func(c *core.Config) error {
 		if n < 1 || n > 1000 {
-			return errorf("must be 1 to 1000, got %d", n)
+			return core.Errorf("must be 1 to 1000, got %d", n)
 		}
-		c.maxWaits = n
+		c.MaxWaits = n
 		return nil
 	}}
 }
@@ -243,11 +245,11 @@ func WithMaxWaits(n int) Option {
 // one of them or on a connection that waited for it (see [WithMaxWaits]).
 // It must be 1 to 64.
 func WithSharedBackends(n int) Option {
-	return optionFunc{"WithSharedBackends", func(c *config) error {
+	return optionFunc{"WithSharedBackends", func(c *core.Config) error {
 		if n < 1 || n > 64 {
-			return errorf("must be 1 to 64, got %d", n)
+			return core.Errorf("must be 1 to 64, got %d", n)
 		}
-		c.sharedBackends = n
+		c.SharedBackends = n
 		return nil
 	}}
 }
@@ -271,11 +273,11 @@ const (
 // [DefaultHandoffWindow]. max must be 0 to 1000 and window 0 to 1s, and
 // both zero or both positive.
 func WithHandoff(max int, window time.Duration) Option {
-	return optionFunc{"WithHandoff", func(c *config) error {
+	return optionFunc{"WithHandoff", func(c *core.Config) error {
 		if max < 0 || max > 1000 || window < 0 || window > time.Second || (max == 0) != (window == 0) {
-			return errorf("want max 0 to 1000 and window 0 to 1s, both zero or both positive; got %d and %v", max, window)
+			return core.Errorf("want max 0 to 1000 and window 0 to 1s, both zero or both positive; got %d and %v", max, window)
 		}
-		c.maxHandoffs, c.handoffWindow = max, window
+		c.MaxHandoffs, c.HandoffWindow = max, window
 		return nil
 	}}
 }
@@ -292,8 +294,8 @@ func WithHandoff(max int, window time.Duration) Option {
 // another. TCP-level proxies (HAProxy, cloud-sql-proxy) are not poolers
 // and need no option.
 func WithSessionPooler() Option {
-	return optionFunc{"WithSessionPooler", func(c *config) error {
-		c.sessionPooler = true
+	return optionFunc{"WithSessionPooler", func(c *core.Config) error {
+		c.SessionPooler = true
 		return nil
 	}}
 }
@@ -307,10 +309,10 @@ func checkText(what, v string, limit int) error {
 	case len(v) > limit:
 		return fmt.Errorf("%s is %d bytes long; at most %d are allowed (use a shorter name, or a hash of a long one)", what, len(v), limit)
 	case !utf8.ValidString(v):
-		return fmt.Errorf("%s %s is not valid UTF-8, which PostgreSQL text requires", what, quoteName(v))
+		return fmt.Errorf("%s %s is not valid UTF-8, which PostgreSQL text requires", what, core.QuoteName(v))
 	}
 	if i := strings.IndexByte(v, 0); i >= 0 {
-		return fmt.Errorf("%s %s contains a NUL byte at %d, which PostgreSQL text cannot store", what, quoteName(v), i)
+		return fmt.Errorf("%s %s contains a NUL byte at %d, which PostgreSQL text cannot store", what, core.QuoteName(v), i)
 	}
 	return nil
 }

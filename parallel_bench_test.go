@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -179,11 +181,11 @@ func BenchmarkRawParallelLockAll(b *testing.B) {
 				for i := range keys {
 					keys[i] = parallelKey(g, i)
 				}
-				lock, args := lockSQL("pg_advisory_lock", keys)
+				lock, args := core.LockSQL("pg_advisory_lock", coreKeys(keys))
 				if _, err := conns[g].Exec(ctx, lock, args...); err != nil {
 					return err
 				}
-				unlock, args := lockSQL("pg_advisory_unlock", keys)
+				unlock, args := core.LockSQL("pg_advisory_unlock", coreKeys(keys))
 				_, err := conns[g].Exec(ctx, unlock, args...)
 				return err
 			})

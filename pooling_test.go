@@ -298,7 +298,7 @@ func TestSessionPoolingWorks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	heldOnlyBy(t, dsn, k, l.s.PID())
+	heldOnlyBy(t, dsn, k, l.core.S.PID())
 	if _, err := other.TryLock(ctx, k); !errors.Is(err, ErrLocked) {
 		t.Fatalf("TryLock of a key held through PgBouncer: %v, want ErrLocked", err)
 	}
@@ -314,7 +314,7 @@ func TestSessionPoolingWorks(t *testing.T) {
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("cancelled wait through PgBouncer: %v", err)
 	}
-	heldOnlyBy(t, dsn, HashKey("session-pooled-2"), h.s.PID())
+	heldOnlyBy(t, dsn, HashKey("session-pooled-2"), h.core.S.PID())
 	mustUnlock(t, h)
 	mustUnlock(t, l)
 	notHeld(t, dsn, k)

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
@@ -114,7 +116,7 @@ func TestElectionTermWaitNoSpuriousDeadlock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	shared := held.s.PID()
+	shared := held.core.S.PID()
 	if st := c.Stat(); st.Backends != 1 {
 		t.Fatalf("Stat: %+v, want one backend", st)
 	}
@@ -224,7 +226,7 @@ func TestSemaphoreGrantRowWaitNoSpuriousDeadlock(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			shared := held.s.PID()
+			shared := held.core.S.PID()
 			if st := c.Stat(); st.Backends != 1 {
 				t.Fatalf("Stat: %+v, want one backend", st)
 			}
@@ -330,12 +332,12 @@ func TestFenceGlanceNoSpuriousDeadlock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	shared := held.s.PID()
+	shared := held.core.S.PID()
 
 	// The Client's one wait is taken: a Lock of y, which another
 	// connection holds.
 	other := pgtest.Conn(t, dsn)
-	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", y.v); err != nil {
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", y.core.V); err != nil {
 		t.Fatal(err)
 	}
 	waiter := goLock(func() (*Lock, error) { return c.Lock(ctx, y) })
@@ -388,8 +390,8 @@ func TestFenceGlanceNoSpuriousDeadlock(t *testing.T) {
 		if _, err := tx.Exec(ctx, "SET LOCAL lock_timeout = '30ms'"); err != nil {
 			t.Fatal(err)
 		}
-		_, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", x.v)
-		switch sqlState(err) {
+		_, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", x.core.V)
+		switch core.SqlState(err) {
 		case "55P03":
 		case "40P01":
 			t.Fatalf("attempt %d: the transaction's wait for %v, which backend %d holds, ended in a deadlock: %v; the application has no cycle (backend %d waits for a row: %v)",
@@ -407,7 +409,7 @@ func TestFenceGlanceNoSpuriousDeadlock(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", y.v); err != nil {
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", y.core.V); err != nil {
 		t.Fatal(err)
 	}
 	w := receive(t, waiter)
@@ -449,7 +451,7 @@ func TestSemaphoreHeadGrantRowWaitNoSpuriousDeadlock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	shared := held.s.PID()
+	shared := held.core.S.PID()
 
 	granted := make(chan permitResult, 1)
 	acquired := make(chan error, 1)
@@ -459,7 +461,7 @@ func TestSemaphoreHeadGrantRowWaitNoSpuriousDeadlock(t *testing.T) {
 		acquired <- err
 	}()
 	pgtest.Eventually(t, testTimeout, "the Acquire to head the queue on the shared backend", func() bool {
-		g := grantedTo(t, dsn, sem.queueKey())
+		g := grantedTo(t, dsn, Key{sem.queueKey()})
 		return len(g) == 1 && g[0] == shared
 	})
 
@@ -543,7 +545,7 @@ func TestUnlockDoesNotWaitBehindGrantRowWait(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	shared := held.s.PID()
+	shared := held.core.S.PID()
 
 	txConn := pgtest.Conn(t, dsn)
 	tx, err := txConn.Begin(ctx)
@@ -617,16 +619,16 @@ func TestQueueHeadAwaitTakesTheOnlyWait(t *testing.T) {
 	}()
 	slot0 := sem.slotKey(0)
 	pgtest.Eventually(t, testTimeout, "the head to wait for slot 0 on the server", func() bool {
-		return waitingOn(t, dsn, slot0) == 1 && c.Stat().Waits == 1
+		return waitingOn(t, dsn, Key{slot0}) == 1 && c.Stat().Waits == 1
 	})
-	heads := grantedTo(t, dsn, sem.queueKey())
+	heads := grantedTo(t, dsn, Key{sem.queueKey()})
 	if len(heads) != 1 {
 		t.Fatalf("pg_locks: queue key held by %v, want one head", heads)
 	}
 	head := heads[0]
 
 	holder := pgtest.Conn(t, dsn)
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k.v); err != nil {
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
 		t.Fatal(err)
 	}
 	locked := goLock(func() (*Lock, error) { return c.Lock(ctx, k) })
@@ -636,28 +638,28 @@ func TestQueueHeadAwaitTakesTheOnlyWait(t *testing.T) {
 	if n := waitingOn(t, dsn, k); n != 0 {
 		t.Fatalf("pg_locks: %d backends wait for %v while the head's wait takes the Client's only one", n, k)
 	}
-	waitsWhileHolding(t, dsn, sem.queueKey())
+	waitsWhileHolding(t, dsn, Key{sem.queueKey()})
 
 	zl, err := c.TryLock(ctx, z)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if zl.s.PID() == head {
+	if zl.core.S.PID() == head {
 		t.Fatalf("TryLock of %v ran on backend %d, which waits for slot 0", z, head)
 	}
-	heldOnlyBy(t, dsn, z, zl.s.PID())
-	waitsWhileHolding(t, dsn, sem.queueKey())
+	heldOnlyBy(t, dsn, z, zl.core.S.PID())
+	waitsWhileHolding(t, dsn, Key{sem.queueKey()})
 	stillWaiting(t, locked)
 
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.v); err != nil {
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.core.V); err != nil {
 		t.Fatal(err)
 	}
 	r := receive(t, locked)
 	if r.err != nil {
 		t.Fatalf("Lock: %v, want the key once it is free", r.err)
 	}
-	heldOnlyBy(t, dsn, k, r.l.s.PID())
-	if r.l.s.PID() == head {
+	heldOnlyBy(t, dsn, k, r.l.core.S.PID())
+	if r.l.core.S.PID() == head {
 		t.Fatalf("Lock of %v ended on backend %d, which waits for slot 0", k, head)
 	}
 
@@ -666,12 +668,12 @@ func TestQueueHeadAwaitTakesTheOnlyWait(t *testing.T) {
 	if g.err != nil {
 		t.Fatalf("Acquire: %v", g.err)
 	}
-	heldOnlyBy(t, dsn, slot0, head)
+	heldOnlyBy(t, dsn, Key{slot0}, head)
 	waitsWhileHolding(t, dsn)
 	mustRelease(t, g.p)
 	mustUnlock(t, r.l)
 	mustUnlock(t, zl)
-	notHeld(t, dsn, sem.queueKey())
+	notHeld(t, dsn, Key{sem.queueKey()})
 }
 
 // Promise (doc.go, "Locks that live as long as a connection"; backends.go):
@@ -702,7 +704,7 @@ func TestFenceWaitSeesNoDeadlockWithoutCycle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b1 := lx.s.PID()
+	b1 := lx.core.S.PID()
 
 	// The application's write transaction checks Y's fence.
 	obs := pgtest.Conn(t, dsn)

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 )
 
@@ -166,8 +168,8 @@ type Semaphore struct {
 	c        *Client
 	name     string
 	limit    int
-	key      Key   // semaphoreKey(schema, name)
-	prefix   int64 // key >> 16: the upper 48 bits of every key of the semaphore
+	key      core.Key // semaphoreKey(schema, name)
+	prefix   int64    // key >> 16: the upper 48 bits of every key of the semaphore
 	identity string
 	err      error // invalid name, limit or option: every method returns it
 
@@ -203,22 +205,22 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 		return err
 	}
 	if s.limit < 1 || s.limit > MaxSemaphoreLimit {
-		return errorf("limit %d is out of range: it must be 1 to %d (how many holders may hold a permit at once)", s.limit, MaxSemaphoreLimit)
+		return core.Errorf("limit %d is out of range: it must be 1 to %d (how many holders may hold a permit at once)", s.limit, MaxSemaphoreLimit)
 	}
-	s.identity = defaultIdentity(s.c.cfg.appName)
+	s.identity = defaultIdentity(s.c.core.Cfg.AppName)
 	for _, o := range opts {
 		if o == nil {
-			return errorf("nil SemaphoreOption")
+			return core.Errorf("nil SemaphoreOption")
 		}
 		if err := o.applySemaphore(s); err != nil {
 			return err
 		}
 	}
-	s.key = semaphoreKey(s.c.cfg.schema, s.name)
-	s.prefix = s.key.v >> 16
-	s.payload = strconv.FormatInt(s.key.v, 10) + ":"
-	cfg := s.c.cfg
-	s.acquireSQL = "SELECT slot, sem_limit, holders, queued FROM " + cfg.table("semaphore_acquire") + "($1, $2, $3, $4, $5, $6, $7)"
+	s.key = semaphoreKey(s.c.core.Cfg.Schema, s.name)
+	s.prefix = s.key.V >> 16
+	s.payload = strconv.FormatInt(s.key.V, 10) + ":"
+	cfg := s.c.core.Cfg
+	s.acquireSQL = "SELECT slot, sem_limit, holders, queued FROM " + cfg.Table("semaphore_acquire") + "($1, $2, $3, $4, $5, $6, $7)"
 	// The same, but it first locks the semaphore's row with NOWAIT, and
 	// fails at once with SQLSTATE 55P03 when a transaction holds it: the
 	// grant never joins the row's queue of waiters (see admitOn). The
@@ -226,10 +228,10 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 	// transaction. The probe's count is an argument of the call, so that
 	// the probe runs first.
 	s.acquireNowaitSQL = `SELECT a.slot, a.sem_limit, a.holders, a.queued
-		FROM (SELECT count(*) AS n FROM (SELECT FROM ` + cfg.table("semaphores") + ` AS r
+		FROM (SELECT count(*) AS n FROM (SELECT FROM ` + cfg.Table("semaphores") + ` AS r
 			WHERE r.name = $1 FOR UPDATE NOWAIT) AS r) AS probe,
-		LATERAL ` + cfg.table("semaphore_acquire") + `($1, $2, $3, $4, $5, CASE WHEN probe.n >= 0 THEN $6 END, $7) AS a`
-	s.awaitSQL = "SELECT slot, sem_limit, holders FROM " + cfg.table("semaphore_await") + "($1, $2, $3, $4, $5)"
+		LATERAL ` + cfg.Table("semaphore_acquire") + `($1, $2, $3, $4, $5, CASE WHEN probe.n >= 0 THEN $6 END, $7) AS a`
+	s.awaitSQL = "SELECT slot, sem_limit, holders FROM " + cfg.Table("semaphore_await") + "($1, $2, $3, $4, $5)"
 	s.cleanupSQL = `WITH mine AS MATERIALIZED (
 			SELECT l.k FROM (SELECT (classid::bigint << 32) | objid::bigint AS k
 				FROM pg_catalog.pg_locks
@@ -237,7 +239,7 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 				  AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())) l
 			WHERE l.k >> 16 = $1
 		), gone AS (
-			DELETE FROM ` + cfg.table("semaphore_holders") + ` h
+			DELETE FROM ` + cfg.Table("semaphore_holders") + ` h
 			WHERE h.name = $3 AND h.lock_key <> ALL ($2::int8[])
 			  AND (h.pid = pg_catalog.pg_backend_pid() OR h.lock_key IN (SELECT m.k FROM mine m))
 			RETURNING 1
@@ -284,7 +286,7 @@ func (s *Semaphore) init(opts []SemaphoreOption) error {
 			SELECT pg_catalog.pg_advisory_unlock($1) AS released, pg_catalog.pg_try_advisory_lock($1) AS free
 			WHERE pg_catalog.pg_backend_pid() = $6
 		), gone AS (
-			DELETE FROM ` + cfg.table("semaphore_holders") + ` WHERE name = $4 AND slot = $5 AND pid = $6 AND (SELECT free FROM r)
+			DELETE FROM ` + cfg.Table("semaphore_holders") + ` WHERE name = $4 AND slot = $5 AND pid = $6 AND (SELECT free FROM r)
 			RETURNING 1
 		)
 		SELECT r.released,
@@ -307,22 +309,24 @@ func (s *Semaphore) Name() string { return s.name }
 // bigint keys that share the key's upper 48 bits, with the slot number in
 // the low 16 bits; the key with those bits all set is the queue of
 // waiters.
-func (s *Semaphore) Key() Key { return s.key }
+func (s *Semaphore) Key() Key { return Key{s.key} }
 
 // semaphoreKey returns the key of the semaphore called name whose rows are
 // in schema.
-func semaphoreKey(schema, name string) Key { return HashKey("pgcoord.semaphore", schema, name) }
+func semaphoreKey(schema, name string) core.Key {
+	return core.HashKey("pgcoord.semaphore", schema, name)
+}
 
-func (s *Semaphore) slotKey(slot int) Key { return Int64Key(s.prefix<<16 | int64(slot)) }
+func (s *Semaphore) slotKey(slot int) core.Key { return core.Int64Key(s.prefix<<16 | int64(slot)) }
 
-func (s *Semaphore) queueKey() Key { return s.slotKey(queueSlot) }
+func (s *Semaphore) queueKey() core.Key { return s.slotKey(queueSlot) }
 
 // A Permit is one held permit of a [Semaphore]. It is released once, by
 // Release; it ends early if its backend is lost or its Client closes,
 // which Done and Err report. Its methods are safe for concurrent use.
 type Permit struct {
 	sem   *Semaphore
-	l     *Lock
+	l     *core.Lock
 	slot  int
 	since time.Time // when its acquire returned; set only for OnPermit
 }
@@ -398,27 +402,27 @@ func (p *Permit) Release(ctx context.Context) error {
 		ctx = context.Background()
 	}
 	l, s := p.l, p.sem
-	l.mu.Lock()
-	if l.err != nil || l.releasing {
-		err := l.err
-		l.mu.Unlock()
+	l.Mu.Lock()
+	if l.Cause != nil || l.Releasing {
+		err := l.Cause
+		l.Mu.Unlock()
 		if err == nil {
 			err = fmt.Errorf("%w: another Release is releasing it", ErrNotHeld)
 		}
 		return s.fail(ctx, "release", err)
 	}
-	l.releasing = true
-	l.mu.Unlock()
+	l.Releasing = true
+	l.Mu.Unlock()
 
-	b, k := l.s, l.keys[0]
-	if !b.startRelease(l, k) {
+	b, k := l.S, l.KeyList[0]
+	if !b.StartRelease(l, k) {
 		// The backend ended meanwhile and is ending the permit.
 		<-l.Done()
 		return s.fail(ctx, "release", l.Err())
 	}
-	err := b.run(context.WithoutCancel(ctx), func(ctx context.Context, conn *pgx.Conn) error {
+	err := b.Run(context.WithoutCancel(ctx), func(ctx context.Context, conn *pgx.Conn) error {
 		var ok bool
-		err := conn.QueryRow(ctx, s.releaseSQL, k.v, semaphoreChannel, s.payload+"release", s.name, int32(p.slot), b.pid).
+		err := conn.QueryRow(ctx, s.releaseSQL, k.V, semaphoreChannel, s.payload+"release", s.name, int32(p.slot), b.Pid).
 			Scan(&ok, nil, nil)
 		if rowsFailed(err, conn) {
 			// The statement failed on the permit's row: semaphore_holders
@@ -428,29 +432,29 @@ func (p *Permit) Release(ctx context.Context) error {
 			// without deleting the row, instead of losing the backend and
 			// every other goroutine's lock on it.
 			cause := err
-			if err = conn.QueryRow(ctx, s.releaseLockSQL, k.v, semaphoreChannel, s.payload+"release", b.pid).Scan(nil, nil); err == nil {
+			if err = conn.QueryRow(ctx, s.releaseLockSQL, k.V, semaphoreChannel, s.payload+"release", b.Pid).Scan(nil, nil); err == nil {
 				ok = true // the slot is not held by this backend now
-				s.c.cfg.warnLogger().Warn("pgcoord: semaphore: released a permit without deleting its row",
-					"semaphore", s.name, "slot", p.slot, "pid", b.pid, "err", cause)
+				s.c.core.Cfg.WarnLogger().Warn("pgcoord: semaphore: released a permit without deleting its row",
+					"semaphore", s.name, "slot", p.slot, "pid", b.Pid, "err", cause)
 			}
 		}
-		if err = b.wrongBackend(err); err == nil && !ok {
-			err = fmt.Errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, b.pid)
+		if err = b.WrongBackend(err); err == nil && !ok {
+			err = fmt.Errorf("%w: the server did not hold %s for backend %d", ErrNotHeld, k, b.Pid)
 		}
 		return err
 	})
-	b.forgetKeys([]Key{k})
+	b.ForgetKeys([]core.Key{k})
 	why := ErrNotHeld
 	if err != nil {
-		b.lose(err)
+		b.Lose(err)
 		if e := b.Err(); e != nil {
 			err = e
 		}
-		if errorIsLoss(err) {
+		if core.ErrorIsLoss(err) {
 			why = err // the permit was lost, not released: Err says so
 		}
 	}
-	l.end(why)
+	l.End(why)
 	kind, evErr := PermitReleased, err
 	if errors.Is(why, ErrLockLost) {
 		kind, evErr = PermitLost, why
@@ -478,23 +482,23 @@ type Holder struct {
 // of an invalid name, limit or option, or the server's error.
 func (s *Semaphore) Holders(ctx context.Context) ([]Holder, error) {
 	if ctx == nil {
-		return nil, errorf("holders semaphore %s: ctx is nil", quoteName(s.name))
+		return nil, core.Errorf("holders semaphore %s: ctx is nil", core.QuoteName(s.name))
 	}
 	if s.err != nil {
 		return nil, s.fail(ctx, "holders", s.err)
 	}
-	if err := s.c.enter(); err != nil {
+	if err := s.c.core.Enter(); err != nil {
 		return nil, s.fail(ctx, "holders", err)
 	}
-	defer s.c.wg.Done()
+	defer s.c.core.Wg.Done()
 	var hs []Holder
-	err := s.c.onPool(ctx, func(b *pgx.Batch) {
+	err := s.c.core.OnPool(ctx, func(b *pgx.Batch) {
 		b.Queue(`SELECT (l.k & 65535)::int4, l.pid, coalesce(h.identity, ''), h.since
 			FROM (SELECT pid, (classid::bigint << 32) | objid::bigint AS k
 				FROM pg_catalog.pg_locks
 				WHERE locktype = 'advisory' AND objsubid = 1 AND granted
 				  AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())) l
-			LEFT JOIN `+s.c.cfg.table("semaphore_holders")+` h ON h.name = $1 AND h.slot = (l.k & 65535)::int4 AND h.pid = l.pid
+			LEFT JOIN `+s.c.core.Cfg.Table("semaphore_holders")+` h ON h.name = $1 AND h.slot = (l.k & 65535)::int4 AND h.pid = l.pid
 			WHERE l.k >> 16 = $2 AND l.k & 65535 <> 65535
 			ORDER BY h.since NULLS LAST, 1`, s.name, s.prefix).Query(func(rows pgx.Rows) error {
 			var err error
@@ -524,18 +528,18 @@ func (s *Semaphore) Holders(ctx context.Context) ([]Holder, error) {
 // on the Client's pool. Errors are as for Holders.
 func (s *Semaphore) Limit(ctx context.Context) (int, error) {
 	if ctx == nil {
-		return 0, errorf("limit semaphore %s: ctx is nil", quoteName(s.name))
+		return 0, core.Errorf("limit semaphore %s: ctx is nil", core.QuoteName(s.name))
 	}
 	if s.err != nil {
 		return 0, s.fail(ctx, "limit", s.err)
 	}
-	if err := s.c.enter(); err != nil {
+	if err := s.c.core.Enter(); err != nil {
 		return 0, s.fail(ctx, "limit", err)
 	}
-	defer s.c.wg.Done()
+	defer s.c.core.Wg.Done()
 	var limit int32
-	err := s.c.onPool(ctx, func(b *pgx.Batch) {
-		b.Queue(`SELECT "limit" FROM `+s.c.cfg.table("semaphores")+` WHERE name = $1`, s.name).QueryRow(func(row pgx.Row) error {
+	err := s.c.core.OnPool(ctx, func(b *pgx.Batch) {
+		b.Queue(`SELECT "limit" FROM `+s.c.core.Cfg.Table("semaphores")+` WHERE name = $1`, s.name).QueryRow(func(row pgx.Row) error {
 			return row.Scan(&limit)
 		})
 	})
@@ -559,23 +563,23 @@ func (s *Semaphore) Limit(ctx context.Context) (int, error) {
 // [MaxSemaphoreLimit], and as for Holders.
 func (s *Semaphore) SetLimit(ctx context.Context, n int) error {
 	if ctx == nil {
-		return errorf("set limit semaphore %s: ctx is nil", quoteName(s.name))
+		return core.Errorf("set limit semaphore %s: ctx is nil", core.QuoteName(s.name))
 	}
 	if s.err != nil {
 		return s.fail(ctx, "set limit", s.err)
 	}
 	if n < 1 || n > MaxSemaphoreLimit {
-		return s.fail(ctx, "set limit", errorf("limit %d is out of range: it must be 1 to %d", n, MaxSemaphoreLimit))
+		return s.fail(ctx, "set limit", core.Errorf("limit %d is out of range: it must be 1 to %d", n, MaxSemaphoreLimit))
 	}
-	if err := s.c.enter(); err != nil {
+	if err := s.c.core.Enter(); err != nil {
 		return s.fail(ctx, "set limit", err)
 	}
-	defer s.c.wg.Done()
-	t := s.c.cfg.table("semaphores")
-	err := s.c.onPool(ctx, func(b *pgx.Batch) {
+	defer s.c.core.Wg.Done()
+	t := s.c.core.Cfg.Table("semaphores")
+	err := s.c.core.OnPool(ctx, func(b *pgx.Batch) {
 		b.Queue(`INSERT INTO `+t+` AS s (name, "limit", lock_key) VALUES ($1, $2, $3)
 			ON CONFLICT (name) DO UPDATE SET "limit" = excluded."limit", updated_at = now()
-			WHERE s."limit" <> excluded."limit"`, s.name, int32(n), s.key.v)
+			WHERE s."limit" <> excluded."limit"`, s.name, int32(n), s.key.V)
 	})
 	if err != nil {
 		return s.fail(ctx, "set limit", s.c.notMigratedSemaphore(err))
@@ -586,19 +590,19 @@ func (s *Semaphore) SetLimit(ctx context.Context, n int) error {
 // fail describes an error of the semaphore, with the cause of ctx's end
 // (ErrClosed when the Client closed) in front.
 func (s *Semaphore) fail(ctx context.Context, op string, err error) error {
-	if cause := ctxCause(ctx); cause != nil {
-		err = ctxEnded(cause, err)
+	if cause := core.CtxCause(ctx); cause != nil {
+		err = core.CtxEnded(cause, err)
 	}
-	return errorf("%s semaphore %s: %w", op, quoteName(s.name), err)
+	return core.Errorf("%s semaphore %s: %w", op, core.QuoteName(s.name), err)
 }
 
 // notMigratedSemaphore wraps ErrNotMigrated around the server's error when
 // the semaphores' tables, function or schema are missing (SQLSTATE 42P01,
 // 42883 or 3F000).
 func (c *Client) notMigratedSemaphore(err error) error {
-	switch sqlState(err) {
+	switch core.SqlState(err) {
 	case "42P01", "42883", "3F000":
-		return fmt.Errorf("%w (schema %s has no semaphores): %w", ErrNotMigrated, c.cfg.quotedSchema(), err)
+		return fmt.Errorf("%w (schema %s has no semaphores): %w", ErrNotMigrated, c.core.Cfg.QuotedSchema(), err)
 	}
 	return err
 }
@@ -610,11 +614,11 @@ func (c *Client) notMigratedSemaphore(err error) error {
 // reached as they were, and rolled back its row changes; the locks can be
 // put right by a statement that does not touch the tables.
 func rowsFailed(err error, conn *pgx.Conn) bool {
-	st := sqlState(err)
+	st := core.SqlState(err)
 	return st != "" && !strings.HasPrefix(st, "57") && !strings.HasPrefix(st, "08") && !conn.IsClosed()
 }
 
 // lockTimedOut reports whether a statement gave up waiting for a lock
 // (SQLSTATE 55P03): the semaphore's row was locked for longer than a wait
 // slice, by a transaction that changes it.
-func lockTimedOut(err error) bool { return sqlState(err) == "55P03" }
+func lockTimedOut(err error) bool { return core.SqlState(err) == "55P03" }

@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 )
 
@@ -33,7 +35,7 @@ func (s *Semaphore) acquire(ctx context.Context, try bool) (*Permit, error) {
 		if try {
 			op = "try acquire"
 		}
-		return nil, errorf("%s semaphore %s: ctx is nil", op, quoteName(s.name))
+		return nil, core.Errorf("%s semaphore %s: ctx is nil", op, core.QuoteName(s.name))
 	}
 	if s.err != nil {
 		op := "acquire"
@@ -49,11 +51,11 @@ func (s *Semaphore) acquire(ctx context.Context, try bool) (*Permit, error) {
 	start := time.Now()
 	// Registered as a call in flight, the acquire keeps Close from
 	// closing the hook queue before its event is queued.
-	entered := s.c.enter() == nil
+	entered := s.c.core.Enter() == nil
 	p, err := s.take(ctx, try)
 	q.permitAcquired(s, try, start, p, err)
 	if entered {
-		s.c.wg.Done()
+		s.c.core.Wg.Done()
 	}
 	return p, err
 }
@@ -64,12 +66,12 @@ func (s *Semaphore) take(ctx context.Context, try bool) (*Permit, error) {
 	if try {
 		op = "try acquire"
 	}
-	if err := c.enter(); err != nil {
+	if err := c.core.Enter(); err != nil {
 		return nil, s.fail(ctx, op, err)
 	}
-	defer c.wg.Done()
-	actx := c.acquireCtx(ctx)
-	defer actx.end()
+	defer c.core.Wg.Done()
+	actx := c.core.AcquireCtx(ctx)
+	defer actx.End()
 	ctx = actx
 
 	p, adm, err := s.admitRiding(ctx, try)
@@ -84,7 +86,7 @@ func (s *Semaphore) take(ctx context.Context, try bool) (*Permit, error) {
 		return nil, s.fail(ctx, "try acquire", fmt.Errorf("%w: %d of %d permits held", ErrNoPermit, adm.holders, adm.limit))
 	}
 	for {
-		q, err := c.Lock(ctx, s.queueKey(), withoutHooks())
+		q, err := c.core.Lock(ctx, s.queueKey(), core.WithoutHooks())
 		if err != nil {
 			return nil, s.fail(ctx, op, err)
 		}
@@ -104,18 +106,18 @@ func (s *Semaphore) take(ctx context.Context, try bool) (*Permit, error) {
 
 // leave releases the queue key q. It reports no error for a key that was
 // lost (the server freed it with its backend) or ended with the Client.
-func (s *Semaphore) leave(ctx context.Context, q *Lock) error {
-	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+func (s *Semaphore) leave(ctx context.Context, q *core.Lock) error {
+	uctx, cancel := core.WithoutCancel(ctx, s.c.core.Cfg.LossDeadline)
 	defer cancel()
 	err := q.Unlock(uctx)
 	// A backend that ended while the release was under way ends q with
 	// ErrNotHeld, and Unlock reports how it ended: lost, or closed. A
 	// queue place already released (by a grant that then failed, as the
 	// Client closed) is left as well.
-	if err == nil || errorIsLoss(q.Err()) || errorIsLoss(err) || errors.Is(err, ErrNotHeld) {
+	if err == nil || core.ErrorIsLoss(q.Err()) || core.ErrorIsLoss(err) || errors.Is(err, ErrNotHeld) {
 		return nil
 	}
-	s.c.cfg.warnLogger().Warn("pgcoord: semaphore: leave the queue", "semaphore", s.name, "err", err)
+	s.c.core.Cfg.WarnLogger().Warn("pgcoord: semaphore: leave the queue", "semaphore", s.name, "err", err)
 	return err
 }
 
@@ -124,26 +126,26 @@ func (s *Semaphore) leave(ctx context.Context, q *Lock) error {
 // fails fast. Such retries count in Stat's QueuedWaits.
 func (s *Semaphore) admitRiding(ctx context.Context, try bool) (*Permit, admission, error) {
 	c := s.c
-	retry := minRetryInterval
+	retry := core.MinRetryInterval
 	var last error // the last connection error
 	for queued := false; ; {
 		p, adm, err := s.admit(ctx)
 		switch {
-		case err == nil || try || !connectionTrouble(err):
+		case err == nil || try || !core.ConnectionTrouble(err):
 		case ctx.Err() == nil:
 			last = err
 			if !queued {
 				queued = true
-				c.queuedWaits.Add(1)
-				defer c.queuedWaits.Add(-1)
+				c.core.QueuedWaits.Add(1)
+				defer c.core.QueuedWaits.Add(-1)
 			}
-			if err = c.pause(ctx, retry); err == nil {
-				retry = min(2*retry, maxRetryInterval)
+			if err = c.core.Pause(ctx, retry); err == nil {
+				retry = min(2*retry, core.MaxRetryInterval)
 				continue
 			}
 			fallthrough
 		default:
-			err = endedWhileRetrying(ctx, err, last)
+			err = core.EndedWhileRetrying(ctx, err, last)
 		}
 		return p, adm, err
 	}
@@ -163,33 +165,33 @@ func (s *Semaphore) admitRiding(ctx context.Context, try bool) (*Permit, admissi
 func (s *Semaphore) admit(ctx context.Context) (*Permit, admission, error) {
 	c := s.c
 	var err error
-	for lost, routed := 0, 0; lost <= c.cfg.sharedBackends+c.cfg.maxWaits; {
-		var b *Session
-		if b, err = c.route(ctx, request{}); err != nil {
+	for lost, routed := 0, 0; lost <= c.core.Cfg.SharedBackends+c.core.Cfg.MaxWaits; {
+		var b *core.Session
+		if b, err = c.core.Route(ctx, core.Request{}); err != nil {
 			return nil, admission{}, err
 		}
 		var p *Permit
 		var adm admission
 		p, adm, err = s.admitOn(ctx, b, nil, false)
 		if lockTimedOut(err) && ctx.Err() == nil {
-			w, done, werr := c.waitBackend(ctx)
+			w, done, werr := c.core.WaitBackend(ctx)
 			switch {
 			case werr == nil:
 				p, adm, err = s.admitOn(ctx, w, nil, true)
 				done()
-			case !errors.Is(werr, errNoWaitBackend):
+			case !errors.Is(werr, core.ErrNoWaitBackend):
 				err = werr
 			}
 		}
 		switch {
-		case errors.Is(err, errRoute):
-			if routed++; routed%maxRoutes == 0 {
-				if err := c.pause(ctx, minPollInterval); err != nil {
+		case errors.Is(err, core.ErrRoute):
+			if routed++; routed%core.MaxRoutes == 0 {
+				if err := c.core.Pause(ctx, core.MinPollInterval); err != nil {
 					return nil, admission{}, err
 				}
 			}
 			continue
-		case err == nil || !errorIsLoss(err) || ctx.Err() != nil:
+		case err == nil || !core.ErrorIsLoss(err) || ctx.Err() != nil:
 			return p, adm, err
 		}
 		lost++
@@ -215,32 +217,32 @@ func (s *Semaphore) admit(ctx context.Context) (*Permit, admission, error) {
 // the deadlock check of that transaction, should it wait for one of b's
 // keys, would find a cycle that the application does not have; and the
 // statements of b's other locks would wait behind it.
-func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock, claimed bool) (*Permit, admission, error) {
+func (s *Semaphore) admitOn(ctx context.Context, b *core.Session, q *core.Lock, claimed bool) (*Permit, admission, error) {
 	head := q != nil
-	if err := b.beginGrant(claimed); err != nil {
+	if err := b.BeginGrant(claimed); err != nil {
 		return nil, admission{}, err
 	}
-	defer b.endGrant()
-	if err := b.grab(ctx); err != nil {
+	defer b.EndGrant()
+	if err := b.Grab(ctx); err != nil {
 		return nil, admission{}, err
 	}
-	defer b.release()
+	defer b.Release()
 	var (
 		slot          *int32
 		limit, holder int32
 		queued        bool
 		adm           admission
 	)
-	timeout := strconv.FormatInt(s.c.cfg.waitSlice().Milliseconds(), 10)
+	timeout := strconv.FormatInt(s.c.core.Cfg.WaitSlice().Milliseconds(), 10)
 	sql := s.acquireNowaitSQL
 	if claimed {
 		sql = s.acquireSQL
 	}
-	b.ranGrant()
-	err := b.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		err := conn.QueryRow(ctx, sql, s.name, int32(s.limit), s.key.v, head, s.identity, timeout, b.pid).
+	b.RanGrant()
+	err := b.Exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		err := conn.QueryRow(ctx, sql, s.name, int32(s.limit), s.key.V, head, s.identity, timeout, b.Pid).
 			Scan(&slot, &limit, &holder, &queued)
-		return b.wrongBackend(err)
+		return b.WrongBackend(err)
 	})
 	if err != nil {
 		if b.Err() == nil && !errors.Is(s.c.notMigratedSemaphore(err), ErrNotMigrated) {
@@ -263,12 +265,12 @@ func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock, claimed bo
 		return nil, adm, nil
 	}
 	if head {
-		b.forgetReleased(q, ErrNotHeld)
+		b.ForgetReleased(q, ErrNotHeld)
 	}
 	k := s.slotKey(int(*slot))
-	l, err := b.adopt(k)
+	l, err := b.Adopt(k)
 	if err != nil {
-		_ = b.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		_ = b.Exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 			s.unadopted(ctx, conn, b)
 			return nil
 		})
@@ -283,11 +285,11 @@ func (s *Semaphore) admitOn(ctx context.Context, b *Session, q *Lock, claimed bo
 // its row, so that an Acquire that fails leaves no row behind. With the
 // connection gone, the server has freed the slot, and the row is a dead
 // holder's, which Holders ignores and later acquires remove.
-func (s *Semaphore) unadopted(ctx context.Context, conn *pgx.Conn, b *Session) {
+func (s *Semaphore) unadopted(ctx context.Context, conn *pgx.Conn, b *core.Session) {
 	if conn.IsClosed() {
 		return
 	}
-	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+	uctx, cancel := core.WithoutCancel(ctx, s.c.core.Cfg.LossDeadline)
 	defer cancel()
 	_, _ = s.cleanupOn(uctx, conn, b)
 }
@@ -297,11 +299,11 @@ func (s *Semaphore) unadopted(ctx context.Context, conn *pgx.Conn, b *Session) {
 // with rows their rows too: what a failed semaphore_acquire may have left
 // (without rows, the slots only: see cleanupLocksOn). If the server no
 // longer holds q, the head's queue key, q ends as lost.
-func (s *Semaphore) cleanup(ctx context.Context, b *Session, q *Lock, rows bool) {
-	uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+func (s *Semaphore) cleanup(ctx context.Context, b *core.Session, q *core.Lock, rows bool) {
+	uctx, cancel := core.WithoutCancel(ctx, s.c.core.Cfg.LossDeadline)
 	defer cancel()
 	var queueHeld bool
-	err := b.exec(uctx, func(ctx context.Context, conn *pgx.Conn) error {
+	err := b.Exec(uctx, func(ctx context.Context, conn *pgx.Conn) error {
 		var err error
 		if rows {
 			queueHeld, err = s.cleanupOn(ctx, conn, b)
@@ -312,17 +314,17 @@ func (s *Semaphore) cleanup(ctx context.Context, b *Session, q *Lock, rows bool)
 	})
 	switch {
 	case err != nil:
-		b.lose(fmt.Errorf("release after failed semaphore acquire: %w", err))
+		b.Lose(fmt.Errorf("release after failed semaphore acquire: %w", err))
 	case q != nil && !queueHeld:
-		b.forgetReleased(q, fmt.Errorf("%w: a failed grant released the queue key %s", ErrLockLost, q.Key()))
+		b.ForgetReleased(q, fmt.Errorf("%w: a failed grant released the queue key %s", ErrLockLost, q.Key()))
 	}
 }
 
 // cleanupOn runs cleanup's statement on conn, b's connection, and reports
 // whether b holds the semaphore's queue key on the server.
-func (s *Semaphore) cleanupOn(ctx context.Context, conn *pgx.Conn, b *Session) (queueHeld bool, err error) {
+func (s *Semaphore) cleanupOn(ctx context.Context, conn *pgx.Conn, b *core.Session) (queueHeld bool, err error) {
 	var n int64
-	err = conn.QueryRow(ctx, s.cleanupSQL, s.prefix, s.knownSlots(b), s.name, b.pid).Scan(&n, &queueHeld)
+	err = conn.QueryRow(ctx, s.cleanupSQL, s.prefix, s.knownSlots(b), s.name, b.Pid).Scan(&n, &queueHeld)
 	if rowsFailed(err, conn) {
 		// The rows cannot be had within the connection's lock_timeout
 		// (another session holds semaphore_holders, or the rows) or
@@ -339,13 +341,13 @@ func (s *Semaphore) cleanupOn(ctx context.Context, conn *pgx.Conn, b *Session) (
 // the semaphore that b holds on the server but not in its records, and
 // touches no table. The rows it leaves name a backend that no longer
 // holds their slots: Holders ignores them and the next grant removes them.
-func (s *Semaphore) cleanupLocksOn(ctx context.Context, conn *pgx.Conn, b *Session) (queueHeld bool, err error) {
+func (s *Semaphore) cleanupLocksOn(ctx context.Context, conn *pgx.Conn, b *core.Session) (queueHeld bool, err error) {
 	var n int64
-	err = conn.QueryRow(ctx, s.cleanupLocksSQL, s.prefix, s.knownSlots(b), b.pid).Scan(&n, &queueHeld)
+	err = conn.QueryRow(ctx, s.cleanupLocksSQL, s.prefix, s.knownSlots(b), b.Pid).Scan(&n, &queueHeld)
 	return queueHeld, err
 }
 
 // knownSlots returns the keys of the semaphore that b records as held.
-func (s *Semaphore) knownSlots(b *Session) []int64 {
-	return b.heldInt64Keys(func(v int64) bool { return v>>16 == s.prefix })
+func (s *Semaphore) knownSlots(b *core.Session) []int64 {
+	return b.HeldInt64Keys(func(v int64) bool { return v>>16 == s.prefix })
 }

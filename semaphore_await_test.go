@@ -67,11 +67,11 @@ func TestSemaphoreHeadWaitsForSlot(t *testing.T) {
 	if r.err != nil {
 		t.Fatal(r.err)
 	}
-	if r.p.Slot() != 0 || r.p.l.s.PID() != pid {
-		t.Fatalf("permit: slot %d on backend %d, want slot 0 on the backend that waited, %d", r.p.Slot(), r.p.l.s.PID(), pid)
+	if r.p.Slot() != 0 || r.p.l.S.PID() != pid {
+		t.Fatalf("permit: slot %d on backend %d, want slot 0 on the backend that waited, %d", r.p.Slot(), r.p.l.S.PID(), pid)
 	}
-	heldOnlyBy(t, dsn, waiter.slotKey(0), pid)
-	notHeld(t, dsn, waiter.queueKey())
+	heldOnlyBy(t, dsn, Key{waiter.slotKey(0)}, pid)
+	notHeld(t, dsn, Key{waiter.queueKey()})
 	var rowPID int32
 	if err := pool.QueryRow(ctx, "SELECT pid FROM pgcoord.semaphore_holders WHERE name = $1 AND slot = 0", "await").Scan(&rowPID); err != nil {
 		t.Fatal(err)
@@ -80,7 +80,7 @@ func TestSemaphoreHeadWaitsForSlot(t *testing.T) {
 		t.Fatalf("semaphore_holders: slot 0 held by %d, want %d", rowPID, pid)
 	}
 	mustRelease(t, r.p)
-	notHeld(t, dsn, waiter.slotKey(0))
+	notHeld(t, dsn, Key{waiter.slotKey(0)})
 	if err := pool.QueryRow(ctx, "SELECT pid FROM pgcoord.semaphore_holders WHERE name = $1", "await").Scan(&rowPID); err != pgx.ErrNoRows {
 		t.Fatalf("semaphore_holders after the release: %v, want no row", err)
 	}
@@ -119,8 +119,8 @@ func TestSemaphoreHeadWaitEndsWhenLimitRises(t *testing.T) {
 		t.Fatal(r.err)
 	}
 	slots, queued := slotLocks(t, dsn, waiter)
-	if len(slots) != 2 || slots[0] != hp.l.s.PID() || slots[r.p.Slot()] != r.p.l.s.PID() || queued {
-		t.Fatalf("pg_locks: slots %v (queue used: %v), want slot 0 held by %d and the waiter's slot %d by %d", slots, queued, hp.l.s.PID(), r.p.Slot(), r.p.l.s.PID())
+	if len(slots) != 2 || slots[0] != hp.l.S.PID() || slots[r.p.Slot()] != r.p.l.S.PID() || queued {
+		t.Fatalf("pg_locks: slots %v (queue used: %v), want slot 0 held by %d and the waiter's slot %d by %d", slots, queued, hp.l.S.PID(), r.p.Slot(), r.p.l.S.PID())
 	}
 	if len(slotWaiters(t, dsn, waiter)) != 0 {
 		t.Fatal("a backend still waits for a slot")
@@ -156,8 +156,8 @@ func TestSemaphoreHeadWaitRespectsLoweredLimit(t *testing.T) {
 		t.Fatalf("pg_locks: backends %v wait for slots while slot %d is granted past the lowered limit", w, other.Slot())
 	}
 	mustRelease(t, zero)
-	if slots, _ := slotLocks(t, dsn, waiter); len(slots) != 1 || slots[other.Slot()] != other.l.s.PID() {
-		t.Fatalf("pg_locks after the release of slot 0: slots %v, want only slot %d, held by %d", slots, other.Slot(), other.l.s.PID())
+	if slots, _ := slotLocks(t, dsn, waiter); len(slots) != 1 || slots[other.Slot()] != other.l.S.PID() {
+		t.Fatalf("pg_locks after the release of slot 0: slots %v, want only slot %d, held by %d", slots, other.Slot(), other.l.S.PID())
 	}
 	select {
 	case r := <-ch:
@@ -169,7 +169,7 @@ func TestSemaphoreHeadWaitRespectsLoweredLimit(t *testing.T) {
 	if r.err != nil {
 		t.Fatal(r.err)
 	}
-	if slots, _ := slotLocks(t, dsn, waiter); len(slots) != 1 || slots[r.p.Slot()] != r.p.l.s.PID() {
+	if slots, _ := slotLocks(t, dsn, waiter); len(slots) != 1 || slots[r.p.Slot()] != r.p.l.S.PID() {
 		t.Fatalf("pg_locks: slots %v, want only the waiter's", slots)
 	}
 	mustRelease(t, r.p)
@@ -200,8 +200,8 @@ func TestSemaphoreHeadWithoutAwaitFunction(t *testing.T) {
 		if r.err != nil {
 			t.Fatal(r.err)
 		}
-		if slots, _ := slotLocks(t, dsn, waiter); len(slots) != 1 || slots[0] != r.p.l.s.PID() {
-			t.Fatalf("pg_locks: slots %v, want slot 0 held by the waiter's backend %d", slots, r.p.l.s.PID())
+		if slots, _ := slotLocks(t, dsn, waiter); len(slots) != 1 || slots[0] != r.p.l.S.PID() {
+			t.Fatalf("pg_locks: slots %v, want slot 0 held by the waiter's backend %d", slots, r.p.l.S.PID())
 		}
 		mustRelease(t, r.p)
 	}
@@ -263,12 +263,12 @@ func TestSemaphoreHeadWaitTryAcquireFromOtherClient(t *testing.T) {
 		if n := granted.Load(); n != 0 {
 			t.Fatalf("round %d: TryAcquire from another Client took %d permits while the head waited for slot 0 (or as the permit passed to it)", round, n)
 		}
-		if r.p.l.s.PID() != pid {
-			t.Logf("round %d: permit on backend %d, the wait was on %d", round, r.p.l.s.PID(), pid)
+		if r.p.l.S.PID() != pid {
+			t.Logf("round %d: permit on backend %d, the wait was on %d", round, r.p.l.S.PID(), pid)
 		}
 		slots, queued := slotLocks(t, dsn, head)
-		if len(slots) != 1 || slots[r.p.Slot()] != r.p.l.s.PID() || queued {
-			t.Fatalf("round %d: pg_locks: slots %v (queue used: %v), want only the head's slot %d on %d", round, slots, queued, r.p.Slot(), r.p.l.s.PID())
+		if len(slots) != 1 || slots[r.p.Slot()] != r.p.l.S.PID() || queued {
+			t.Fatalf("round %d: pg_locks: slots %v (queue used: %v), want only the head's slot %d on %d", round, slots, queued, r.p.Slot(), r.p.l.S.PID())
 		}
 		if _, err := trier.TryAcquire(ctx); !errors.Is(err, ErrNoPermit) {
 			t.Fatalf("round %d: TryAcquire while the head holds the permit = %v, want ErrNoPermit", round, err)
@@ -340,7 +340,7 @@ func TestSemaphoreHeadBackendHoldsOnlyQueueKey(t *testing.T) {
 				// slot 0 in it, it may hold nothing but the queue key.
 				state := lockState(t, dsn)
 				waits := false
-				for _, h := range state[head.slotKey(0)] {
+				for _, h := range state[Key{head.slotKey(0)}] {
 					waits = waits || h.pid == pid && !h.granted
 				}
 				if !waits {
@@ -349,7 +349,7 @@ func TestSemaphoreHeadBackendHoldsOnlyQueueKey(t *testing.T) {
 				var mine []string
 				for k, hs := range state {
 					for _, h := range hs {
-						if h.pid == pid && h.granted && k != head.queueKey() {
+						if h.pid == pid && h.granted && k.core != head.queueKey() {
 							mine = append(mine, k.String())
 						}
 					}
@@ -380,7 +380,7 @@ func TestSemaphoreHeadBackendHoldsOnlyQueueKey(t *testing.T) {
 			if r.err != nil {
 				t.Fatalf("blocking Lock of a key freed while the head waits: %v", r.err)
 			}
-			heldOnlyBy(t, dsn, contended, r.l.s.PID())
+			heldOnlyBy(t, dsn, contended, r.l.core.S.PID())
 			mustUnlock(t, r.l)
 			select {
 			case pr := <-ch:
@@ -393,11 +393,11 @@ func TestSemaphoreHeadBackendHoldsOnlyQueueKey(t *testing.T) {
 				t.Fatal(pr.err)
 			}
 			slots, queued := slotLocks(t, dsn, head)
-			if len(slots) != 1 || slots[0] != pr.p.l.s.PID() || queued {
-				t.Fatalf("pg_locks: slots %v (queue used: %v), want slot 0 held by the head's %d", slots, queued, pr.p.l.s.PID())
+			if len(slots) != 1 || slots[0] != pr.p.l.S.PID() || queued {
+				t.Fatalf("pg_locks: slots %v (queue used: %v), want slot 0 held by the head's %d", slots, queued, pr.p.l.S.PID())
 			}
 			mustRelease(t, pr.p)
-			notHeld(t, dsn, head.slotKey(0))
+			notHeld(t, dsn, Key{head.slotKey(0)})
 			notHeld(t, dsn, contended)
 		})
 	}
@@ -451,8 +451,8 @@ func TestSemaphoreHeadWaitCancelledAsPermitPasses(t *testing.T) {
 		if r.err == nil {
 			granted++
 			slots, _ := slotLocks(t, dsn, head)
-			if len(slots) != 1 || slots[r.p.Slot()] != r.p.l.s.PID() {
-				t.Fatalf("round %d: Acquire returned a permit on slot %d (%d); pg_locks: slots %v", round, r.p.Slot(), r.p.l.s.PID(), slots)
+			if len(slots) != 1 || slots[r.p.Slot()] != r.p.l.S.PID() {
+				t.Fatalf("round %d: Acquire returned a permit on slot %d (%d); pg_locks: slots %v", round, r.p.Slot(), r.p.l.S.PID(), slots)
 			}
 			mustRelease(t, r.p)
 		} else {
@@ -502,7 +502,7 @@ func TestSemaphoreHeadWaitBackendTerminated(t *testing.T) {
 	pid := awaitSlotWaiter(t, dsn, first)
 	ch2 := goAcquire(ctx, second)
 	pgtest.Eventually(t, testTimeout, "the second to line up", func() bool {
-		return waitingOn(t, dsn, first.queueKey()) == 1
+		return waitingOn(t, dsn, Key{first.queueKey()}) == 1
 	})
 	pgtest.Terminate(t, dsn, pid)
 	// Someone heads the queue again and waits for slot 0 on another
@@ -527,8 +527,8 @@ func TestSemaphoreHeadWaitBackendTerminated(t *testing.T) {
 			t.Fatalf("Acquire %d: %v", len(got), r.err)
 		}
 		slots, _ := slotLocks(t, dsn, first)
-		if len(slots) != 1 || slots[0] != r.p.l.s.PID() {
-			t.Fatalf("pg_locks: slots %v, want slot 0 held by %d only", slots, r.p.l.s.PID())
+		if len(slots) != 1 || slots[0] != r.p.l.S.PID() {
+			t.Fatalf("pg_locks: slots %v, want slot 0 held by %d only", slots, r.p.l.S.PID())
 		}
 		mustRelease(t, r.p)
 	}
@@ -556,23 +556,23 @@ func TestSemaphoreHeadWaitHolderTerminated(t *testing.T) {
 	hp := mustAcquire(t, holder, true)
 	ch := goAcquire(ctx, head)
 	awaitSlotWaiter(t, dsn, head)
-	pgtest.Terminate(t, dsn, hp.l.s.PID())
+	pgtest.Terminate(t, dsn, hp.l.S.PID())
 	r := receivePermit(t, ch)
 	if r.err != nil {
 		t.Fatal(r.err)
 	}
-	heldOnlyBy(t, dsn, head.slotKey(0), r.p.l.s.PID())
+	heldOnlyBy(t, dsn, Key{head.slotKey(0)}, r.p.l.S.PID())
 	var rowPID int32
 	if err := pool.QueryRow(ctx, "SELECT pid FROM pgcoord.semaphore_holders WHERE name = $1 AND slot = 0", name).Scan(&rowPID); err != nil {
 		t.Fatal(err)
 	}
-	if rowPID != r.p.l.s.PID() || holderRows(t, pool, name) != 1 {
-		t.Fatalf("semaphore_holders: slot 0 by %d (%d rows), want one row, by %d", rowPID, holderRows(t, pool, name), r.p.l.s.PID())
+	if rowPID != r.p.l.S.PID() || holderRows(t, pool, name) != 1 {
+		t.Fatalf("semaphore_holders: slot 0 by %d (%d rows), want one row, by %d", rowPID, holderRows(t, pool, name), r.p.l.S.PID())
 	}
 	awaitLossOf(t, hp)
 	mustRelease(t, r.p)
-	notHeld(t, dsn, head.slotKey(0))
-	notHeld(t, dsn, head.queueKey())
+	notHeld(t, dsn, Key{head.slotKey(0)})
+	notHeld(t, dsn, Key{head.queueKey()})
 }
 
 // awaitLossOf waits until p reports its loss.
@@ -660,7 +660,7 @@ func TestSemaphoreHeadWaitClientClosed(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Fatalf("round %d (Acquire: %v; the holder's backend %d; the release ran during Close: %v): %d holder rows left: slot %d, pid %d (backend alive: %v), identity %q",
-				round, r.err, hp.l.s.PID(), race, n, slot, rowPID, alive, identity)
+				round, r.err, hp.l.S.PID(), race, n, slot, rowPID, alive, identity)
 		}
 	}
 	p := mustAcquire(t, holder, true)
@@ -739,10 +739,10 @@ func TestSemaphoreHeadWaitOtherSchemaRepeatableRead(t *testing.T) {
 			t.Fatalf("round %d: Acquire: %v", round, r.err)
 		}
 		slots, queued := slotLocks(t, dsn, waiter)
-		if len(slots) != 1 || slots[0] != r.p.l.s.PID() || queued {
-			t.Fatalf("round %d: pg_locks: slots %v (queue %v), want slot 0 by %d", round, slots, queued, r.p.l.s.PID())
+		if len(slots) != 1 || slots[0] != r.p.l.S.PID() || queued {
+			t.Fatalf("round %d: pg_locks: slots %v (queue %v), want slot 0 by %d", round, slots, queued, r.p.l.S.PID())
 		}
-		holderIn(r.p.l.s.PID())
+		holderIn(r.p.l.S.PID())
 		held = r.p
 		if waiter == a {
 			waiter = b
@@ -751,7 +751,7 @@ func TestSemaphoreHeadWaitOtherSchemaRepeatableRead(t *testing.T) {
 		}
 	}
 	mustRelease(t, held)
-	heldOnlyBy(t, dsn, elsewhere.slotKey(0), ep.l.s.PID())
+	heldOnlyBy(t, dsn, Key{elsewhere.slotKey(0)}, ep.l.S.PID())
 	mustRelease(t, ep)
 	var n int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM "await_other".semaphore_holders`).Scan(&n); err != nil {
@@ -817,7 +817,7 @@ func TestSemaphoreHeadWaitLoweredLimitShowsOnePermit(t *testing.T) {
 	}
 	if len(slots) > 1 {
 		t.Errorf("pg_locks: slots %v granted at once to backends %v, of a semaphore of limit 1 whose one permit is slot 1, held by %d (the head's queue key is on %v); read %d times",
-			slots, pids, p1.l.s.PID(), grantedTo(t, dsn, head.queueKey()), reads)
+			slots, pids, p1.l.S.PID(), grantedTo(t, dsn, Key{head.queueKey()}), reads)
 	} else {
 		t.Logf("pg_locks read %d times: never more than one slot", reads)
 	}
@@ -832,7 +832,7 @@ func TestSemaphoreHeadWaitLoweredLimitShowsOnePermit(t *testing.T) {
 		t.Fatal(r.err)
 	}
 	got, _ := slotLocks(t, dsn, head)
-	if len(got) != 1 || got[r.p.Slot()] != r.p.l.s.PID() {
+	if len(got) != 1 || got[r.p.Slot()] != r.p.l.S.PID() {
 		t.Fatalf("pg_locks: slots %v, want only the head's", got)
 	}
 	mustRelease(t, r.p)
@@ -849,7 +849,7 @@ func TestSemaphoreHeadWaitLimitRaisedAsPermitPasses(t *testing.T) {
 	ctx := testCtx(t)
 	dsn, pool := semaphoreDB(t)
 	const name = "await-raise"
-	watch := watchSlots(t, dsn, semaphoreKey(DefaultSchema, name).v>>16)
+	watch := watchSlots(t, dsn, semaphoreKey(DefaultSchema, name).V>>16)
 	holder := newTestClient(t, dsn).Semaphore(name, 1)
 	first := newTestClient(t, dsn).Semaphore(name, 1)
 	second := newTestClient(t, dsn).Semaphore(name, 1)
@@ -862,7 +862,7 @@ func TestSemaphoreHeadWaitLimitRaisedAsPermitPasses(t *testing.T) {
 		awaitSlotWaiter(t, dsn, first)
 		ch2 := goAcquire(ctx, second)
 		pgtest.Eventually(t, testTimeout, "the second to line up", func() bool {
-			return waitingOn(t, dsn, first.queueKey()) == 1
+			return waitingOn(t, dsn, Key{first.queueKey()}) == 1
 		})
 		released := make(chan error, 1)
 		if round%2 == 0 {
@@ -886,7 +886,7 @@ func TestSemaphoreHeadWaitLimitRaisedAsPermitPasses(t *testing.T) {
 			t.Fatalf("round %d: Acquires: %v, %v", round, r1.err, r2.err)
 		}
 		slots, _ := slotLocks(t, dsn, first)
-		if len(slots) != 2 || slots[r1.p.Slot()] != r1.p.l.s.PID() || slots[r2.p.Slot()] != r2.p.l.s.PID() {
+		if len(slots) != 2 || slots[r1.p.Slot()] != r1.p.l.S.PID() || slots[r2.p.Slot()] != r2.p.l.S.PID() {
 			t.Fatalf("round %d: pg_locks: slots %v; want the two permits, slots %d and %d", round, slots, r1.p.Slot(), r2.p.Slot())
 		}
 		mustRelease(t, r1.p)
@@ -1003,7 +1003,7 @@ func failedGrantRound(t *testing.T, ctx context.Context, dsn string, pool *pgxpo
 	c.semaphoreRecheck = time.Hour // no look at the row while the head waits for the slot
 	head := c.Semaphore(holder.Name(), 1)
 	hp := mustAcquire(t, holder, true)
-	holderPID := hp.l.s.PID()
+	holderPID := hp.l.S.PID()
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	ch := goAcquire(wctx, head)

@@ -22,6 +22,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/anishathalye/porcupine"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -57,7 +59,7 @@ func parseSemaphoreTarget(s string) (faultTarget, error) {
 func (s semaphoreTarget) sem(c *Client) *Semaphore { return c.Semaphore(s.name, s.limit) }
 
 // prefix is the upper 48 bits of every advisory lock key of the semaphore.
-func (s semaphoreTarget) prefix() int64 { return semaphoreKey(DefaultSchema, s.name).v >> 16 }
+func (s semaphoreTarget) prefix() int64 { return semaphoreKey(DefaultSchema, s.name).V >> 16 }
 
 func (s semaphoreTarget) acquire(ctx context.Context, c *Client) (faultHold, error) {
 	p, err := s.sem(c).Acquire(ctx)
@@ -88,7 +90,7 @@ func (s semaphoreTarget) holders(t testing.TB, dsn string) ([]int32, int) {
 type permitHold struct{ *Permit }
 
 func (h permitHold) Fence() Term                       { return 0 }
-func (h permitHold) pid() int32                        { return h.l.s.PID() }
+func (h permitHold) pid() int32                        { return h.l.S.PID() }
 func (h permitHold) release(ctx context.Context) error { return h.Release(ctx) }
 
 // permitState is a semaphore's locks as pg_locks shows them.
@@ -289,7 +291,7 @@ func TestSemaphoreFaultPausedHolder(t *testing.T) {
 	p.Signal(syscall.SIGCONT)
 	p.awaitLossReported(t, "the paused holder", time.Now(), "SIGCONT")
 	p.Send(t, "release")
-	if f := p.await(t, "released", testTimeout); !strings.Contains(strings.Join(f, " "), strings.TrimPrefix(ErrLockLost.Error(), prefix)) {
+	if f := p.await(t, "released", testTimeout); !strings.Contains(strings.Join(f, " "), strings.TrimPrefix(ErrLockLost.Error(), core.Prefix)) {
 		t.Fatalf("the paused holder's Release: %q, want ErrLockLost", f)
 	}
 	if pids, _ := target.holders(t, dsn); !slices.Equal(pids, want) {
@@ -356,14 +358,14 @@ func TestSemaphoreFaultServerRestart(t *testing.T) {
 				t.Logf("the waiter got slot %d after the %s", extra.Slot(), fault)
 			}
 			st := permitLocks(t, dsn, target)
-			if extra != nil && st.slots[extra.Slot()] != extra.l.s.PID() {
+			if extra != nil && st.slots[extra.Slot()] != extra.l.S.PID() {
 				// Granted on the old server, between the holders' deaths
 				// and its own backend's: it must report the loss too.
 				awaitLost(t, []*Permit{extra}, func(int) string { return "the waiter's permit, not in pg_locks," }, back, "the server came back")
 				t.Logf("the waiter's permit was granted before the %s and reported lost: %v", fault, extra.Err())
 				extra = nil
 			}
-			if extra == nil && len(st.slots) != 0 || extra != nil && (len(st.slots) != 1 || st.slots[extra.Slot()] != extra.l.s.PID()) {
+			if extra == nil && len(st.slots) != 0 || extra != nil && (len(st.slots) != 1 || st.slots[extra.Slot()] != extra.l.S.PID()) {
 				t.Fatalf("pg_locks after the %s: slots %v; want none, or the waiter's", fault, st.slots)
 			}
 			again := []*Permit{mustAcquire(t, sems[0], false)}
@@ -383,7 +385,7 @@ func TestSemaphoreFaultServerRestart(t *testing.T) {
 			}
 			var got, want []int32
 			for i, h := range hs {
-				got, want = append(got, h.PID), append(want, again[i].l.s.PID())
+				got, want = append(got, h.PID), append(want, again[i].l.S.PID())
 			}
 			slices.Sort(got)
 			slices.Sort(want)
@@ -458,7 +460,7 @@ func TestSemaphoreFaultListenerTerminated(t *testing.T) {
 	if took > permitBound {
 		t.Errorf("with the listener terminated, the head got the permit %v after the release, want within %v", took, permitBound)
 	}
-	if st := permitLocks(t, dsn, target); len(st.slots) != 1 || st.slots[wp.Slot()] != wp.l.s.PID() {
+	if st := permitLocks(t, dsn, target); len(st.slots) != 1 || st.slots[wp.Slot()] != wp.l.S.PID() {
 		t.Fatalf("pg_locks: slots %v, want only the waiter's", st.slots)
 	}
 
@@ -556,7 +558,7 @@ func TestSemaphoreFaultKilledWaiter(t *testing.T) {
 			if d := time.Since(released); d > permitBound {
 				t.Errorf("the other waiter got the permit %v after the release, want within %v", d, permitBound)
 			}
-			if slots := awaitSettled(t, dsn, other); len(slots) != 1 || slots[r.p.Slot()] != r.p.l.s.PID() {
+			if slots := awaitSettled(t, dsn, other); len(slots) != 1 || slots[r.p.Slot()] != r.p.l.S.PID() {
 				t.Fatalf("pg_locks: slots %v, want only the other waiter's", slots)
 			}
 			mustRelease(t, r.p)
@@ -577,7 +579,7 @@ func TestSemaphoreFaultPoolRecycling(t *testing.T) {
 	permits := []*Permit{mustAcquire(t, sem, true), mustAcquire(t, sem, false)}
 	want := map[int]int32{}
 	for _, p := range permits {
-		want[p.Slot()] = p.l.s.PID()
+		want[p.Slot()] = p.l.S.PID()
 	}
 	check := func() {
 		t.Helper()
@@ -697,7 +699,7 @@ func (s semaphoreTarget) soakRound(ctx context.Context, c *Client, pool *pgxpool
 		return false, true
 	}
 	var verified int64 // when a recording that found the slot held started
-	if held, _ := record(soakPermitOpenSQL, id, int32(p.Slot()), p.l.s.PID(), key); held {
+	if held, _ := record(soakPermitOpenSQL, id, int32(p.Slot()), p.l.S.PID(), key); held {
 		time.Sleep(time.Duration(5+rand.IntN(25)) * time.Millisecond) // the critical section's work
 		from := time.Now().UnixNano()
 		if held, _ := record(soakPermitCloseSQL, id, key); held {
@@ -962,8 +964,8 @@ func TestSemaphoreFaultFailover(t *testing.T) {
 		t.Fatalf("no Acquire got the permit within %v of the promotion", testTimeout)
 	}
 	st := permitLocks(t, sdsn, target)
-	if len(st.slots) != 1 || st.slots[first.Slot()] != first.l.s.PID() {
-		t.Fatalf("pg_locks on the new primary: slots %v, want only slot %d of backend %d", st.slots, first.Slot(), first.l.s.PID())
+	if len(st.slots) != 1 || st.slots[first.Slot()] != first.l.S.PID() {
+		t.Fatalf("pg_locks on the new primary: slots %v, want only slot %d of backend %d", st.slots, first.Slot(), first.l.S.PID())
 	}
 	if n, err := sems[0].Limit(ctx); err != nil || n != 1 {
 		t.Fatalf("Limit on the new primary: %d, %v; want the 1 set on the old one", n, err)
@@ -981,8 +983,8 @@ func TestSemaphoreFaultFailover(t *testing.T) {
 	if r.err != nil {
 		t.Fatalf("the other Acquire, after the first permit's release: %v", r.err)
 	}
-	if st := permitLocks(t, sdsn, target); len(st.slots) != 1 || st.slots[r.p.Slot()] != r.p.l.s.PID() {
-		t.Fatalf("pg_locks on the new primary: slots %v, want only slot %d of backend %d", st.slots, r.p.Slot(), r.p.l.s.PID())
+	if st := permitLocks(t, sdsn, target); len(st.slots) != 1 || st.slots[r.p.Slot()] != r.p.l.S.PID() {
+		t.Fatalf("pg_locks on the new primary: slots %v, want only slot %d of backend %d", st.slots, r.p.Slot(), r.p.l.S.PID())
 	}
 	if !errors.Is(held.Err(), ErrLockLost) {
 		t.Fatalf("the permit held on the old primary: %v, want ErrLockLost", held.Err())
@@ -1004,7 +1006,7 @@ func TestSemaphoreLostPermitReleasedReportsLoss(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pid := p.l.s.PID()
+	pid := p.l.S.PID()
 	pgtest.Terminate(t, dsn, pid)
 	// Whether or not the session has noticed the termination yet (with
 	// H = 5 s it rarely has), Release and Err must both report the loss.

@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 )
 
@@ -27,7 +29,7 @@ import (
 // granted; the grant releases q. It returns a nil permit and no error if q
 // is lost meanwhile. Grants are asked for on q's backend, which holds the
 // queue key that the grant releases.
-func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
+func (s *Semaphore) lead(ctx context.Context, q *core.Lock) (*Permit, error) {
 	sub, err := s.c.subscribe(semaphoreChannel, s.payload)
 	if err != nil {
 		return nil, err
@@ -49,10 +51,10 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 			return nil, nil
 		}
 		p, adm, err := s.admitHead(ctx, q)
-		if errorIsLoss(err) && q.Err() != nil {
+		if core.ErrorIsLoss(err) && q.Err() != nil {
 			return nil, nil
 		}
-		if errors.Is(err, errRoute) {
+		if errors.Is(err, core.ErrRoute) {
 			// q's backend is claimed to wait (by this head's own await
 			// only, which has ended by now): look again after a while.
 			err, adm = nil, admission{}
@@ -68,7 +70,7 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 				continue // something changed meanwhile: look again first
 			}
 			p, again, err := s.await(ctx, q, sub)
-			if errorIsLoss(err) && q.Err() != nil {
+			if core.ErrorIsLoss(err) && q.Err() != nil {
 				return nil, nil
 			}
 			if err != nil {
@@ -97,11 +99,11 @@ func (s *Semaphore) lead(ctx context.Context, q *Lock) (*Permit, error) {
 // for the row (see admitOn), and a transaction that holds the row makes it
 // return the lock timeout error: the head looks again at the next
 // notification or re-check.
-func (s *Semaphore) admitHead(ctx context.Context, q *Lock) (*Permit, admission, error) {
-	c, b := s.c, q.s
-	claimed := c.claimWait(b, q.Key())
+func (s *Semaphore) admitHead(ctx context.Context, q *core.Lock) (*Permit, admission, error) {
+	c, b := s.c, q.S
+	claimed := c.core.ClaimWait(b, q.Key())
 	if claimed {
-		defer c.unclaimWait(b)
+		defer c.core.UnclaimWait(b)
 	}
 	return s.admitOn(ctx, b, q, claimed)
 }
@@ -137,12 +139,12 @@ func lookAgain(payloads []string) bool {
 // schema lacks semaphore_await) or slot 0 was free while other slots kept
 // the semaphore full (a lowered limit): the head then waits for a
 // notification. On error, nothing the statement took stays held.
-func (s *Semaphore) await(ctx context.Context, q *Lock, sub *subscription) (p *Permit, again bool, err error) {
-	c, b := s.c, q.s
-	if !c.claimWait(b, q.Key()) {
+func (s *Semaphore) await(ctx context.Context, q *core.Lock, sub *subscription) (p *Permit, again bool, err error) {
+	c, b := s.c, q.S
+	if !c.core.ClaimWait(b, q.Key()) {
 		return nil, false, nil
 	}
-	defer c.unclaimWait(b)
+	defer c.core.UnclaimWait(b)
 
 	wctx, cancel := context.WithCancelCause(ctx)
 	var (
@@ -169,20 +171,20 @@ func (s *Semaphore) await(ctx context.Context, q *Lock, sub *subscription) (p *P
 		}
 	})
 
-	st := blockingStatement{
-		sql:   s.awaitSQL,
-		args:  []any{s.name, s.key.v, s.identity, b.pid, ""},
-		locks: 2, // slot 0, then the semaphore's row
-		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+	st := core.BlockingStatement{
+		Sql:   s.awaitSQL,
+		Args:  []any{s.name, s.key.V, s.identity, b.Pid, ""},
+		Locks: 2, // slot 0, then the semaphore's row
+		Run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 			var slot *int32
 			err := conn.QueryRow(ctx, sql, args...).Scan(&slot, nil, nil)
-			if err = b.wrongBackend(err); err != nil || slot == nil {
+			if err = b.WrongBackend(err); err != nil || slot == nil {
 				return err
 			}
 			// Recorded before anything else runs on the connection,
 			// as admitOn does.
-			b.forgetReleased(q, ErrNotHeld)
-			l, err := b.adopt(s.slotKey(int(*slot)))
+			b.ForgetReleased(q, ErrNotHeld)
+			l, err := b.Adopt(s.slotKey(int(*slot)))
 			if err != nil {
 				s.unadopted(ctx, conn, b)
 				return err
@@ -190,22 +192,22 @@ func (s *Semaphore) await(ctx context.Context, q *Lock, sub *subscription) (p *P
 			p = &Permit{sem: s, l: l, slot: int(*slot)}
 			return nil
 		},
-		undo: func(ctx context.Context, conn *pgx.Conn) error {
+		Undo: func(ctx context.Context, conn *pgx.Conn) error {
 			// A slice that timed out may have been granted slot 0
 			// first.
 			_, err := s.cleanupOn(ctx, conn, b)
 			return err
 		},
 	}
-	b.ranGrant()
-	err = b.block(wctx, st)
+	b.RanGrant()
+	err = b.Block(wctx, st)
 	switch {
 	case err == nil:
 		// Without a permit, slot 0 was free while others kept the
 		// semaphore full: the head waits for a notification, unless the
 		// watch took some meanwhile.
 		return p, p == nil && stopWatch(), nil
-	case sqlState(err) == "42883" || sqlState(err) == "42501":
+	case core.SqlState(err) == "42883" || core.SqlState(err) == "42501":
 		// The schema predates semaphore_await, or the role may not
 		// execute it: wait for notifications.
 		c.noAwait.Store(true)
@@ -214,17 +216,17 @@ func (s *Semaphore) await(ctx context.Context, q *Lock, sub *subscription) (p *P
 		return nil, false, b.Err()
 	}
 	// The statement may have taken slot 0 before it failed.
-	if gerr := b.grab(context.WithoutCancel(ctx)); gerr != nil {
+	if gerr := b.Grab(context.WithoutCancel(ctx)); gerr != nil {
 		return nil, false, gerr
 	}
 	s.cleanup(ctx, b, q, true)
-	b.release()
+	b.Release()
 	switch {
 	case b.Err() != nil:
 		return nil, false, b.Err()
 	case ctx.Err() != nil:
 		return nil, false, context.Cause(ctx)
-	case errors.Is(context.Cause(wctx), errLookAgain) || sqlState(err) == "40P01":
+	case errors.Is(context.Cause(wctx), errLookAgain) || core.SqlState(err) == "40P01":
 		// The limit changed, or the server ended the wait to break a
 		// cycle of waits among heads of several semaphores: look again.
 		return nil, true, nil

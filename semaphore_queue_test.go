@@ -29,7 +29,7 @@ func TestSemaphoreTryAcquireDoesNotJumpTheQueue(t *testing.T) {
 	awaitHead(t, dsn, head)
 	// The head's first look for a permit, right after it took the queue
 	// key, is over: it waits for a notification.
-	headPID := grantedTo(t, dsn, head.queueKey())[0]
+	headPID := grantedTo(t, dsn, Key{head.queueKey()})[0]
 	idle := pgtest.Conn(t, dsn)
 	pgtest.Eventually(t, testTimeout, "the head's first look to end", func() bool {
 		var done bool
@@ -83,8 +83,8 @@ func TestSemaphoreTryAcquireDoesNotJumpTheQueue(t *testing.T) {
 		t.Fatal(got.err)
 	}
 	slots := awaitSettled(t, dsn, head)
-	if len(slots) != 2 || slots[got.p.Slot()] != got.p.l.s.pid {
-		t.Errorf("pg_locks: slots %v, want 2 held, slot %d by the head's backend %d", slots, got.p.Slot(), got.p.l.s.pid)
+	if len(slots) != 2 || slots[got.p.Slot()] != got.p.l.S.Pid {
+		t.Errorf("pg_locks: slots %v, want 2 held, slot %d by the head's backend %d", slots, got.p.Slot(), got.p.l.S.Pid)
 	}
 	mustRelease(t, got.p)
 	mustRelease(t, b)

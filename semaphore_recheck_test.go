@@ -37,7 +37,7 @@ func TestSemaphoreHeadGetsPermitOfDeadHolderAfterLongWait(t *testing.T) {
 			waitedFrom := time.Now()
 			long := 4 * head.c.semaphoreRecheck
 			if !pgtest.Poll(testTimeout, func() bool {
-				if len(grantedTo(t, dsn, head.queueKey())) != 1 {
+				if len(grantedTo(t, dsn, Key{head.queueKey()})) != 1 {
 					t.Fatal("the head left the queue while every permit was held")
 				}
 				return time.Since(waitedFrom) > long
@@ -51,7 +51,7 @@ func TestSemaphoreHeadGetsPermitOfDeadHolderAfterLongWait(t *testing.T) {
 			}
 
 			victim := held[limit-1]
-			pgtest.Terminate(t, dsn, victim.l.s.pid)
+			pgtest.Terminate(t, dsn, victim.l.S.Pid)
 			gone := time.Now()
 			r := receivePermit(t, waiter)
 			if r.err != nil {
@@ -67,10 +67,10 @@ func TestSemaphoreHeadGetsPermitOfDeadHolderAfterLongWait(t *testing.T) {
 			}
 			found := false
 			for _, pid := range slots {
-				found = found || pid == r.p.l.s.pid
+				found = found || pid == r.p.l.S.Pid
 			}
 			if !found {
-				t.Errorf("pg_locks: slots held %v, none by the head's backend %d", slots, r.p.l.s.pid)
+				t.Errorf("pg_locks: slots held %v, none by the head's backend %d", slots, r.p.l.S.Pid)
 			}
 			mustRelease(t, r.p)
 			for _, p := range held[:limit-1] {

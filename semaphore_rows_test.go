@@ -84,23 +84,23 @@ func TestSemaphoreRowsSlotTakenByHandShowsNoReleaser(t *testing.T) {
 	if len(hs) != 1 || hs[0].PID != handPID || hs[0].Identity != "" {
 		t.Fatalf("Holders = %+v, want only the plain SQL backend %d with no identity", hs, handPID)
 	}
-	if rows := holderRowPIDs(t, pool, name); len(rows) > 1 || len(rows) == 1 && rows[p.Slot()] != p.l.s.PID() {
-		t.Fatalf("semaphore_holders with the slot held by hand: rows %v (slot: pid), want at most the releaser's (backend %d)", rows, p.l.s.PID())
+	if rows := holderRowPIDs(t, pool, name); len(rows) > 1 || len(rows) == 1 && rows[p.Slot()] != p.l.S.PID() {
+		t.Fatalf("semaphore_holders with the slot held by hand: rows %v (slot: pid), want at most the releaser's (backend %d)", rows, p.l.S.PID())
 	}
 	if _, err := hand.Exec(ctx, "SELECT pg_advisory_unlock($1)", key); err != nil {
 		t.Fatal(err)
 	}
 	next := newTestClient(t, dsn).Semaphore(name, 1, WithIdentity("next"))
 	np := mustAcquire(t, next, false)
-	if rows := holderRowPIDs(t, pool, name); len(rows) != 1 || rows[np.Slot()] != np.l.s.PID() {
-		t.Fatalf("semaphore_holders after the next Acquire: rows %v (slot: pid), want only its row (backend %d)", rows, np.l.s.PID())
+	if rows := holderRowPIDs(t, pool, name); len(rows) != 1 || rows[np.Slot()] != np.l.S.PID() {
+		t.Fatalf("semaphore_holders after the next Acquire: rows %v (slot: pid), want only its row (backend %d)", rows, np.l.S.PID())
 	}
 	hs, err = sem.Holders(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(hs) != 1 || hs[0].PID != np.l.s.PID() || hs[0].Identity != "next" {
-		t.Fatalf("Holders = %+v, want only the next Acquire's backend %d, identity next", hs, np.l.s.PID())
+	if len(hs) != 1 || hs[0].PID != np.l.S.PID() || hs[0].Identity != "next" {
+		t.Fatalf("Holders = %+v, want only the next Acquire's backend %d, identity next", hs, np.l.S.PID())
 	}
 	mustRelease(t, np)
 	if rows := holderRowPIDs(t, pool, name); len(rows) != 0 {
@@ -194,7 +194,7 @@ func semaphoreRowsChurn(t *testing.T, dsn string, pool *pgxpool.Pool) {
 				}
 				found := false
 				for _, h := range hs {
-					if h.PID == p.l.s.PID() && h.Slot == p.Slot() {
+					if h.PID == p.l.S.PID() && h.Slot == p.Slot() {
 						found = true
 						if want := fmt.Sprintf("client-%d", i); h.Identity != want || h.Since.IsZero() {
 							fail("client %d: Holders lists its permit (slot %d, backend %d) as %q since %v, want %q", i, h.Slot, h.PID, h.Identity, h.Since, want)
@@ -202,7 +202,7 @@ func semaphoreRowsChurn(t *testing.T, dsn string, pool *pgxpool.Pool) {
 					}
 				}
 				if !found {
-					fail("client %d: Holders %+v lacks its permit (slot %d, backend %d)", i, hs, p.Slot(), p.l.s.PID())
+					fail("client %d: Holders %+v lacks its permit (slot %d, backend %d)", i, hs, p.Slot(), p.l.S.PID())
 				}
 				mu.Lock()
 				held--
@@ -259,12 +259,12 @@ func TestSemaphoreRowsHeadGivesSlotBackShowsNoReleaser(t *testing.T) {
 	if err := holders.SetLimit(ctx, 1); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := pool.Exec(ctx, "SELECT pg_terminate_backend($1)", b.l.s.PID()); err != nil {
+	if _, err := pool.Exec(ctx, "SELECT pg_terminate_backend($1)", b.l.S.PID()); err != nil {
 		t.Fatal(err)
 	}
 	pgtest.Eventually(t, testTimeout, "slot 1 to be free", func() bool {
 		var n int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND pid = $1`, b.l.s.PID()).Scan(&n); err != nil {
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND pid = $1`, b.l.S.PID()).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n == 0
@@ -301,8 +301,8 @@ func TestSemaphoreRowsHeadGivesSlotBackShowsNoReleaser(t *testing.T) {
 	if r.err != nil {
 		t.Fatal(r.err)
 	}
-	if rows := holderRowPIDs(t, pool, name); rows[r.p.Slot()] != r.p.l.s.PID() {
-		t.Fatalf("semaphore_holders after the head's grant: rows %v (slot: pid), want slot %d's row the head's (backend %d)", rows, r.p.Slot(), r.p.l.s.PID())
+	if rows := holderRowPIDs(t, pool, name); rows[r.p.Slot()] != r.p.l.S.PID() {
+		t.Fatalf("semaphore_holders after the head's grant: rows %v (slot: pid), want slot %d's row the head's (backend %d)", rows, r.p.Slot(), r.p.l.S.PID())
 	}
 	mustRelease(t, r.p)
 }

@@ -18,6 +18,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -141,7 +143,7 @@ func mustRelease(t testing.TB, p *Permit) {
 func awaitHead(t testing.TB, dsn string, sem *Semaphore) {
 	t.Helper()
 	pgtest.Eventually(t, testTimeout, "an Acquire to head the queue of "+sem.name, func() bool {
-		return len(grantedTo(t, dsn, sem.queueKey())) == 1
+		return len(grantedTo(t, dsn, Key{sem.queueKey()})) == 1
 	})
 }
 
@@ -241,8 +243,8 @@ func TestSemaphoreHolders(t *testing.T) {
 		identity string
 	}{{pa, wantA}, {pb, "worker b"}} {
 		h := hs[i]
-		if h.Slot != want.p.Slot() || h.Identity != want.identity || h.PID != slots[h.Slot] || h.PID != want.p.l.s.pid {
-			t.Errorf("holder %d = %+v, want slot %d, identity %q, pid %d (pg_locks: %d)", i, h, want.p.Slot(), want.identity, want.p.l.s.pid, slots[h.Slot])
+		if h.Slot != want.p.Slot() || h.Identity != want.identity || h.PID != slots[h.Slot] || h.PID != want.p.l.S.Pid {
+			t.Errorf("holder %d = %+v, want slot %d, identity %q, pid %d (pg_locks: %d)", i, h, want.p.Slot(), want.identity, want.p.l.S.Pid, slots[h.Slot])
 		}
 		if h.Since.Before(before.Add(-time.Minute)) || h.Since.After(time.Now().Add(time.Minute)) {
 			t.Errorf("holder %d since %v, want about now", i, h.Since)
@@ -361,8 +363,8 @@ func TestSemaphoreHolderBackendTerminated(t *testing.T) {
 		t.Fatalf("dead holder's Err = %v, want ErrLockLost", err)
 	}
 	hs, err = b.Holders(ctx)
-	if err != nil || len(hs) != 1 || hs[0].Identity != "b" || hs[0].PID != r.p.l.s.pid {
-		t.Fatalf("Holders after the death = %+v, %v; want only b on backend %d", hs, err, r.p.l.s.pid)
+	if err != nil || len(hs) != 1 || hs[0].Identity != "b" || hs[0].PID != r.p.l.S.Pid {
+		t.Fatalf("Holders after the death = %+v, %v; want only b on backend %d", hs, err, r.p.l.S.Pid)
 	}
 	mustRelease(t, r.p)
 }
@@ -544,7 +546,7 @@ func TestSemaphoreLimitChange(t *testing.T) {
 	for _, p := range ps {
 		pgtest.Eventually(t, testTimeout, "a heartbeat of the permit's backend 2H after the change", func() bool {
 			var ran bool
-			err := pool.QueryRow(ctx, "SELECT query_start > $2 FROM pg_stat_activity WHERE pid = $1", p.l.s.PID(), lowered.Add(2*heartbeat)).Scan(&ran)
+			err := pool.QueryRow(ctx, "SELECT query_start > $2 FROM pg_stat_activity WHERE pid = $1", p.l.S.PID(), lowered.Add(2*heartbeat)).Scan(&ran)
 			return err == nil && ran
 		})
 	}
@@ -553,8 +555,8 @@ func TestSemaphoreLimitChange(t *testing.T) {
 		if p.Err() != nil {
 			t.Fatalf("a permit ended when the limit shrank: %v", p.Err())
 		}
-		if slots[p.Slot()] != p.l.s.PID() {
-			t.Fatalf("2H after the limit shrank, pg_locks shows slots %v; want slot %d still granted to backend %d", slots, p.Slot(), p.l.s.PID())
+		if slots[p.Slot()] != p.l.S.PID() {
+			t.Fatalf("2H after the limit shrank, pg_locks shows slots %v; want slot %d still granted to backend %d", slots, p.Slot(), p.l.S.PID())
 		}
 	}
 	for len(ps) > 0 {
@@ -625,7 +627,7 @@ func TestSemaphoreCancelledAcquireLeavesNothing(t *testing.T) {
 		t.Fatalf("Acquire past its deadline = %v, want DeadlineExceeded", err)
 	}
 	slots, queued := slotLocks(t, dsn, a)
-	if len(slots) != 1 || slots[held.Slot()] != held.l.s.pid || queued {
+	if len(slots) != 1 || slots[held.Slot()] != held.l.S.Pid || queued {
 		t.Fatalf("pg_locks after a cancelled Acquire: slots %v, queue %v; want only the holder's", slots, queued)
 	}
 	mustRelease(t, held)
@@ -727,7 +729,7 @@ func TestSemaphoreBadInput(t *testing.T) {
 		err5 := sem.SetLimit(ctx, 2)
 		for i, err := range []error{err1, err2, err3, err4, err5} {
 			if err == nil || !strings.HasPrefix(err.Error(), "pgcoord: ") || !strings.Contains(err.Error(), tc.want) {
-				t.Errorf("Semaphore(%s, %d) method %d: %v, want an error containing %q", quoteName(tc.name), tc.limit, i, err, tc.want)
+				t.Errorf("Semaphore(%s, %d) method %d: %v, want an error containing %q", core.QuoteName(tc.name), tc.limit, i, err, tc.want)
 			}
 		}
 	}
@@ -756,14 +758,14 @@ func TestSemaphoreHostileNames(t *testing.T) {
 		p := mustAcquire(t, sem, true)
 		ps = append(ps, p)
 		if _, err := sem.TryAcquire(ctx); !errors.Is(err, ErrNoPermit) {
-			t.Fatalf("second TryAcquire of %s = %v, want ErrNoPermit", quoteName(name), err)
+			t.Fatalf("second TryAcquire of %s = %v, want ErrNoPermit", core.QuoteName(name), err)
 		}
 		hs, err := sem.Holders(ctx)
 		if err != nil || len(hs) != 1 || hs[0].Identity != `identity '); DROP TABLE x; --` {
-			t.Fatalf("Holders of %s = %+v, %v", quoteName(name), hs, err)
+			t.Fatalf("Holders of %s = %+v, %v", core.QuoteName(name), hs, err)
 		}
 		if err := sem.SetLimit(ctx, 2); err != nil {
-			t.Fatalf("SetLimit of %s: %v", quoteName(name), err)
+			t.Fatalf("SetLimit of %s: %v", core.QuoteName(name), err)
 		}
 	}
 	var stored []string
@@ -792,7 +794,7 @@ func TestSemaphoreHostileNames(t *testing.T) {
 	}
 	for _, name := range []string{"nul\x00byte", strings.Repeat("y", 10_000)} {
 		if _, err := c.Semaphore(name, 1).Acquire(ctx); err == nil {
-			t.Fatalf("Acquire of %s succeeded", quoteName(name))
+			t.Fatalf("Acquire of %s succeeded", core.QuoteName(name))
 		}
 	}
 }
@@ -845,29 +847,29 @@ func TestSemaphoreCleanupAfterFailedGrant(t *testing.T) {
 	dsn, pool := semaphoreDB(t)
 	sem := newTestClient(t, dsn).Semaphore("cleanup", 3)
 	p := mustAcquire(t, sem, true)
-	b := p.l.s
+	b := p.l.S
 	stray := sem.slotKey(2)
-	if err := b.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		_, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", mustInt64(stray))
+	if err := b.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		_, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", mustInt64(Key{stray}))
 		return err
 	}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := pool.Exec(ctx, `INSERT INTO pgcoord.semaphore_holders (name, slot, lock_key, pid, identity, since)
-		VALUES ('cleanup', 2, $1, $2, 'stray', now())`, mustInt64(stray), b.pid); err != nil {
+		VALUES ('cleanup', 2, $1, $2, 'stray', now())`, mustInt64(Key{stray}), b.Pid); err != nil {
 		t.Fatal(err)
 	}
-	if err := b.grab(ctx); err != nil {
+	if err := b.Grab(ctx); err != nil {
 		t.Fatal(err)
 	}
 	sem.cleanup(ctx, b, nil, true)
-	b.release()
+	b.Release()
 	if err := b.Err(); err != nil {
 		t.Fatalf("clean-up lost the backend: %v", err)
 	}
 	slots, _ := slotLocks(t, dsn, sem)
-	if len(slots) != 1 || slots[p.Slot()] != b.pid {
-		t.Fatalf("pg_locks after clean-up: %v, want only slot %d on %d", slots, p.Slot(), b.pid)
+	if len(slots) != 1 || slots[p.Slot()] != b.Pid {
+		t.Fatalf("pg_locks after clean-up: %v, want only slot %d on %d", slots, p.Slot(), b.Pid)
 	}
 	if n := holderRows(t, pool, "cleanup"); n != 1 {
 		t.Fatalf("%d rows after clean-up, want the permit's only", n)
@@ -876,37 +878,37 @@ func TestSemaphoreCleanupAfterFailedGrant(t *testing.T) {
 
 	// A head whose queue key the server no longer holds loses it; a head
 	// whose key is still held keeps it.
-	q, err := sem.c.Lock(ctx, sem.queueKey())
+	q, err := sem.c.Lock(ctx, Key{sem.queueKey()})
 	if err != nil {
 		t.Fatal(err)
 	}
-	hb := q.s
-	if err := hb.grab(ctx); err != nil {
+	hb := q.core.S
+	if err := hb.Grab(ctx); err != nil {
 		t.Fatal(err)
 	}
-	sem.cleanup(ctx, hb, q, true)
-	hb.release()
+	sem.cleanup(ctx, hb, &q.core, true)
+	hb.Release()
 	if err := q.Err(); err != nil {
 		t.Fatalf("clean-up ended a queue key the server holds: %v", err)
 	}
-	if err := hb.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		_, err := conn.Exec(ctx, "SELECT pg_advisory_unlock($1)", mustInt64(sem.queueKey()))
+	if err := hb.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		_, err := conn.Exec(ctx, "SELECT pg_advisory_unlock($1)", mustInt64(Key{sem.queueKey()}))
 		return err
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if err := hb.grab(ctx); err != nil {
+	if err := hb.Grab(ctx); err != nil {
 		t.Fatal(err)
 	}
-	sem.cleanup(ctx, hb, q, true)
-	hb.release()
+	sem.cleanup(ctx, hb, &q.core, true)
+	hb.Release()
 	if err := q.Err(); !errors.Is(err, ErrLockLost) {
 		t.Fatalf("queue key released on the server: Err = %v, want ErrLockLost", err)
 	}
 	if hb.Err() != nil {
 		t.Fatalf("clean-up lost the backend: %v", hb.Err())
 	}
-	l, err := sem.c.TryLock(ctx, sem.queueKey())
+	l, err := sem.c.TryLock(ctx, Key{sem.queueKey()})
 	if err != nil {
 		t.Fatalf("the queue key is still taken in the process or on the server: %v", err)
 	}
@@ -935,7 +937,7 @@ func TestSemaphoreServesInLineOrder(t *testing.T) {
 		// Lined up: the first heads the queue, each later one waits for
 		// the queue key on the server.
 		pgtest.Eventually(t, testTimeout, fmt.Sprintf("waiter %d to line up", i), func() bool {
-			return len(grantedTo(t, dsn, sems[0].queueKey())) == 1 && waitingOn(t, dsn, sems[0].queueKey()) == i
+			return len(grantedTo(t, dsn, Key{sems[0].queueKey()})) == 1 && waitingOn(t, dsn, Key{sems[0].queueKey()}) == i
 		})
 	}
 	for i := range sems {
@@ -959,8 +961,8 @@ func TestSemaphoreServesInLineOrder(t *testing.T) {
 			}
 			t.Fatalf("waiter %d did not get the permit within %v of its turn", i, testTimeout)
 		}
-		if st := permitLocks(t, dsn, semaphoreTarget{"line", 1}); len(st.slots) != 1 || st.slots[p.Slot()] != p.l.s.PID() {
-			t.Fatalf("pg_locks after waiter %d's grant: slots %v, want only its slot %d on backend %d", i, st.slots, p.Slot(), p.l.s.PID())
+		if st := permitLocks(t, dsn, semaphoreTarget{"line", 1}); len(st.slots) != 1 || st.slots[p.Slot()] != p.l.S.PID() {
+			t.Fatalf("pg_locks after waiter %d's grant: slots %v, want only its slot %d on backend %d", i, st.slots, p.Slot(), p.l.S.PID())
 		}
 	}
 	mustRelease(t, p)
@@ -1033,7 +1035,7 @@ func TestSemaphoreCancelWhileRowLockedLeavesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	slots, queued := slotLocks(t, dsn, a)
-	if len(slots) != 1 || slots[held.Slot()] != held.l.s.pid || queued {
+	if len(slots) != 1 || slots[held.Slot()] != held.l.S.Pid || queued {
 		t.Fatalf("pg_locks after a cancelled Acquire: slots %v, queue %v; want only the holder's", slots, queued)
 	}
 	if n := holderRows(t, pool, name); n != 1 {

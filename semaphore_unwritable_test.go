@@ -111,9 +111,9 @@ func releaseWhileHoldersLocked(t *testing.T, rows bool) {
 	dsn, _ := semaphoreDB(t)
 	c, lx, sem := clientWithSharedLock(t, ctx, dsn)
 	p := mustAcquire(t, sem, true)
-	pid := lx.s.PID()
-	if p.l.s.PID() != pid {
-		t.Fatalf("the permit is on backend %d, the lock on %d: want one shared backend", p.l.s.PID(), pid)
+	pid := lx.core.S.PID()
+	if p.l.S.PID() != pid {
+		t.Fatalf("the permit is on backend %d, the lock on %d: want one shared backend", p.l.S.PID(), pid)
 	}
 	obs := pgtest.Conn(t, dsn)
 	unlock := lockedHolders(t, ctx, dsn, rows)
@@ -126,7 +126,7 @@ func releaseWhileHoldersLocked(t *testing.T, rows bool) {
 	// The table stays locked well beyond the release's slice: the
 	// release must end by itself (its statement's lock_timeout), without
 	// costing the other goroutine its lock.
-	bound := 2*c.cfg.waitSlice() + 2*time.Second
+	bound := 2*c.core.Cfg.WaitSlice() + 2*time.Second
 	var err error
 	select {
 	case err = <-released:
@@ -140,7 +140,7 @@ func releaseWhileHoldersLocked(t *testing.T, rows bool) {
 	checkLockKept(t, dsn, lx, pid, "a Release that waited for the locked table")
 	if err == nil {
 		// nil: the slot is free on the server.
-		if got := grantedTo(t, dsn, p.l.keys[0]); len(got) != 0 {
+		if got := grantedTo(t, dsn, Key{p.l.KeyList[0]}); len(got) != 0 {
 			t.Fatalf("Release returned nil, but pg_locks shows slot %d granted to %v", p.Slot(), got)
 		}
 	}
@@ -162,7 +162,7 @@ func TestSemaphoreTryAcquireWhileHoldersTableLockedKeepsOtherLocks(t *testing.T)
 	c, lx, sem := clientWithSharedLock(t, ctx, dsn)
 	// The semaphore's row exists, and the backend has run a grant.
 	mustRelease(t, mustAcquire(t, sem, true))
-	pid := lx.s.PID()
+	pid := lx.core.S.PID()
 	unlock := lockedHolders(t, ctx, dsn, false)
 
 	tried := make(chan permitResult, 1)
@@ -170,7 +170,7 @@ func TestSemaphoreTryAcquireWhileHoldersTableLockedKeepsOtherLocks(t *testing.T)
 		p, err := sem.TryAcquire(ctx)
 		tried <- permitResult{p, err}
 	}()
-	bound := 4*c.cfg.waitSlice() + 2*time.Second
+	bound := 4*c.core.Cfg.WaitSlice() + 2*time.Second
 	var r permitResult
 	select {
 	case r = <-tried:
@@ -183,7 +183,7 @@ func TestSemaphoreTryAcquireWhileHoldersTableLockedKeepsOtherLocks(t *testing.T)
 	checkLockKept(t, dsn, lx, pid, "a TryAcquire whose grant waited for the locked table")
 	if r.err == nil {
 		// A permit is a slot granted to its backend.
-		heldOnlyBy(t, dsn, r.p.l.keys[0], r.p.l.s.PID())
+		heldOnlyBy(t, dsn, Key{r.p.l.KeyList[0]}, r.p.l.S.PID())
 	} else if slots, _ := slotLocks(t, dsn, sem); len(slots) != 0 {
 		t.Fatalf("TryAcquire failed (%v), but pg_locks shows slots %v", r.err, slots)
 	}
@@ -212,7 +212,7 @@ func TestSemaphoreTryAcquireOnReadOnlyDatabaseKeepsOtherLocks(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, lx, sem := clientWithSharedLock(t, ctx, dsn)
-	pid := lx.s.PID()
+	pid := lx.core.S.PID()
 	_, err := sem.TryAcquire(ctx)
 	t.Logf("TryAcquire on a read-only database: %v", err)
 	if err == nil {
@@ -240,7 +240,7 @@ func TestSemaphoreUnlockBehindGrantOnLockedTableWithinSlice(t *testing.T) {
 	dsn, _ := semaphoreDB(t)
 	c, lx, sem := clientWithSharedLock(t, ctx, dsn)
 	mustRelease(t, mustAcquire(t, sem, true))
-	pid := lx.s.PID()
+	pid := lx.core.S.PID()
 	obs := pgtest.Conn(t, dsn)
 	unlock := lockedHolders(t, ctx, dsn, false)
 	tried := make(chan permitResult, 1)
@@ -251,7 +251,7 @@ func TestSemaphoreUnlockBehindGrantOnLockedTableWithinSlice(t *testing.T) {
 	pgtest.Eventually(t, 10*time.Second, "the grant to wait for the locked table on the shared backend", func() bool {
 		return waitsNotGranted(t, obs, pid, "relation") > 0
 	})
-	slice := c.cfg.waitSlice()
+	slice := c.core.Cfg.WaitSlice()
 	start := time.Now()
 	err := lx.Unlock(ctx)
 	took := time.Since(start)
@@ -356,7 +356,7 @@ func TestSemaphoreReleaseFallbackPassesSlotToHead(t *testing.T) {
 	c := newTestClient(t, dsn, opts...)
 	sem := c.Semaphore("sem-fallback-head", 1)
 	p := mustAcquire(t, sem, true)
-	pid := p.l.s.PID()
+	pid := p.l.S.PID()
 	c2 := newTestClient(t, dsn, opts...)
 	sem2 := c2.Semaphore("sem-fallback-head", 1)
 	obs := pgtest.Conn(t, dsn)
@@ -404,7 +404,7 @@ func TestSemaphoreReleaseFallbackPassesSlotToHead(t *testing.T) {
 		q, err := sem2.Acquire(ctx)
 		var l *Lock
 		if q != nil {
-			l = q.l
+			l = faceOf(q.l)
 		}
 		acquired <- result{l: l, err: err}
 		if err == nil {
@@ -413,13 +413,13 @@ func TestSemaphoreReleaseFallbackPassesSlotToHead(t *testing.T) {
 		}
 	}()
 	slot0 := sem.slotKey(0)
-	pgtest.Eventually(t, 10*time.Second, "the head waits for slot 0", func() bool { return waitingOn(t, dsn, slot0) == 1 })
+	pgtest.Eventually(t, 10*time.Second, "the head waits for slot 0", func() bool { return waitingOn(t, dsn, Key{slot0}) == 1 })
 	select {
 	case err := <-released:
 		if err != nil {
 			t.Fatalf("Release whose row is locked: %v", err)
 		}
-	case <-time.After(4 * c.cfg.waitSlice()):
+	case <-time.After(4 * c.core.Cfg.WaitSlice()):
 		t.Fatalf("Release did not return within 4 slices")
 	}
 	if err := p.Err(); !errors.Is(err, ErrNotHeld) {
@@ -441,8 +441,8 @@ func TestSemaphoreReleaseFallbackPassesSlotToHead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(hs) != 1 || hs[0].PID != r.l.s.PID() {
-		t.Fatalf("Holders after the head's grant: %+v, want the head's backend %d only", hs, r.l.s.PID())
+	if len(hs) != 1 || hs[0].PID != r.l.core.S.PID() {
+		t.Fatalf("Holders after the head's grant: %+v, want the head's backend %d only", hs, r.l.core.S.PID())
 	}
 	if msg := stop(); msg != "" {
 		t.Fatal(msg)

@@ -1,15 +1,11 @@
 package pgcoord
 
+// Sessions: one dedicated connection for many locks
+
 import (
 	"context"
-	"encoding/binary"
-	"errors"
-	"sync"
-	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/pgcoord/pgcoord/internal/core"
 )
 
 // A Session is one dedicated PostgreSQL connection on which any number of
@@ -27,67 +23,7 @@ import (
 // from proving itself alive; an Unlock, TryLock or Close that needs the
 // connection while a blocking acquire waits on it interrupts that wait,
 // which then resumes. Blocking acquires on one Session wait one at a time.
-type Session struct {
-	c       *Client
-	conn    *pgx.Conn
-	pid     int32
-	managed bool // one of the Client's shared backends
-	// planned holds the statements planned on conn (see prepare); only
-	// used while holding the connection.
-	planned map[string]bool
-
-	use      chan struct{} // holds a token while a statement runs on conn
-	waitTurn chan struct{} // holds a token while a blocking acquire is in flight
-
-	state       sync.Mutex
-	lastOK      time.Time          // start of the last statement the server answered
-	wire        wireBuf            // queryRow's buffer, used under the use token
-	traced      bool               // the connection's pgx config has a tracer (see queryRow)
-	keys        map[Key]*keyHold   // what this backend holds, by key
-	locks       map[*Lock]struct{} // live handles
-	err         error              // why the session ended; nil while open
-	pending     int                // callers waiting for conn, other than a blocking acquire; the queued key calls count as one
-	noPending   chan struct{}      // closed when pending drops to 0; made by whoever waits for that
-	interrupt   func(error)        // ends the blocking statement on conn; nil if none
-	interruptAt time.Time          // not before then
-	calls       combiner           // tries and releases of one key queued behind one (see callKey)
-	done        chan struct{}
-	lease       *time.Timer
-	stopHB      chan struct{}
-	hbDone      chan struct{}
-	cleaned     chan struct{} // closed when the connection is closed and the heartbeat has stopped
-
-	waiting bool // a blocking acquire of the Client's has this backend (see waitBackend)
-	// granting counts the statements in flight that may take a key the
-	// backend's records cannot show before the statement ends (a
-	// semaphore's grant picks its slot on the server): while it is not 0,
-	// no blocking acquire may claim the backend (see beginGrant).
-	granting   int
-	holderRows bool // the backend has run a semaphore's grant (see ranGrant): close deletes its holder rows, and the rows of the slots it holds
-}
-
-// keyHold is one key on one backend. The server holds the key (once) while
-// n > 0; a statement that takes or frees it runs only while busy is set, and
-// nothing else about the key is decided until it has ended. So the server's
-// count for the key on this backend is always 0 or 1, and an error path can
-// tell what its own statement did.
-type keyHold struct {
-	n      int  // live handles holding the key here
-	shared bool // mode of the holds
-	busy   chan struct{}
-	since  time.Time // when the server granted the key to this backend
-	joins  int       // handles that joined the hold without asking the server
-	// waits is set while the statement in flight (busy) waits for the
-	// key on the server: a try does not wait for it (see reserve).
-	waits bool
-	// waitsSet, made by a try that waits for busy, is closed when waits
-	// is set, so that the try stops waiting (see markWaits).
-	waitsSet chan struct{}
-}
-
-// errYield interrupts a blocking acquire so that another statement can use
-// the connection; the acquire resumes afterwards.
-var errYield = errors.New("pgcoord: yield the connection")
+type Session struct{ core *core.Session }
 
 // NewSession opens a Session: one dedicated connection for many locks. ctx
 // bounds only the connect. It returns [ErrClosed] after Close, an error
@@ -96,32 +32,25 @@ var errYield = errors.New("pgcoord: yield the connection")
 // [ErrTooManyConnections] if the server has no free connection slot, or the
 // connection error.
 func (c *Client) NewSession(ctx context.Context) (*Session, error) {
-	if ctx == nil {
-		return nil, errorf("new session: ctx is nil")
-	}
-	if err := c.enter(); err != nil {
+	s, err := c.core.NewSession(ctx)
+	if err != nil {
 		return nil, err
 	}
-	defer c.wg.Done()
-	return c.openSession(ctx)
+	return &Session{s}, nil
 }
 
 // Done returns a channel that is closed when the session ends: by Close,
 // by the Client's Close, or by loss.
-func (s *Session) Done() <-chan struct{} { return s.done }
+func (s *Session) Done() <-chan struct{} { return s.core.Done() }
 
 // Err returns nil while the session is open, an error wrapping
 // [ErrLockLost] (and the cause) if it was lost, or [ErrClosed] if it was
 // closed.
-func (s *Session) Err() error {
-	s.state.Lock()
-	defer s.state.Unlock()
-	return s.err
-}
+func (s *Session) Err() error { return s.core.Err() }
 
 // PID returns the server process ID of the session's backend, as shown in
 // pg_locks and pg_stat_activity.
-func (s *Session) PID() int32 { return s.pid }
+func (s *Session) PID() int32 { return s.core.PID() }
 
 // Close ends the session: its locks end with [ErrClosed], a blocking
 // acquire in flight on it returns ErrClosed, and the connection is closed.
@@ -133,517 +62,39 @@ func (s *Session) PID() int32 { return s.pid }
 // notices, at once for a connected idle backend, and within the server
 // bound of the package documentation for a silent network. Closing a closed
 // or lost session returns nil.
-func (s *Session) Close(ctx context.Context) error { return s.close(ctx) }
+func (s *Session) Close(ctx context.Context) error { return s.core.Close(ctx) }
 
-func (s *Session) close(ctx context.Context) error {
-	if ctx == nil {
-		ctx = context.Background()
-	}
-	if !s.end(ErrClosed) {
-		return nil // ended before: whoever ended it closes the connection
-	}
-	ctx, cancel := context.WithTimeout(ctx, s.c.cfg.lossDeadline)
-	defer cancel()
-	var err error
-	if ctx.Err() != nil {
-		// No time to wait for a clean release: cut the connection. (A
-		// select below could pick the free connection as well, and
-		// report a release that ctx did not leave time for.)
-		s.closeSocket()
-		return errorf("close session: the connection was closed without confirming the release (the server frees the locks when it notices): %w", context.Cause(ctx))
-	}
-	select {
-	case s.use <- struct{}{}:
-		// The connection is ours: nothing else runs on it any more. ctx
-		// bounds the release: when it ends, the socket is cut.
-		// (The statement does not watch ctx: pgx would answer it with a
-		// cancel request, which a silent network does not deliver.)
-		stop := context.AfterFunc(ctx, func() { _ = s.conn.PgConn().Conn().SetDeadline(time.Now()) })
-		defer stop()
-		s.state.Lock()
-		holderRows := s.holderRows
-		s.state.Unlock()
-		if holderRows {
-			// The rows of the permits that end with the session, which
-			// no Release deletes, and the rows of any slot it holds: a
-			// grant that failed after it took a slot leaves the row of
-			// the slot's last holder, whose Release left it to the grant
-			// to write over. Best effort: a row left behind is a dead
-			// holder's, which Holders ignores and acquires remove.
-			_, _ = s.conn.Exec(context.WithoutCancel(ctx), "DELETE FROM "+s.c.cfg.table("semaphore_holders")+` h
-				WHERE h.pid = pg_catalog.pg_backend_pid() OR h.lock_key IN (
-					SELECT (l.classid::bigint << 32) | l.objid::bigint FROM pg_catalog.pg_locks l
-					WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.pid = pg_catalog.pg_backend_pid())`)
-		}
-		if _, err = s.conn.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock_all()"); err != nil && ctx.Err() != nil {
-			err = errorf("%w: %w", context.Cause(ctx), err)
-		}
-		if err == nil {
-			err = s.conn.Close(ctx)
-		} else if backendEnded(err) {
-			err = nil // the backend is gone, and its locks with it
-		}
-		if err != nil {
-			_ = s.conn.PgConn().Conn().Close()
-			closeConn(s.conn, time.Second)
-		}
-		<-s.use
-		s.finish()
-	case <-ctx.Done():
-		err = context.Cause(ctx)
-		// Something still runs on the connection: cut it, and let the
-		// rest of the cleanup finish in the background (Client.Close
-		// waits for it).
-		s.closeSocket()
-	}
-	if err != nil {
-		return errorf("close session: the connection was closed without confirming the release (the server frees the locks when it notices): %w", err)
-	}
-	return nil
+// Lock is [Client.Lock] on this session's connection.
+func (s *Session) Lock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return lockOf(s.core.Lock(ctx, key.core, coreLockOptions(opts)...))
 }
 
-// closeSocket cuts the connection at once, so that any statement in flight
-// returns and the server frees the backend's locks, and finishes closing
-// it in the background once nothing uses it (Client.Close waits for that).
-func (s *Session) closeSocket() {
-	_ = s.conn.PgConn().Conn().Close()
-	go func() {
-		s.use <- struct{}{}
-		closeConn(s.conn, time.Second)
-		<-s.use
-		s.finish()
-	}()
+// TryLock is [Client.TryLock] on this session's connection.
+func (s *Session) TryLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return lockOf(s.core.TryLock(ctx, key.core, coreLockOptions(opts)...))
 }
 
-// finish completes the end of a session once its connection is closed.
-func (s *Session) finish() {
-	<-s.hbDone
-	close(s.cleaned)
-	s.c.untrack(s)
+// RLock is [Client.RLock] on this session's connection, with one
+// difference: the session holds each key once, so every shared hold of a
+// key on one session joins the first without asking the server, and a
+// writer elsewhere waits until all of them are released. Readers that must
+// let a waiting writer in take the key through the Client.
+func (s *Session) RLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return lockOf(s.core.RLock(ctx, key.core, coreLockOptions(opts)...))
 }
 
-// end moves the session to its final state once: it records why, stops the
-// heartbeat and the lease, interrupts a blocking acquire, and ends every
-// lock. It reports whether this call was the one that ended the session.
-func (s *Session) end(why error) bool {
-	s.state.Lock()
-	if s.err != nil {
-		s.state.Unlock()
-		return false
-	}
-	s.err = why
-	locks := s.locks
-	s.locks = nil
-	interrupt := s.interrupt
-	s.lease.Stop()
-	s.state.Unlock()
-	close(s.stopHB)
-	close(s.done)
-	if interrupt != nil {
-		interrupt(why)
-	}
-	observed := s.c.observed()
-	for l := range locks {
-		l.endReported(why, observed)
-	}
-	s.c.retire(s)
-	return true
+// TryRLock is [Client.TryRLock] on this session's connection.
+func (s *Session) TryRLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
+	return lockOf(s.core.TryRLock(ctx, key.core, coreLockOptions(opts)...))
 }
 
-// lose ends the session because its locks can no longer be trusted, and
-// closes the socket at once so that the server frees them and any
-// statement in flight returns.
-func (s *Session) lose(cause error) {
-	s.state.Lock()
-	n := len(s.locks)
-	var keys []Key
-	for l := range s.locks {
-		if len(keys) >= 4 {
-			break
-		}
-		keys = append(keys, l.keys[0])
-	}
-	s.state.Unlock()
-	err := errorf("%w: %w", ErrLockLost, cause)
-	if !s.end(err) {
-		return
-	}
-	if n > 0 {
-		attrs := []any{"locks", n, "keys", keyList(keys), "pid", s.pid, "err", cause}
-		var names []string
-		for _, k := range keys {
-			if name := s.c.cfg.keyName(k); name != "" {
-				names = append(names, name)
-			}
-		}
-		if len(names) > 0 {
-			attrs = append(attrs, "names", names)
-		}
-		s.c.cfg.warnLogger().Warn("pgcoord: locks lost", attrs...)
-	} else {
-		s.c.cfg.infoLogger().Info("pgcoord: connection lost; it held no lock", "pid", s.pid, "err", cause)
-	}
-	s.closeSocket()
-}
-
-// grab waits until the connection is free for one statement, bounded by
-// ctx. A blocking acquire that waits on the connection is interrupted and
-// resumes after. The caller must call release.
-func (s *Session) grab(ctx context.Context) error {
-	select {
-	case s.use <- struct{}{}:
-		// Free: no statement runs, so there is nothing to interrupt and
-		// nobody to queue behind (a caller that waited for the
-		// connection is handed it as it is released, before anyone
-		// else can take it here).
-		if err := s.Err(); err != nil {
-			<-s.use
-			return err
-		}
-		return nil
-	default:
-	}
-	s.state.Lock()
-	if s.err != nil {
-		s.state.Unlock()
-		return s.err
-	}
-	s.pending++
-	if s.interrupt != nil && !time.Now().Before(s.interruptAt) {
-		s.interrupt(errYield)
-	}
-	s.state.Unlock()
-	defer func() {
-		s.state.Lock()
-		s.unpend()
-		s.state.Unlock()
-	}()
-	select {
-	case s.use <- struct{}{}:
-		if err := s.Err(); err != nil {
-			<-s.use
-			return err
-		}
-		return nil
-	case <-ctx.Done():
-		return context.Cause(ctx)
-	case <-s.done:
-		return s.Err()
-	}
-}
-
-// unpend counts one caller fewer in pending, and wakes a blocking acquire
-// that waits for none to be left. The caller holds s.state.
-func (s *Session) unpend() {
-	if s.pending--; s.pending == 0 && s.noPending != nil {
-		close(s.noPending)
-		s.noPending = nil
-	}
-}
-
-// release gives the connection back after grab.
-func (s *Session) release() { <-s.use }
-
-// prepare prepares statements on the session's connection (named by their
-// text, so that pgx runs them as prepared statements from then on), unless
-// they are already, and plans those that give arguments for it once per
-// connection (see preparedStatement). Preparing has the server parse them
-// and load the metadata of their tables, which a connection's first use of
-// a table costs.
-func (s *Session) prepare(ctx context.Context, sts []preparedStatement) error {
-	if len(sts) == 0 {
-		return nil
-	}
-	return s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		for _, st := range sts {
-			if _, err := conn.Prepare(ctx, st.sql, st.sql); err != nil {
-				if sqlState(err) == "55P03" {
-					// A table is locked (a migration, VACUUM FULL): the
-					// statement is prepared when it first runs instead.
-					return nil
-				}
-				return notMigrated(s.c.cfg, "prepare statements", err)
-			}
-			if st.plan == nil || s.planned[st.sql] {
-				continue
-			}
-			// Text arguments, one round trip, nothing prepared or cached:
-			// the plan is all this is for. An error of the server here
-			// costs only the warm-up: the statement reports its own
-			// errors when it runs.
-			args := append([]any{pgx.QueryExecModeExec}, st.plan...)
-			if _, err := conn.Exec(ctx, "EXPLAIN (COSTS OFF) "+st.sql, args...); err != nil {
-				if sqlState(err) != "" {
-					continue
-				}
-				return err
-			}
-			if s.planned == nil {
-				s.planned = make(map[string]bool)
-			}
-			s.planned[st.sql] = true
-		}
-		return nil
-	})
-}
-
-// run executes one statement that does not wait (a try, an unlock) on the
-// session's connection. ctx bounds the wait for the connection, not the
-// statement: the server answers it in one round trip, and a cancel request
-// would cost more than the answer (on a loaded server, far more, with the
-// connection, and every lock on it, held meanwhile). The lease bounds the
-// statement: with no answer for the loss deadline, the session is lost and
-// its connection closed, which ends the statement.
-func (s *Session) run(ctx context.Context, f func(ctx context.Context, conn *pgx.Conn) error) error {
-	if err := s.grab(ctx); err != nil {
-		return err
-	}
-	defer s.release()
-	return s.exec(detached(ctx), f)
-}
-
-// detached returns a context with ctx's values that never ends, for a
-// statement that runs to its answer once sent (see run). For an acquire's
-// context, whose statements run on the caller's context (see stmtCtx),
-// that is the caller's, detached, and the acquire's is left unjoined.
-func detached(ctx context.Context) context.Context {
-	ctx = stmtCtx(ctx)
-	if ctx.Done() != nil {
-		ctx = context.WithoutCancel(ctx)
-	}
-	return ctx
-}
-
-// exec runs f while the caller holds the connection. An answer from the
-// server, error or not, proves the connection alive as of the start. A
-// broken connection, or a cancellation that ctx did not ask for, loses
-// the session. Statement errors (lock wait cancelled, deadlock, ...) are
-// returned as they are for the caller to resolve.
-func (s *Session) exec(ctx context.Context, f func(ctx context.Context, conn *pgx.Conn) error) error {
-	start := time.Now()
-	err := f(stmtCtx(ctx), s.conn)
-	if err == nil {
-		s.proved(start)
-		return nil
-	}
-	// Declared here, not above: errors.As makes pe escape, and a
-	// statement that succeeds should not pay for its allocation.
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		s.proved(start)
-	}
-	switch {
-	case s.conn.IsClosed():
-		s.lose(err)
-	case pe != nil && pe.Code == "57014" && ctx.Err() == nil:
-		s.lose(errorf("a statement was cancelled that nothing here cancelled: %w", err))
-	case errors.Is(err, ErrTransactionPooling):
-		s.lose(err)
-	default:
-		return err
-	}
-	if e := s.Err(); e != nil {
-		return e
-	}
-	return err
-}
-
-// proved records that the server answered a statement sent at start.
-func (s *Session) proved(start time.Time) {
-	// The lease timer is left as it is: when it fires, checkLease finds
-	// the newer answer and sets it again for the rest of the deadline, so
-	// a statement costs no timer operation.
-	s.state.Lock()
-	if start.After(s.lastOK) {
-		s.lastOK = start
-	}
-	s.state.Unlock()
-}
-
-// answeredAt returns the start of the last statement the server answered
-// on the session's connection.
-func (s *Session) answeredAt() time.Time {
-	s.state.Lock()
-	defer s.state.Unlock()
-	return s.lastOK
-}
-
-// backendEnded reports whether err is the server ending the backend
-// (a FATAL error: terminated, shut down), which frees all its locks.
-func backendEnded(err error) bool {
-	var pe *pgconn.PgError
-	return errors.As(err, &pe) && (pe.Severity == "FATAL" || pe.Severity == "PANIC")
-}
-
-// errorIsLoss reports whether err means the session (and its locks) ended.
-func errorIsLoss(err error) bool {
-	return errors.Is(err, ErrLockLost) || errors.Is(err, ErrClosed)
-}
-
-// The statements of one key (a try, a wait, an unlock: the common path of
-// every lock) take arguments of three kinds and answer booleans. queryRow
-// runs them on pgconn directly, without pgx's rows: the statement is
-// prepared under its own text once per connection (as pgx's QueryRow does
-// for a named statement), the arguments are written straight in the
-// protocol's binary form into a buffer of the session, and the row is read
-// from pgconn's own buffers. That costs a few allocations where pgx's rows
-// cost a few dozen, which matters on a contended path, where the client's
-// work between a grant and the next unlock is part of everyone's wait.
-
-// wireMaxArgs is the most arguments a statement of one key takes: a pair
-// key's two halves, the backend's pid, and a lock_timeout.
-const wireMaxArgs = 4
-
-// wireBuf is a session's buffer for queryRow; statements on a session run
-// one at a time, under its use token.
-type wireBuf struct {
-	bytes   [wireMaxArgs * 8]byte
-	params  [wireMaxArgs][]byte
-	formats [wireMaxArgs]int16
-}
-
-// binaryResults asks for every result column in binary form.
-var binaryResults = []int16{pgx.BinaryFormatCode}
-
-// queryRow is conn.QueryRow(ctx, sql, args...).Scan(dest...) for a
-// statement of one key, whose arguments are int64, int32 or string and
-// whose scanned columns are booleans; a nil dest skips its column. It
-// returns pgx.ErrNoRows if the statement returned no row. It runs the
-// statement from its cached description, as pgx does, so the server is not
-// asked to describe the result again. The caller holds the session's
-// connection. A connection with a pgx tracer goes through pgx, so that the
-// tracer sees every statement, as does anything else queryRow does not
-// encode.
-func (s *Session) queryRow(ctx context.Context, conn *pgx.Conn, sql string, args []any, dest ...*bool) error {
-	if len(args) > wireMaxArgs || s.traced {
-		return pgxRow(ctx, conn, sql, args, dest)
-	}
-	sd, err := conn.Prepare(ctx, sql, sql)
-	if err != nil {
-		return err
-	}
-	params, formats, ok := s.wire.encode(sd, args)
-	if !ok || len(sd.Fields) < len(dest) {
-		return pgxRow(ctx, conn, sql, args, dest)
-	}
-	for i, d := range dest {
-		if d != nil && sd.Fields[i].DataTypeOID != pgtype.BoolOID {
-			return pgxRow(ctx, conn, sql, args, dest)
-		}
-	}
-	rr := conn.PgConn().ExecStatement(ctx, sd, params, formats, binaryResults)
-	rows := 0
-	var scanErr error
-	for rr.NextRow() {
-		if rows++; rows > 1 {
-			continue
-		}
-		values := rr.Values()
-		for i, d := range dest {
-			switch v := values[i]; {
-			case d == nil:
-			case len(v) == 1:
-				*d = v[0] != 0
-			case v == nil:
-				scanErr = errorf("column %d of %q is NULL, want a boolean", i+1, sql)
-			default:
-				scanErr = errorf("column %d of %q: %d bytes for a boolean", i+1, sql, len(v))
-			}
-		}
-	}
-	if _, err := rr.Close(); err != nil {
-		return err
-	}
-	switch {
-	case scanErr != nil:
-		return scanErr
-	case rows == 0:
-		return pgx.ErrNoRows
-	}
-	return nil
-}
-
-// encode writes args in the binary form of sd's parameter types (text
-// parameters as text) into w, and reports false for an argument whose type
-// it does not write.
-func (w *wireBuf) encode(sd *pgconn.StatementDescription, args []any) ([][]byte, []int16, bool) {
-	if len(sd.ParamOIDs) != len(args) {
-		return nil, nil, false
-	}
-	buf := w.bytes[:0]
-	var ends [wireMaxArgs]int
-	for i, a := range args {
-		switch v := a.(type) {
-		case int64:
-			if sd.ParamOIDs[i] != pgtype.Int8OID {
-				return nil, nil, false
-			}
-			buf = binary.BigEndian.AppendUint64(buf, uint64(v))
-			w.formats[i] = pgx.BinaryFormatCode
-		case int32:
-			if sd.ParamOIDs[i] != pgtype.Int4OID {
-				return nil, nil, false
-			}
-			buf = binary.BigEndian.AppendUint32(buf, uint32(v))
-			w.formats[i] = pgx.BinaryFormatCode
-		case string:
-			if sd.ParamOIDs[i] != pgtype.TextOID {
-				return nil, nil, false
-			}
-			buf = append(buf, v...)
-			w.formats[i] = pgx.TextFormatCode
-		default:
-			return nil, nil, false
-		}
-		ends[i] = len(buf)
-	}
-	start := 0
-	for i := range args {
-		w.params[i] = buf[start:ends[i]:ends[i]]
-		start = ends[i]
-	}
-	return w.params[:len(args)], w.formats[:len(args)], true
-}
-
-// pgxRow is queryRow through pgx.
-func pgxRow(ctx context.Context, conn *pgx.Conn, sql string, args []any, dest []*bool) error {
-	rows, err := conn.Query(ctx, sql, args...)
-	if err != nil {
-		return err
-	}
-	defer rows.Close()
-	if !rows.Next() {
-		if err := rows.Err(); err != nil {
-			return err
-		}
-		return pgx.ErrNoRows
-	}
-	scan := make([]any, max(len(rows.FieldDescriptions()), len(dest)))
-	for i, d := range dest {
-		if d != nil {
-			scan[i] = d
-		}
-	}
-	if err := rows.Scan(scan...); err != nil {
-		return err
-	}
-	rows.Close()
-	return rows.Err()
-}
-
-// stmtCtx returns the context a statement runs on: the caller's, for an
-// acquire's context. pgx watches a statement's context when it can end;
-// watching the caller's context alone costs no more than raw pgx does.
-func stmtCtx(ctx context.Context) context.Context {
-	if a, ok := ctx.(*acquireContext); ok {
-		return a.stmt
-	}
-	return ctx
-}
-
-// closingContext has the values of a context that never ends, and ends
-// when the Client closes, with ErrClosed as its cause.
-type closingContext struct {
-	values  context.Context
-	closing context.Context
+// LockAll is [Client.LockAll] on this session's connection. The session's
+// locks and its waits are one session to the server: a wait on a session
+// that holds other locks is, to PostgreSQL, a session that holds and waits.
+// If the server picks it as a deadlock victim, the acquire returns an error
+// wrapping [ErrDeadlock], leaves nothing of its keys behind, and the
+// session and its other locks live: release some to let the other side go
+// on.
+func (s *Session) LockAll(ctx context.Context, keys ...Key) (*Lock, error) {
+	return lockOf(s.core.LockAll(ctx, coreKeys(keys)...))
 }

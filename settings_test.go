@@ -226,16 +226,16 @@ func TestSchemasIsolateElectionsAndSemaphores(t *testing.T) {
 			a.e.Key(), b.e.Key(), permits["app_a"].l.Key(), permits["app_b"].l.Key())
 	}
 	for _, schema := range schemas {
-		heldOnlyBy(t, dsn, leaders[schema].e.Key(), leaders[schema].lock.s.PID())
-		heldOnlyBy(t, dsn, permits[schema].l.Key(), permits[schema].l.s.PID())
+		heldOnlyBy(t, dsn, leaders[schema].e.Key(), leaders[schema].lock.S.PID())
+		heldOnlyBy(t, dsn, Key{permits[schema].l.Key()}, permits[schema].l.S.PID())
 		if leaders[schema].Err() != nil || permits[schema].Err() != nil {
 			t.Fatalf("schema %s: leadership %v, permit %v", schema, leaders[schema].Err(), permits[schema].Err())
 		}
 	}
 	other := newTestClient(t, dsn, WithSchema("app_a"))
 	info, err := other.Election("sched").Leader(ctx)
-	if err != nil || info.Term != a.Term() || info.PID != a.lock.s.PID() {
-		t.Fatalf("Leader in app_a = %+v, %v; want term %d on backend %d", info, err, a.Term(), a.lock.s.PID())
+	if err != nil || info.Term != a.Term() || info.PID != a.lock.S.PID() {
+		t.Fatalf("Leader in app_a = %+v, %v; want term %d on backend %d", info, err, a.Term(), a.lock.S.PID())
 	}
 	if _, err := other.Semaphore("jobs", 1).TryAcquire(ctx); !errors.Is(err, ErrNoPermit) {
 		t.Fatalf("a second permit of app_a's jobs: %v, want ErrNoPermit", err)
@@ -276,7 +276,7 @@ func TestElectionsAndSemaphoresWithExhaustedPool(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Campaign with the pool exhausted: %v", err)
 	}
-	heldOnlyBy(t, dsn, ld.e.Key(), ld.lock.s.PID())
+	heldOnlyBy(t, dsn, ld.e.Key(), ld.lock.S.PID())
 	if err := other.Election("starved").RequestResign(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -292,14 +292,14 @@ func TestElectionsAndSemaphoresWithExhaustedPool(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Acquire with the pool exhausted: %v", err)
 	}
-	heldOnlyBy(t, dsn, p.l.Key(), p.l.s.PID())
+	heldOnlyBy(t, dsn, Key{p.l.Key()}, p.l.S.PID())
 	if _, err := other.Semaphore("starved", 1).TryAcquire(ctx); !errors.Is(err, ErrNoPermit) {
 		t.Fatalf("a second permit: %v, want ErrNoPermit", err)
 	}
 	if err := p.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	notHeld(t, dsn, p.l.Key())
+	notHeld(t, dsn, Key{p.l.Key()})
 
 	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
 	_, err = c.Election("starved").Leader(short)

@@ -47,6 +47,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/anishathalye/porcupine"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -819,7 +821,7 @@ func TestFaultSoak(t *testing.T) {
 	// No fence returned is above the fences table's: every fence handed
 	// out was committed first, also across the restarts and crashes.
 	stored := map[int64]int64{}
-	frows, err := pool.Query(ctx, "SELECT key, fence FROM "+(&config{schema: DefaultSchema}).table("fences")+" WHERE key_space = 1")
+	frows, err := pool.Query(ctx, "SELECT key, fence FROM "+(&core.Config{Schema: DefaultSchema}).Table("fences")+" WHERE key_space = 1")
 	if err != nil {
 		t.Fatal(err)
 	}

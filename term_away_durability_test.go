@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/pgcoord/pgcoord/internal/pgtest"
 )
 
@@ -66,7 +68,7 @@ func TestTermRecordedAwayWaitsForSynchronousStandby(t *testing.T) {
 	}
 	// The record waits for the transaction on a backend that does not
 	// hold the election's lock.
-	space, key := fenceRow(e.Key())
+	space, key := core.FenceRow(e.Key().core)
 	if !pgtest.Poll(testTimeout, func() bool {
 		early()
 		var n int
@@ -102,7 +104,7 @@ func TestTermRecordedAwayWaitsForSynchronousStandby(t *testing.T) {
 	if int64(ld.Term()) <= withheldUpTo {
 		t.Fatalf("term %d handed out, want above every withheld one (up to %d)", ld.Term(), withheldUpTo)
 	}
-	heldOnlyBy(t, pdsn, e.Key(), ld.lock.s.PID())
+	heldOnlyBy(t, pdsn, e.Key(), ld.lock.S.PID())
 	t.Logf("term %d before, withheld up to %d, handed out %d", t0, withheldUpTo, ld.Term())
 	failOver(t, ctx, primary, standby, c)
 	if got := storedFence(t, ctx, sconn, e.Key()); Term(got) < ld.Term() {

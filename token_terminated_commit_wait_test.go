@@ -113,8 +113,8 @@ func TestTokensWithheldWhenBackendTerminatedInCommitWait(t *testing.T) {
 	if int64(ld.Term()) <= termUpTo || int64(r.l.Fence()) <= fenceUpTo {
 		t.Fatalf("handed out term %d and fence %d, want above %d and %d: every token the terminated backends committed", ld.Term(), r.l.Fence(), termUpTo, fenceUpTo)
 	}
-	heldOnlyBy(t, pdsn, e.Key(), ld.lock.s.PID())
-	heldOnlyBy(t, pdsn, kF, r.l.s.PID())
+	heldOnlyBy(t, pdsn, e.Key(), ld.lock.S.PID())
+	heldOnlyBy(t, pdsn, kF, r.l.core.S.PID())
 
 	failOver(t, ctx, primary, standby, cE, cF)
 	if got := storedFence(t, ctx, sconn, e.Key()); Term(got) < ld.Term() {

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -36,20 +38,20 @@ func TestQueryRowDirect(t *testing.T) {
 	}
 	on := func(f func(ctx context.Context, conn *pgx.Conn) error) error {
 		t.Helper()
-		return s.run(ctx, f)
+		return s.core.Run(ctx, f)
 	}
 	try := func(k Key, pid int32) (bool, error) {
 		t.Helper()
 		var ok bool
-		sql, args := trySQL(lockFunc(false, true), []Key{k}, pid)
-		err := on(func(ctx context.Context, conn *pgx.Conn) error { return s.queryRow(ctx, conn, sql, args, &ok) })
+		sql, args := core.TrySQL(core.LockFunc(false, true), coreKeys([]Key{k}), pid)
+		err := on(func(ctx context.Context, conn *pgx.Conn) error { return s.core.QueryRow(ctx, conn, sql, args, &ok) })
 		return ok, err
 	}
 	unlock := func(k Key) bool {
 		t.Helper()
 		var ok bool
-		sql, args := unlockSQL(unlockFunc(false), []Key{k}, s.pid)
-		if err := on(func(ctx context.Context, conn *pgx.Conn) error { return s.queryRow(ctx, conn, sql, args, &ok) }); err != nil {
+		sql, args := core.UnlockSQL(core.UnlockFunc(false), coreKeys([]Key{k}), s.core.Pid)
+		if err := on(func(ctx context.Context, conn *pgx.Conn) error { return s.core.QueryRow(ctx, conn, sql, args, &ok) }); err != nil {
 			t.Fatalf("unlock %v: %v", k, err)
 		}
 		return ok
@@ -59,11 +61,11 @@ func TestQueryRowDirect(t *testing.T) {
 		Int64Key(math.MinInt64), Int64Key(math.MaxInt64), Int64Key(-1),
 		PairKey(math.MinInt32, -1), PairKey(math.MaxInt32, 0), PairKey(-1, math.MinInt32),
 	} {
-		ok, err := try(k, s.pid)
+		ok, err := try(k, s.core.Pid)
 		if err != nil || !ok {
 			t.Fatalf("try %v: %v, %v; want true", k, ok, err)
 		}
-		heldOnlyBy(t, dsn, k, s.pid)
+		heldOnlyBy(t, dsn, k, s.core.Pid)
 		if !unlock(k) {
 			t.Fatalf("unlock %v: false, want true", k)
 		}
@@ -74,10 +76,10 @@ func TestQueryRowDirect(t *testing.T) {
 	}
 
 	held := Int64Key(7001)
-	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", held.v); err != nil {
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", held.core.V); err != nil {
 		t.Fatal(err)
 	}
-	if ok, err := try(held, s.pid); err != nil || ok {
+	if ok, err := try(held, s.core.Pid); err != nil || ok {
 		t.Fatalf("try of a key held elsewhere: %v, %v; want false", ok, err)
 	}
 	heldOnlyBy(t, dsn, held, otherPID)
@@ -92,20 +94,22 @@ func TestQueryRowDirect(t *testing.T) {
 	// A text argument: the wait for a key held elsewhere ends at its
 	// lock_timeout; for a free key the try answers at once.
 	ttw := func(k Key) (bool, error) {
-		sql, _, args := tryThenWaitSQL(k, false, s.pid)
+		sql, _, args := core.TryThenWaitSQL(k.core, false, s.core.Pid)
 		args[len(args)-1] = "20"
 		var took bool
-		err := on(func(ctx context.Context, conn *pgx.Conn) error { return s.queryRow(ctx, conn, sql, args, nil, &took) })
+		err := on(func(ctx context.Context, conn *pgx.Conn) error {
+			return s.core.QueryRow(ctx, conn, sql, args, nil, &took)
+		})
 		return took, err
 	}
-	if _, err := ttw(held); sqlState(err) != "55P03" {
+	if _, err := ttw(held); core.SqlState(err) != "55P03" {
 		t.Fatalf("wait of 20 ms for a key held elsewhere: %v, want lock_timeout (55P03)", err)
 	}
 	heldOnlyBy(t, dsn, held, otherPID)
 	if took, err := ttw(free); err != nil || !took {
 		t.Fatalf("try-then-wait of a free key: %v, %v; want true (taken by the try)", took, err)
 	}
-	heldOnlyBy(t, dsn, free, s.pid)
+	heldOnlyBy(t, dsn, free, s.core.Pid)
 	if !unlock(free) {
 		t.Fatal("unlock after try-then-wait: false")
 	}
@@ -113,7 +117,7 @@ func TestQueryRowDirect(t *testing.T) {
 	// A NULL where a boolean is scanned is an error, not false.
 	err = on(func(ctx context.Context, conn *pgx.Conn) error {
 		var b bool
-		return s.queryRow(ctx, conn, "SELECT NULL::bool WHERE pg_backend_pid() = $1", []any{s.pid}, &b)
+		return s.core.QueryRow(ctx, conn, "SELECT NULL::bool WHERE pg_backend_pid() = $1", []any{s.core.Pid}, &b)
 	})
 	if err == nil || !strings.Contains(err.Error(), "NULL") {
 		t.Fatalf("NULL scanned as a boolean: %v, want an error naming NULL", err)
@@ -123,11 +127,11 @@ func TestQueryRowDirect(t *testing.T) {
 	// int64 for an int4 parameter.
 	err = on(func(ctx context.Context, conn *pgx.Conn) error {
 		var a, b bool
-		if err := s.queryRow(ctx, conn, "SELECT $1::float8 > 1, $2::int4 = 3", []any{1.5, int64(3)}, &a, &b); err != nil {
+		if err := s.core.QueryRow(ctx, conn, "SELECT $1::float8 > 1, $2::int4 = 3", []any{1.5, int64(3)}, &a, &b); err != nil {
 			return err
 		}
 		if !a || !b {
-			return errorf("got %v, %v; want true, true", a, b)
+			return core.Errorf("got %v, %v; want true, true", a, b)
 		}
 		return nil
 	})
@@ -141,12 +145,12 @@ func TestQueryRowDirect(t *testing.T) {
 		args []any
 		want error
 	}{
-		{"SELECT 1 WHERE pg_backend_pid() = $1", []any{s.pid}, nil},
+		{"SELECT 1 WHERE pg_backend_pid() = $1", []any{s.core.Pid}, nil},
 		{"SELECT 1 WHERE pg_backend_pid() = $1", []any{int32(0)}, pgx.ErrNoRows},
 		{"SELECT 1, 2 WHERE $1::float8 > 1", []any{1.5}, nil},
 		{"SELECT 1, 2 WHERE $1::float8 > 1", []any{0.5}, pgx.ErrNoRows},
 	} {
-		err := on(func(ctx context.Context, conn *pgx.Conn) error { return s.queryRow(ctx, conn, c.sql, c.args) })
+		err := on(func(ctx context.Context, conn *pgx.Conn) error { return s.core.QueryRow(ctx, conn, c.sql, c.args) })
 		if !errors.Is(err, c.want) || (c.want == nil) != (err == nil) {
 			t.Fatalf("%s with %v, nothing scanned: %v, want %v", c.sql, c.args, err, c.want)
 		}

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/pgcoord/pgcoord/internal/xactsql"
 )
@@ -169,17 +171,19 @@ func init() {
 		Acquire: func(ctx context.Context, op string, mode xactsql.Mode, tx xactsql.Tx, keys []Key) error {
 			m := xactModes[mode]
 			m.op = op
-			return xactAcquire(ctx, m, tx, keys)
+			return xactAcquire(ctx, m, tx, coreKeys(keys))
 		},
-		InTx: inTx,
+		InTx: func(ctx context.Context, op string, begin func(context.Context) (xactsql.Txn, error), keys []Key, fn func(tx xactsql.Txn) error) error {
+			return inTx(ctx, op, begin, coreKeys(keys), fn)
+		},
 		CheckFence: func(ctx context.Context, tx xactsql.Tx, key Key, fence Term, opts []FenceOption) error {
 			c, err := newFenceConfig(opts)
 			if err != nil {
-				return errorf("check fence %s: %w", keyList([]Key{key}), err)
+				return core.Errorf("check fence %s: %w", key, err)
 			}
-			return checkFence(ctx, c, tx, key, fence)
+			return checkFence(ctx, c, tx, key.core, fence)
 		},
-		Subject: keysSubject,
+		Subject: func(keys []Key) string { return keysSubject(coreKeys(keys)) },
 	}
 }
 
@@ -233,20 +237,20 @@ func (t pgxTx) Commit(ctx context.Context) error {
 	} else if err := ctx.Err(); err != nil {
 		why = fmt.Errorf("ctx ended before the savepoint was released: %w", err)
 	}
-	rctx, cancel := withoutCancel(ctx, xactRollbackTimeout)
+	rctx, cancel := core.WithoutCancel(ctx, xactRollbackTimeout)
 	defer cancel()
 	if why == nil {
 		if err := t.tx.Commit(rctx); err != nil {
 			// pgx has marked the savepoint closed, and the connection is
 			// closed or the outer transaction failed: either way it is over.
-			return errorf("releasing the savepoint failed (roll the outer transaction back): %w", err)
+			return core.Errorf("releasing the savepoint failed (roll the outer transaction back): %w", err)
 		}
 		return nil
 	}
 	if err := t.tx.Rollback(rctx); err != nil {
-		return errorf("%w; rolling back to the savepoint failed too (roll the outer transaction back): %w", why, err)
+		return core.Errorf("%w; rolling back to the savepoint failed too (roll the outer transaction back): %w", why, err)
 	}
-	return errorf("%w; rolled back to the savepoint, the outer transaction goes on", why)
+	return core.Errorf("%w; rolled back to the savepoint, the outer transaction goes on", why)
 }
 
 // pgxLockTx is a pgx.Tx that runs the lock statements in
@@ -346,7 +350,7 @@ func withPgx(fn func(pgx.Tx) error) func(xactsql.Txn) error {
 // error reads "pgcoord: xact lock <keys>: <cause>" (xact read lock, xact try
 // lock, xact try read lock for the siblings), the keys in canonical order.
 func XactLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
-	return xactAcquirePgx(ctx, modeXactLock, tx, keys)
+	return xactAcquirePgx(ctx, modeXactLock, tx, coreKeys(keys))
 }
 
 // XactRLock is [XactLock] for shared locks: any number of transactions can
@@ -355,7 +359,7 @@ func XactLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // not starved. Everything XactLock says about order, ctx, release and errors
 // applies.
 func XactRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
-	return xactAcquirePgx(ctx, modeXactRLock, tx, keys)
+	return xactAcquirePgx(ctx, modeXactRLock, tx, coreKeys(keys))
 }
 
 // XactTryLock is [XactLock] without waiting: it tries the keys in canonical
@@ -372,7 +376,7 @@ func XactRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // ctx bounds the statement. Other errors are those of XactLock, and abort tx
 // as they do there.
 func XactTryLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
-	return xactAcquirePgx(ctx, modeXactTryLock, tx, keys)
+	return xactAcquirePgx(ctx, modeXactTryLock, tx, coreKeys(keys))
 }
 
 // XactTryRLock is [XactTryLock] for shared locks: it fails with an error
@@ -381,7 +385,7 @@ func XactTryLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // waiting exclusive request). What XactTryLock says about partial success
 // applies.
 func XactTryRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
-	return xactAcquirePgx(ctx, modeXactTryRLock, tx, keys)
+	return xactAcquirePgx(ctx, modeXactTryRLock, tx, coreKeys(keys))
 }
 
 // InTx begins a transaction on db, takes exclusive transaction-level locks on
@@ -456,10 +460,10 @@ func XactTryRLock(ctx context.Context, tx pgx.Tx, keys ...Key) error {
 // state.
 func InTx(ctx context.Context, db TxBeginner, keys []Key, fn func(tx pgx.Tx) error) error {
 	if isNil(db) {
-		return errorf("in tx %s: nil TxBeginner", keysSubject(keys))
+		return core.Errorf("in tx %s: nil TxBeginner", keysSubject(coreKeys(keys)))
 	}
 	if _, nested := db.(pgx.Tx); nested {
-		return inTx(ctx, "in tx", beginPgx(db.Begin, true), keys, withPgx(fn))
+		return inTx(ctx, "in tx", beginPgx(db.Begin, true), coreKeys(keys), withPgx(fn))
 	}
 	begin := db.Begin
 	if b, ok := db.(TxOptionsBeginner); ok {
@@ -467,7 +471,7 @@ func InTx(ctx context.Context, db TxBeginner, keys []Key, fn func(tx pgx.Tx) err
 			return b.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 		}
 	}
-	return inTx(ctx, "in tx", beginPgx(begin, false), keys, withPgx(fn))
+	return inTx(ctx, "in tx", beginPgx(begin, false), coreKeys(keys), withPgx(fn))
 }
 
 // TxOptionsBeginner starts a transaction with options. *pgxpool.Pool and
@@ -504,38 +508,38 @@ type TxOptionsBeginner interface {
 // time instead of at compile time.
 func InTxOptions(ctx context.Context, db TxOptionsBeginner, txOptions pgx.TxOptions, keys []Key, fn func(tx pgx.Tx) error) error {
 	if isNil(db) {
-		return errorf("in tx %s: nil TxOptionsBeginner", keysSubject(keys))
+		return core.Errorf("in tx %s: nil TxOptionsBeginner", keysSubject(coreKeys(keys)))
 	}
 	if txOptions.IsoLevel == "" {
 		txOptions.IsoLevel = pgx.ReadCommitted
 	}
 	begin := func(ctx context.Context) (pgx.Tx, error) { return db.BeginTx(ctx, txOptions) }
-	return inTx(ctx, "in tx", beginPgx(begin, false), keys, withPgx(fn))
+	return inTx(ctx, "in tx", beginPgx(begin, false), coreKeys(keys), withPgx(fn))
 }
 
 // inTx runs InTx and InTxOptions, and those of package pgcoordsql; op is
 // the operation that errors name ("in tx"). An empty keys takes no lock.
-func inTx(ctx context.Context, op string, begin func(context.Context) (xactsql.Txn, error), keys []Key, fn func(tx xactsql.Txn) error) error {
+func inTx(ctx context.Context, op string, begin func(context.Context) (xactsql.Txn, error), keys []core.Key, fn func(tx xactsql.Txn) error) error {
 	mode := modeXactLock
 	mode.op = op
 	op += " " + keysSubject(keys) // with its subject, as errors name it
 	if ctx == nil {
-		return errorf("%s: ctx is nil", op)
+		return core.Errorf("%s: ctx is nil", op)
 	}
 	if fn == nil {
-		return errorf("%s: fn is nil", op)
+		return core.Errorf("%s: fn is nil", op)
 	}
-	var ks []Key
+	var ks []core.Key
 	if len(keys) > 0 {
 		var err error
-		if ks, err = canonicalKeys(keys); err != nil {
-			return errorf("%s: %w", op, err)
+		if ks, err = core.CanonicalKeys(keys); err != nil {
+			return core.Errorf("%s: %w", op, err)
 		}
 	}
 
 	tx, err := begin(ctx)
 	if err != nil {
-		return errorf("%s: begin: %w", op, withCtxErr(ctx, err))
+		return core.Errorf("%s: begin: %w", op, core.WithCtxErr(ctx, err))
 	}
 	// Runs with done still false only if fn panicked or called
 	// runtime.Goexit: roll back, and let the panic go on.
@@ -571,7 +575,7 @@ func rollbackTx(ctx context.Context, tx pgx.Tx) { _ = rollbackTxn(ctx, pgxTx{tx:
 // the rollback's error. database/sql discards a connection whose rollback
 // failed, as pgx closes it.
 func rollbackTxn(ctx context.Context, tx xactsql.Txn) error {
-	ctx, cancel := withoutCancel(ctx, xactRollbackTimeout)
+	ctx, cancel := core.WithoutCancel(ctx, xactRollbackTimeout)
 	defer cancel()
 	return tx.Rollback(ctx)
 }
@@ -584,10 +588,10 @@ func rollbackTxn(ctx context.Context, tx xactsql.Txn) error {
 func rolledBack(ctx context.Context, op string, tx xactsql.Txn, err error) error {
 	rerr := rollbackTxn(ctx, tx)
 	if t, ok := tx.(pgxTx); ok && t.nested && rerr != nil {
-		if strings.HasPrefix(err.Error(), prefix) {
-			return errorf("%w; rolling back to the savepoint failed too (roll the outer transaction back): %w", err, rerr)
+		if strings.HasPrefix(err.Error(), core.Prefix) {
+			return core.Errorf("%w; rolling back to the savepoint failed too (roll the outer transaction back): %w", err, rerr)
 		}
-		return errorf("%s: %w; rolling back to the savepoint failed too (roll the outer transaction back): %w", op, err, rerr)
+		return core.Errorf("%s: %w; rolling back to the savepoint failed too (roll the outer transaction back): %w", op, err, rerr)
 	}
 	return err
 }
@@ -604,29 +608,29 @@ func isNil(v any) bool {
 
 // keysSubject names keys as errors do: the canonical keys as keyList
 // writes them, or keys as given when they are not a valid key list.
-func keysSubject(keys []Key) string {
-	if ks, err := canonicalKeys(keys); err == nil {
-		return keyList(ks)
+func keysSubject(keys []core.Key) string {
+	if ks, err := core.CanonicalKeys(keys); err == nil {
+		return core.KeyList(ks)
 	}
-	return keyList(keys)
+	return core.KeyList(keys)
 }
 
 // xactAcquirePgx validates tx and keys and runs the lock statement.
-func xactAcquirePgx(ctx context.Context, mode xactMode, tx pgx.Tx, keys []Key) error {
+func xactAcquirePgx(ctx context.Context, mode xactMode, tx pgx.Tx, keys []core.Key) error {
 	if isNil(tx) {
-		return errorf("%s %s: nil pgx.Tx; begin a transaction first, or use InTx", mode.op, keysSubject(keys))
+		return core.Errorf("%s %s: nil pgx.Tx; begin a transaction first, or use InTx", mode.op, keysSubject(keys))
 	}
 	return xactAcquire(ctx, mode, pgxTx{tx: tx}, keys)
 }
 
 // xactAcquire validates ctx and keys and runs the lock statement on tx.
-func xactAcquire(ctx context.Context, mode xactMode, tx xactsql.Tx, keys []Key) error {
+func xactAcquire(ctx context.Context, mode xactMode, tx xactsql.Tx, keys []core.Key) error {
 	if ctx == nil {
-		return errorf("%s %s: ctx is nil", mode.op, keysSubject(keys))
+		return core.Errorf("%s %s: ctx is nil", mode.op, keysSubject(keys))
 	}
-	ks, err := canonicalKeys(keys)
+	ks, err := core.CanonicalKeys(keys)
 	if err != nil {
-		return errorf("%s %s: %w", mode.op, keyList(keys), err)
+		return core.Errorf("%s %s: %w", mode.op, core.KeyList(keys), err)
 	}
 	return xactExec(ctx, mode, tx, ks)
 }
@@ -634,12 +638,12 @@ func xactAcquire(ctx context.Context, mode xactMode, tx xactsql.Tx, keys []Key) 
 // xactExec takes the canonical keys ks in tx, in order: one statement for
 // up to maxKeysPerStatement keys, one round trip per chunk beyond that.
 // Errors name mode.op and ks.
-func xactExec(ctx context.Context, mode xactMode, tx xactsql.Tx, ks []Key) error {
-	op := mode.op + " " + keyList(ks)
+func xactExec(ctx context.Context, mode xactMode, tx xactsql.Tx, ks []core.Key) error {
+	op := mode.op + " " + core.KeyList(ks)
 	tx = lockTx(tx)
-	for i, chunk := range chunked(ks) {
+	for i, chunk := range core.Chunked(ks) {
 		if !mode.try {
-			sql, args := lockSQL(mode.fn, chunk)
+			sql, args := core.LockSQL(mode.fn, chunk)
 			if err := tx.Exec(ctx, sql, args...); err != nil {
 				return xactError(ctx, op, err)
 			}
@@ -653,15 +657,15 @@ func xactExec(ctx context.Context, mode xactMode, tx xactsql.Tx, ks []Key) error
 		if failed == 0 {
 			continue
 		}
-		pos := i*maxKeysPerStatement + failed - 1 // in ks
+		pos := i*core.MaxKeysPerStatement + failed - 1 // in ks
 		switch {
 		case pos > 0:
-			return errorf("%s: %w: %v (the %d key(s) before it in canonical order stay locked by this transaction until it ends; roll back to release them)",
+			return core.Errorf("%s: %w: %v (the %d key(s) before it in canonical order stay locked by this transaction until it ends; roll back to release them)",
 				op, ErrLocked, ks[pos], pos)
 		case len(ks) > 1:
-			return errorf("%s: %w: %v", op, ErrLocked, ks[pos])
+			return core.Errorf("%s: %w: %v", op, ErrLocked, ks[pos])
 		}
-		return errorf("%s: %w", op, ErrLocked)
+		return core.Errorf("%s: %w", op, ErrLocked)
 	}
 	return nil
 }
@@ -672,9 +676,9 @@ func xactExec(ctx context.Context, mode xactMode, tx xactsql.Tx, ks []Key) error
 //
 // Blocking modes use lockSQL: one call per key in the select list, which
 // PostgreSQL evaluates left to right.
-func xactTryStatement(fn string, ks []Key) (string, []any) {
+func xactTryStatement(fn string, ks []core.Key) (string, []any) {
 	var b strings.Builder
-	args := tryCase(&b, fn, ks, make([]any, 0, 2*len(ks)))
+	args := core.TryCase(&b, fn, ks, make([]any, 0, 2*len(ks)))
 	return b.String(), args
 }
 
@@ -682,5 +686,5 @@ func xactTryStatement(fn string, ks []Key) (string, []any) {
 // operation and its subject); when ctx is done, the context's cause comes
 // first (see withCtxErr).
 func xactError(ctx context.Context, op string, err error) error {
-	return pgError(op, withCtxErr(ctx, err))
+	return core.PgError(op, core.WithCtxErr(ctx, err))
 }

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgcoord/pgcoord/internal/pgtest"
@@ -67,7 +69,7 @@ func TestErrorShapeXact(t *testing.T) {
 			run: func(t *testing.T) error { return XactTryRLock(nilCtx, begin(t), k1) }},
 		{name: "XactLock no keys", is: ErrInvalidKey, prefix: "pgcoord: xact lock []: invalid key",
 			run: func(t *testing.T) error { return XactLock(ctx, begin(t)) }},
-		{name: "XactLock zero key", is: ErrInvalidKey, prefix: "pgcoord: xact lock " + keyList([]Key{k1, {}}) + ": ",
+		{name: "XactLock zero key", is: ErrInvalidKey, prefix: "pgcoord: xact lock " + core.KeyList(coreKeys([]Key{k1, {}})) + ": ",
 			run: func(t *testing.T) error { return XactLock(ctx, begin(t), k1, Key{}) }},
 		{name: "XactTryLock held elsewhere", is: ErrLocked, prefix: "pgcoord: xact try lock int64:1: key is locked by another holder",
 			run: func(t *testing.T) error { heldElsewhere(t, k1); return XactTryLock(ctx, begin(t), k1) }},
@@ -130,7 +132,7 @@ func TestErrorShapeXact(t *testing.T) {
 			run: func(*testing.T) error { return InTx(ctx, pool, []Key{k2, k1, k2}, nil) }},
 		{name: "InTx nil ctx", prefix: "pgcoord: in tx []: ctx is nil",
 			run: func(*testing.T) error { return InTx(nilCtx, pool, nil, func(pgx.Tx) error { return nil }) }},
-		{name: "InTx zero key", is: ErrInvalidKey, prefix: "pgcoord: in tx " + keyList([]Key{{}}) + ": ",
+		{name: "InTx zero key", is: ErrInvalidKey, prefix: "pgcoord: in tx " + core.KeyList(coreKeys([]Key{{}})) + ": ",
 			run: func(*testing.T) error { return InTx(ctx, pool, []Key{{}}, func(pgx.Tx) error { return nil }) }},
 		{name: "InTxOptions nil db", prefix: "pgcoord: in tx int64:1: nil TxOptionsBeginner",
 			run: func(*testing.T) error {
@@ -166,7 +168,7 @@ func TestErrorShapeXact(t *testing.T) {
 			run: func(*testing.T) error { return CheckFence(ctx, nil, k1, 1) }},
 		{name: "CheckFence nil ctx", prefix: "pgcoord: check fence int64:1: ctx is nil",
 			run: func(t *testing.T) error { return CheckFence(nilCtx, begin(t), k1, 1) }},
-		{name: "CheckFence zero key", is: ErrInvalidKey, prefix: "pgcoord: check fence " + keyList([]Key{{}}) + ": ",
+		{name: "CheckFence zero key", is: ErrInvalidKey, prefix: "pgcoord: check fence " + core.KeyList(coreKeys([]Key{{}})) + ": ",
 			run: func(t *testing.T) error { return CheckFence(ctx, begin(t), Key{}, 1) }},
 		{name: "CheckFence fence 0", prefix: "pgcoord: check fence int64:1: fence 0 is not a fence",
 			run: func(t *testing.T) error { return CheckFence(ctx, begin(t), k1, 0) }},

@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
@@ -234,11 +236,11 @@ func TestXactLockOrder(t *testing.T) {
 	// The statement: deduplicated, bigint keys before pair keys, each in
 	// value order, one function call per key.
 	t.Run("statement", func(t *testing.T) {
-		ks, err := canonicalKeys([]Key{PairKey(1, -2), k2, k1, k2, PairKey(-1, 5), PairKey(1, -2)})
+		ks, err := core.CanonicalKeys(coreKeys([]Key{PairKey(1, -2), k2, k1, k2, PairKey(-1, 5), PairKey(1, -2)}))
 		if err != nil {
 			t.Fatal(err)
 		}
-		sql, args := lockSQL(modeXactLock.fn, ks)
+		sql, args := core.LockSQL(modeXactLock.fn, ks)
 		wantSQL := "SELECT pg_advisory_xact_lock($1::int8), pg_advisory_xact_lock($2::int8), " +
 			"pg_advisory_xact_lock($3::int4, $4::int4), pg_advisory_xact_lock($5::int4, $6::int4)"
 		wantArgs := []any{int64(10), int64(20), int32(-1), int32(5), int32(1), int32(-2)}

@@ -12,6 +12,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/pgcoord/pgcoord/internal/core"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -183,7 +185,7 @@ func TestInTxRoundTrips(t *testing.T) {
 					t.Fatal(err)
 				}
 				want := []string{"Query(begin isolation level read committed)", lock, "Query(commit)"}
-				if n > maxKeysPerStatement {
+				if n > core.MaxKeysPerStatement {
 					want = []string{want[0], lock, lock, want[2]}
 				}
 				got := p.take()

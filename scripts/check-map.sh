@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Checks that CONTRIBUTING.md, the map of the code, names every source
-# file of the root package (each non-test .go file, as `name.go` in
-# backquotes) and every top-level directory that holds code (as `dir/`),
-# and that every file or directory it names in backquotes exists; and that
+# file of the root package and of internal/core (each non-test .go file,
+# as `name.go` or `internal/core/name.go` in backquotes) and every
+# top-level directory that holds code (as `dir/`), and that every file or
+# directory it names in backquotes exists; and that
 # every non-test Go file of the repository is at most 700 lines long and
 # opens with a comment (what it is for) before its first declaration.
 set -euo pipefail
@@ -10,7 +11,7 @@ cd "$(dirname "$0")/.."
 
 map=CONTRIBUTING.md
 status=0
-for f in $(git ls-files -- '*.go' | grep -v / | grep -v '_test\.go$'); do
+for f in $( (git ls-files -- '*.go' | grep -v /; git ls-files -- 'internal/core/*.go') | grep -v '_test\.go$'); do
 	if ! grep -qF "\`$f\`" "$map"; then
 		echo "$map does not name $f: add it to the table of its part"
 		status=1
@@ -47,6 +48,6 @@ for f in $(git ls-files -- '*.go' | grep -v '_test\.go$'); do
 	fi
 done
 if [ "$status" -eq 0 ]; then
-	echo "check-map: $map names every source file of the root package and every directory; every Go source file opens with what it is for, in at most 700 lines"
+	echo "check-map: $map names every source file of the root package and of internal/core, and every directory; every Go source file opens with what it is for, in at most 700 lines"
 fi
 exit $status

@@ -1,4 +1,4 @@
-package pgcoord
+package core
 
 import (
 	"context"
@@ -19,14 +19,14 @@ import (
 // fence on the lock's backend when it can, and otherwise away from it
 // (blockAway), so that no backend that holds keys waits for a row.
 
-// fenceRow returns the fences table's key_space and key for k: objsubid and
+// FenceRow returns the fences table's key_space and key for k: objsubid and
 // (classid << 32) | objid, exactly as k appears in pg_locks.
-func fenceRow(k Key) (space int16, key int64) {
-	classid, objid, objsubid := k.lockColumns()
+func FenceRow(k Key) (space int16, key int64) {
+	classid, objid, objsubid := k.LockColumns()
 	return objsubid, int64(uint64(classid)<<32 | uint64(objid))
 }
 
-// issueFenceSQL issues the next fence of the fence row ($1, $2) (see
+// IssueFenceSQL issues the next fence of the fence row ($1, $2) (see
 // fenceRow): 1 the first time, then one more than the last fence issued
 // for the key, and returns it. Outside a transaction, the new fence is
 // committed when the statement returns. The statement waits while a
@@ -74,7 +74,7 @@ func fenceRow(k Key) (space int16, key int64) {
 // its leaders row, so that its terms keep growing even where the fences
 // row of its key is older than the leaders row (a key that changed, a
 // fences table restored from an older backup).
-func issueFenceSQL(c *config, lockTimeout, holder int, floor string, nowait bool) string {
+func IssueFenceSQL(c *Config, lockTimeout, holder int, floor string, nowait bool) string {
 	timeout, held, probe := "", "", ""
 	if lockTimeout != 0 {
 		timeout = fmt.Sprintf(", set_config('lock_timeout', $%d, true)", lockTimeout)
@@ -83,7 +83,7 @@ func issueFenceSQL(c *config, lockTimeout, holder int, floor string, nowait bool
 		// Evaluated with the INSERT's source, before the row is written
 		// or waited for; the lock is the transaction's, so the upsert
 		// below does not wait for it.
-		probe = `, (SELECT count(*) FROM (SELECT FROM ` + c.table("fences") + ` AS r
+		probe = `, (SELECT count(*) FROM (SELECT FROM ` + c.Table("fences") + ` AS r
 			WHERE r.key_space = $1 AND r.key = $2 FOR UPDATE NOWAIT) AS r) AS probe`
 	}
 	if holder != 0 {
@@ -96,7 +96,7 @@ func issueFenceSQL(c *config, lockTimeout, holder int, floor string, nowait bool
 	if floor != "" {
 		first, from, next = "coalesce("+floor+".floor, 0) + 1", ", "+floor, "GREATEST(f.fence + 1, EXCLUDED.fence)"
 	}
-	return "INSERT INTO " + c.table("fences") + ` AS f (key_space, key, fence)
+	return "INSERT INTO " + c.Table("fences") + ` AS f (key_space, key, fence)
 		SELECT $1, $2, ` + first + ` FROM (SELECT set_config('synchronous_commit',
 			CASE current_setting('synchronous_commit') WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END,
 			true)` + timeout + `) AS durable` + probe + from + held + `
@@ -104,39 +104,39 @@ func issueFenceSQL(c *config, lockTimeout, holder int, floor string, nowait bool
 		RETURNING f.fence`
 }
 
-// nextFence issues the next fence for k with one statement on q (see
+// NextFence issues the next fence for k with one statement on q (see
 // issueFenceSQL). It returns an error wrapping ErrNotMigrated when the
 // fences table does not exist in the configured schema. It runs the
 // statement once, as it is: it cannot see a warning that a wait for a
 // synchronous standby was cancelled, so it serves transactions (whose
 // commit is their owner's) and tests; the Client's fences and terms go
 // through Session.block, which withholds such a fence.
-func nextFence(ctx context.Context, q interface {
+func NextFence(ctx context.Context, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
-}, c *config, k Key) (int64, error) {
-	if err := k.check(); err != nil {
+}, c *Config, k Key) (int64, error) {
+	if err := k.Check(); err != nil {
 		return 0, err
 	}
-	space, key := fenceRow(k)
+	space, key := FenceRow(k)
 	var fence int64
-	err := q.QueryRow(ctx, issueFenceSQL(c, 0, 0, "", false), space, key).Scan(&fence)
+	err := q.QueryRow(ctx, IssueFenceSQL(c, 0, 0, "", false), space, key).Scan(&fence)
 	if err != nil {
-		return 0, notMigrated(c, "issue fence for key "+k.String(), err)
+		return 0, NotMigrated(c, "issue fence for key "+k.String(), err)
 	}
 	return fence, nil
 }
 
-// notMigrated wraps err with ErrNotMigrated, naming the schema, when the
+// NotMigrated wraps err with ErrNotMigrated, naming the schema, when the
 // server reports that pgcoord's table or schema does not exist (SQLSTATE
 // 42P01 or 3F000), and maps it with pgError otherwise.
-func notMigrated(c *config, op string, err error) error {
-	if code := sqlState(err); code == "42P01" || code == "3F000" || code == "42703" {
-		return errorf("%s: %w (schema %s): %w", op, ErrNotMigrated, c.quotedSchema(), err)
+func NotMigrated(c *Config, op string, err error) error {
+	if code := SqlState(err); code == "42P01" || code == "3F000" || code == "42703" {
+		return Errorf("%s: %w (schema %s): %w", op, ErrNotMigrated, c.QuotedSchema(), err)
 	}
-	return pgError(op, err)
+	return PgError(op, err)
 }
 
-// withCtxErr adds ctx's error to err, a statement's error, when ctx ended
+// WithCtxErr adds ctx's error to err, a statement's error, when ctx ended
 // and err does not say so already: a statement cut short by a cancel
 // request reports the server's 57014 alone, and a driver that closed the
 // connection its own way ("bad connection"), so that errors.Is with
@@ -145,28 +145,28 @@ func notMigrated(c *config, op string, err error) error {
 // that the server cancelled because ctx ended (57014) is not shown, only
 // kept reachable with errors.As, as in every error of pgcoord whose wait
 // ctx ended.
-func withCtxErr(ctx context.Context, err error) error {
+func WithCtxErr(ctx context.Context, err error) error {
 	cerr := ctx.Err()
 	if cerr == nil {
 		return err
 	}
 	switch cause := context.Cause(ctx); {
-	case sqlState(err) == "57014":
+	case SqlState(err) == "57014":
 		// The statement was cancelled because ctx ended: report ctx's end
 		// alone, as doc.go says, and keep the server's error reachable.
 		msg := cause.Error()
 		if cause != cerr {
 			msg += " (" + cerr.Error() + ")"
 		}
-		return &coordError{msg: prefix + strings.TrimPrefix(msg, prefix), wrapped: fmt.Errorf("%w%w%w", cause, cerr, err)}
+		return &coordError{msg: Prefix + strings.TrimPrefix(msg, Prefix), wrapped: fmt.Errorf("%w%w%w", cause, cerr, err)}
 	case errors.Is(err, cause) && errors.Is(err, cerr):
 		return err
 	case errors.Is(err, cause):
-		return errorf("%w (%w)", err, cerr)
+		return Errorf("%w (%w)", err, cerr)
 	case errors.Is(err, cerr) || errors.Is(cause, cerr):
-		return errorf("%w: %w", cause, err)
+		return Errorf("%w: %w", cause, err)
 	default:
-		return errorf("%w (%w): %w", cause, cerr, err)
+		return Errorf("%w (%w): %w", cause, cerr, err)
 	}
 }
 
@@ -184,33 +184,33 @@ func (s *Session) issueFence(ctx context.Context, l *Lock) error {
 		case <-ctx.Done():
 		}
 	}()
-	space, key := fenceRow(l.keys[0])
+	space, key := FenceRow(l.KeyList[0])
 	var fence int64
 	run := func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 		err := conn.QueryRow(ctx, sql, args...).Scan(&fence)
 		if errors.Is(err, pgx.ErrNoRows) {
-			err = errorf("%w: backend %d no longer holds %s", ErrLockLost, s.pid, l.keys[0])
+			err = Errorf("%w: backend %d no longer holds %s", ErrLockLost, s.Pid, l.KeyList[0])
 		}
 		return err
 	}
 	// Both statements are token statements: a fence whose commit a
 	// synchronous standby has not confirmed is withheld (see block).
-	err := s.c.blockAway(ctx, s, blockingStatement{
-		sql:     issueFenceSQL(s.c.cfg, 3, 0, "", true),
-		args:    []any{space, key, ""},
-		run:     run,
-		quick:   true,
-		durable: true,
-	}, blockingStatement{
+	err := s.c.BlockAway(ctx, s, BlockingStatement{
+		Sql:     IssueFenceSQL(s.c.Cfg, 3, 0, "", true),
+		Args:    []any{space, key, ""},
+		Run:     run,
+		Quick:   true,
+		Durable: true,
+	}, BlockingStatement{
 		// Away from l's backend, the fence checks that l's backend
 		// still holds the key.
-		sql:     issueFenceSQL(s.c.cfg, 4, 3, "", false),
-		args:    []any{space, key, s.pid, ""},
-		run:     run,
-		durable: true,
+		Sql:     IssueFenceSQL(s.c.Cfg, 4, 3, "", false),
+		Args:    []any{space, key, s.Pid, ""},
+		Run:     run,
+		Durable: true,
 	})
 	if err != nil {
-		return notMigrated(s.c.cfg, "issue fence for key "+l.keys[0].String(), err)
+		return NotMigrated(s.c.Cfg, "issue fence for key "+l.KeyList[0].String(), err)
 	}
 	l.fence = fence
 	return nil
@@ -225,7 +225,7 @@ func (s *Session) issueFence(ctx context.Context, l *Lock) error {
 // would see the backend's keys.
 const glance = 20 * time.Millisecond
 
-// blockAway runs st, a blocking statement that rarely waits (for a row
+// BlockAway runs st, a blocking statement that rarely waits (for a row
 // that a transaction holds), for a lock on home. On a Session of the
 // application's own, it runs there in slices. On a backend of the Client's,
 // which may hold other goroutines' locks, it first runs there without
@@ -238,27 +238,27 @@ const glance = 20 * time.Millisecond
 // such backend is free, st runs on home again at growing intervals. On
 // home too, st runs in slices, which bounds a wait that no lock_timeout
 // covers: its commit's wait for a synchronous standby (see block).
-func (c *Client) blockAway(ctx context.Context, home *Session, st, away blockingStatement) error {
+func (c *Client) BlockAway(ctx context.Context, home *Session, st, away BlockingStatement) error {
 	if !home.managed {
-		return home.block(ctx, st)
+		return home.Block(ctx, st)
 	}
 	st.glance = glance
-	poll := minPollInterval
+	poll := MinPollInterval
 	for {
-		err := home.block(ctx, st)
-		if code := sqlState(err); code != "55P03" && code != "40P01" || home.Err() != nil {
+		err := home.Block(ctx, st)
+		if code := SqlState(err); code != "55P03" && code != "40P01" || home.Err() != nil {
 			return err
 		}
-		b, done, err := c.waitBackend(ctx)
+		b, done, err := c.WaitBackend(ctx)
 		switch {
 		case err == nil:
-			err = b.block(ctx, away)
+			err = b.Block(ctx, away)
 			done()
 			return err
-		case !errors.Is(err, errNoWaitBackend):
+		case !errors.Is(err, ErrNoWaitBackend):
 			return err
 		}
-		if err := c.pause(ctx, poll); err != nil {
+		if err := c.Pause(ctx, poll); err != nil {
 			return err
 		}
 		poll = min(2*poll, maxPollInterval)

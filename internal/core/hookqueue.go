@@ -1,4 +1,4 @@
-package pgcoord
+package core
 
 // The hook queue: a Client's events, delivered in order on one goroutine
 
@@ -17,7 +17,7 @@ const MaxPendingHookEvents = 4096
 // The lock events of a Client, as its hooks see them: the root package's
 // Hooks take them converted to its event types, which document them.
 
-type acquireEvent struct {
+type AcquireEvent struct {
 	Key     Key
 	Keys    []Key
 	Name    string
@@ -29,7 +29,7 @@ type acquireEvent struct {
 	Err     error
 }
 
-type releaseEvent struct {
+type ReleaseEvent struct {
 	Key     Key
 	Keys    []Key
 	Name    string
@@ -40,7 +40,7 @@ type releaseEvent struct {
 	Err     error
 }
 
-type contentionEvent struct {
+type ContentionEvent struct {
 	Key   Key
 	Keys  []Key
 	Name  string
@@ -49,7 +49,7 @@ type contentionEvent struct {
 	Local bool
 }
 
-type lossEvent struct {
+type LossEvent struct {
 	Key  Key
 	Keys []Key
 	Name string
@@ -59,32 +59,32 @@ type lossEvent struct {
 	Err  error
 }
 
-// lockHooks take a Client's lock events; any of them may be nil.
-type lockHooks struct {
-	onAcquire    func(acquireEvent)
-	onRelease    func(releaseEvent)
-	onContention func(contentionEvent)
-	onLoss       func(lossEvent)
-	// internalEnded is told of the end of a lock that is not reported
+// LockHooks take a Client's lock events; any of them may be nil.
+type LockHooks struct {
+	OnAcquire    func(AcquireEvent)
+	OnRelease    func(ReleaseEvent)
+	OnContention func(ContentionEvent)
+	OnLoss       func(LossEvent)
+	// InternalEnded is told of the end of a lock that is not reported
 	// (an election's or a semaphore's), lost or not, on the goroutine that
 	// ended it.
-	internalEnded func(l *Lock, lost bool, err error)
-	// queue asks for a queue with no lock hook: the Client's elections
+	InternalEnded func(l *Lock, lost bool, err error)
+	// Queue asks for a queue with no lock hook: the Client's elections
 	// and semaphores push their events to it.
-	queue bool
+	Queue bool
 }
 
 // internalEnded tells q's internalEnded of the end of l.
-func (q *hookQueue) internalEnded(l *Lock, lost bool, err error) {
-	if q != nil && q.h.internalEnded != nil {
-		q.h.internalEnded(l, lost, err)
+func (q *HookQueue) internalEnded(l *Lock, lost bool, err error) {
+	if q != nil && q.h.InternalEnded != nil {
+		q.h.InternalEnded(l, lost, err)
 	}
 }
 
-// hookQueue delivers a Client's events to its hooks on one goroutine. A
+// HookQueue delivers a Client's events to its hooks on one goroutine. A
 // nil *hookQueue (no hooks set) ignores every event.
-type hookQueue struct {
-	h       lockHooks
+type HookQueue struct {
+	h       LockHooks
 	logger  func() *slog.Logger
 	mu      sync.Mutex
 	pending []func()
@@ -95,18 +95,18 @@ type hookQueue struct {
 	dropped atomic.Int64
 }
 
-func newHookQueue(h lockHooks, logger func() *slog.Logger) *hookQueue {
-	if h.onAcquire == nil && h.onRelease == nil && h.onContention == nil && h.onLoss == nil && !h.queue {
+func newHookQueue(h LockHooks, logger func() *slog.Logger) *HookQueue {
+	if h.OnAcquire == nil && h.OnRelease == nil && h.OnContention == nil && h.OnLoss == nil && !h.Queue {
 		return nil
 	}
-	q := &hookQueue{h: h, logger: logger, wake: make(chan struct{}, 1), done: make(chan struct{})}
-	go q.run()
+	q := &HookQueue{h: h, logger: logger, wake: make(chan struct{}, 1), done: make(chan struct{})}
+	go q.Run()
 	return q
 }
 
-// push queues f, or drops it when the queue is full (counted in dropped)
+// Push queues f, or drops it when the queue is full (counted in dropped)
 // or closed (an event after Close, which no hook is left to take).
-func (q *hookQueue) push(f func()) {
+func (q *HookQueue) Push(f func()) {
 	q.mu.Lock()
 	if q.closed {
 		q.mu.Unlock()
@@ -128,8 +128,8 @@ func (q *hookQueue) push(f func()) {
 	}
 }
 
-// run delivers events until the queue is closed and empty.
-func (q *hookQueue) run() {
+// Run delivers events until the queue is closed and empty.
+func (q *HookQueue) Run() {
 	defer close(q.done)
 	for {
 		<-q.wake
@@ -154,7 +154,7 @@ func (q *hookQueue) run() {
 	}
 }
 
-func (q *hookQueue) call(f func()) {
+func (q *HookQueue) call(f func()) {
 	defer func() {
 		if p := recover(); p != nil {
 			q.logger().Error("pgcoord: a hook panicked", "panic", fmt.Sprint(p))
@@ -164,7 +164,7 @@ func (q *hookQueue) call(f func()) {
 }
 
 // close delivers what is queued and stops the goroutine.
-func (q *hookQueue) close() {
+func (q *HookQueue) close() {
 	if q == nil {
 		return
 	}
@@ -179,7 +179,7 @@ func (q *hookQueue) close() {
 }
 
 // droppedEvents returns how many events were dropped.
-func (q *hookQueue) droppedEvents() int64 {
+func (q *HookQueue) droppedEvents() int64 {
 	if q == nil {
 		return 0
 	}
@@ -196,18 +196,18 @@ func modeOf(shared bool) LockMode {
 // observed reports whether lock events of this Client are observed, by
 // hooks or by a logger at Debug; only then do acquires read the clock
 // for them.
-func (c *Client) observed() bool { return c.hooks != nil || c.cfg.debugging() }
+func (c *Client) observed() bool { return c.Hooks != nil || c.Cfg.debugging() }
 
 // acquired reports the end of an acquire that began at start.
-func (c *Client) acquired(start time.Time, r request, l *Lock, handoff bool, err error) {
+func (c *Client) acquired(start time.Time, r Request, l *Lock, handoff bool, err error) {
 	wait := time.Since(start)
 	var pid int32
 	if l != nil {
-		pid = l.s.pid // l.since was set when the lock was granted
+		pid = l.S.Pid // l.since was set when the lock was granted
 	}
-	if c.cfg.debugging() {
-		attrs := []any{"keys", keyList(r.keys), "mode", modeOf(r.shared).String(), "try", r.try, "wait", wait, "pid", pid}
-		if n := c.cfg.keyName(r.keys[0]); n != "" {
+	if c.Cfg.debugging() {
+		attrs := []any{"keys", KeyList(r.keys), "mode", modeOf(r.shared).String(), "try", r.try, "wait", wait, "pid", pid}
+		if n := c.Cfg.KeyName(r.keys[0]); n != "" {
 			attrs = append(attrs, "name", n)
 		}
 		if handoff {
@@ -216,35 +216,35 @@ func (c *Client) acquired(start time.Time, r request, l *Lock, handoff bool, err
 		if err != nil {
 			attrs = append(attrs, "err", err)
 		}
-		c.cfg.logger.Debug("pgcoord: acquire", attrs...)
+		c.Cfg.Logger.Debug("pgcoord: acquire", attrs...)
 	}
-	if q := c.hooks; q != nil && q.h.onAcquire != nil {
-		ev := acquireEvent{Key: r.keys[0], Keys: append([]Key(nil), r.keys...), Name: c.cfg.keyName(r.keys[0]),
+	if q := c.Hooks; q != nil && q.h.OnAcquire != nil {
+		ev := AcquireEvent{Key: r.keys[0], Keys: append([]Key(nil), r.keys...), Name: c.Cfg.KeyName(r.keys[0]),
 			Mode: modeOf(r.shared), Try: r.try, Wait: wait, PID: pid, Handoff: handoff, Err: err}
-		q.push(func() { q.h.onAcquire(ev) })
+		q.Push(func() { q.h.OnAcquire(ev) })
 	}
 }
 
 // contended reports that an acquire found a key held.
-func (c *Client) contended(r request, local bool) {
+func (c *Client) contended(r Request, local bool) {
 	if r.internal {
 		return
 	}
-	if c.cfg.debugging() {
-		c.cfg.logger.Debug("pgcoord: contention", "keys", keyList(r.keys), "mode", modeOf(r.shared).String(), "try", r.try, "local", local)
+	if c.Cfg.debugging() {
+		c.Cfg.Logger.Debug("pgcoord: contention", "keys", KeyList(r.keys), "mode", modeOf(r.shared).String(), "try", r.try, "local", local)
 	}
-	if q := c.hooks; q != nil && q.h.onContention != nil {
-		ev := contentionEvent{Key: r.keys[0], Keys: append([]Key(nil), r.keys...), Name: c.cfg.keyName(r.keys[0]),
+	if q := c.Hooks; q != nil && q.h.OnContention != nil {
+		ev := ContentionEvent{Key: r.keys[0], Keys: append([]Key(nil), r.keys...), Name: c.Cfg.KeyName(r.keys[0]),
 			Mode: modeOf(r.shared), Try: r.try, Local: local}
-		q.push(func() { q.h.onContention(ev) })
+		q.Push(func() { q.h.OnContention(ev) })
 	}
 }
 
 // released reports a lock that Unlock or Close ended.
 func (l *Lock) released(handoff bool, err error) {
-	c := l.s.c
+	c := l.S.c
 	if l.unreported.Load() {
-		c.hooks.internalEnded(l, false, err) // a permit, if any
+		c.Hooks.internalEnded(l, false, err) // a permit, if any
 		return
 	}
 	if !c.observed() {
@@ -254,20 +254,20 @@ func (l *Lock) released(handoff bool, err error) {
 	if !l.since.IsZero() {
 		held = time.Since(l.since)
 	}
-	if c.cfg.debugging() {
-		attrs := []any{"keys", keyList(l.keys), "mode", modeOf(l.shared).String(), "held", held, "pid", l.s.pid}
+	if c.Cfg.debugging() {
+		attrs := []any{"keys", KeyList(l.KeyList), "mode", modeOf(l.Shared).String(), "held", held, "pid", l.S.Pid}
 		if handoff {
 			attrs = append(attrs, "handoff", true)
 		}
 		if err != nil {
 			attrs = append(attrs, "err", err)
 		}
-		c.cfg.logger.Debug("pgcoord: release", attrs...)
+		c.Cfg.Logger.Debug("pgcoord: release", attrs...)
 	}
-	if q := c.hooks; q != nil && q.h.onRelease != nil {
-		ev := releaseEvent{Key: l.keys[0], Keys: append([]Key(nil), l.keys...), Name: c.cfg.keyName(l.keys[0]),
-			Mode: modeOf(l.shared), Held: held, PID: l.s.pid, Handoff: handoff, Err: err}
-		q.push(func() { q.h.onRelease(ev) })
+	if q := c.Hooks; q != nil && q.h.OnRelease != nil {
+		ev := ReleaseEvent{Key: l.KeyList[0], Keys: append([]Key(nil), l.KeyList...), Name: c.Cfg.KeyName(l.KeyList[0]),
+			Mode: modeOf(l.Shared), Held: held, PID: l.S.Pid, Handoff: handoff, Err: err}
+		q.Push(func() { q.h.OnRelease(ev) })
 	}
 }
 
@@ -284,19 +284,19 @@ func (l *Lock) reportEnd(why error) {
 // lost reports a lock that ended with its session's loss. The session's
 // loss is logged once, at Warn, by the session.
 func (l *Lock) lost(err error) {
-	q := l.s.c.hooks
+	q := l.S.c.Hooks
 	if l.unreported.Load() {
 		q.internalEnded(l, true, err) // a permit, if any
 		return
 	}
-	if q == nil || q.h.onLoss == nil {
+	if q == nil || q.h.OnLoss == nil {
 		return
 	}
 	held := time.Duration(0)
 	if !l.since.IsZero() {
 		held = time.Since(l.since)
 	}
-	ev := lossEvent{Key: l.keys[0], Keys: append([]Key(nil), l.keys...), Name: l.s.c.cfg.keyName(l.keys[0]),
-		Mode: modeOf(l.shared), Held: held, PID: l.s.pid, Err: err}
-	q.push(func() { q.h.onLoss(ev) })
+	ev := LossEvent{Key: l.KeyList[0], Keys: append([]Key(nil), l.KeyList...), Name: l.S.c.Cfg.KeyName(l.KeyList[0]),
+		Mode: modeOf(l.Shared), Held: held, PID: l.S.Pid, Err: err}
+	q.Push(func() { q.h.OnLoss(ev) })
 }

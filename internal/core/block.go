@@ -1,4 +1,4 @@
-package pgcoord
+package core
 
 import (
 	"context"
@@ -25,34 +25,34 @@ import (
 // A blockingStatement is a statement that may wait for a lock held
 // elsewhere: an advisory lock, or a row that another transaction holds.
 // Session.block runs it in slices.
-type blockingStatement struct {
-	sql  string
-	args []any // the last one is the slice's lock_timeout, in milliseconds, as text: block fills it in
+type BlockingStatement struct {
+	Sql  string
+	Args []any // the last one is the slice's lock_timeout, in milliseconds, as text: block fills it in
 	// bare, if not empty, is sql with NULL in place of its set_config of
 	// lock_timeout, for a slice as long as the session's lock_timeout
 	// (the wait slice, see sessionSettings): it takes args but the last.
 	bare string
-	run  func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error
-	// undo releases, on the same connection, whatever a slice that ended
+	Run  func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error
+	// Undo releases, on the same connection, whatever a slice that ended
 	// without success may have taken; nil if such a slice takes nothing.
-	undo func(ctx context.Context, conn *pgx.Conn) error
-	// locks is how many locks the statement may wait for, one after
+	Undo func(ctx context.Context, conn *pgx.Conn) error
+	// Locks is how many locks the statement may wait for, one after
 	// another (0 counts as 1): each gets an equal share of the slice.
-	locks int
-	// quick marks a statement that rarely waits (for a row that a
+	Locks int
+	// Quick marks a statement that rarely waits (for a row that a
 	// transaction holds): it takes the connection in turn like any other
 	// statement, and lets others interrupt it only once it has run
 	// yieldAfter, so a busy backend cannot keep it from running. A lock
 	// wait, which usually waits, lets the statements that want the
 	// connection go first, and they interrupt it at once.
-	quick bool
-	// durable marks a token statement (it issues a fence or a term and
+	Quick bool
+	// Durable marks a token statement (it issues a fence or a term and
 	// commits it): its result counts only if its commit is known durable.
 	// A slice in which the connection received a warning that the commit
 	// may not have reached a synchronous standby (see watchNotices) is
 	// withheld: block treats it as a slice that ended without success, and
 	// the next slice issues a new token (see block).
-	durable bool
+	Durable bool
 	// glance, if not 0, is the lock_timeout of every slice, and a slice
 	// that ends for a lock (55P03, or 40P01 as a deadlock victim) ends
 	// block with that error, for the caller to wait elsewhere (see
@@ -64,7 +64,7 @@ type blockingStatement struct {
 // statement may interrupt it.
 const yieldAfter = 10 * time.Millisecond
 
-// block runs a blocking statement in slices, so that the server answers at
+// Block runs a blocking statement in slices, so that the server answers at
 // least every slice, which proves the connection alive (and with it every
 // lock of the backend) while the wait goes on. A statement that may wait
 // for n locks one after another waits at most 1/n of the slice for each
@@ -98,7 +98,7 @@ const yieldAfter = 10 * time.Millisecond
 // stalled synchronous standby delays tokens, never the lease.
 //
 // On error, what the last slice may have taken is the caller's to undo.
-func (s *Session) block(ctx context.Context, st blockingStatement) error {
+func (s *Session) Block(ctx context.Context, st BlockingStatement) error {
 	select {
 	case s.waitTurn <- struct{}{}:
 	default:
@@ -114,27 +114,27 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 		}
 	}
 	defer func() { <-s.waitTurn }()
-	last := len(st.args) - 1
+	last := len(st.Args) - 1
 	for withheld := 0; ; {
-		slice, byDeadline := s.c.cfg.waitSlice(), false
+		slice, byDeadline := s.c.Cfg.WaitSlice(), false
 		if dl, ok := ctx.Deadline(); ok {
 			left := time.Until(dl)
 			if left <= 0 {
-				return ctxCause(ctx)
+				return CtxCause(ctx)
 			}
 			if left <= slice {
 				slice, byDeadline = left, true
 			}
 		}
-		each := slice / time.Duration(max(st.locks, 1))
-		sql, args := st.sql, st.args
+		each := slice / time.Duration(max(st.Locks, 1))
+		sql, args := st.Sql, st.Args
 		if st.glance > 0 {
-			st.args[last] = strconv.FormatInt(max(st.glance.Milliseconds(), 1), 10)
-		} else if ms := max((each + time.Millisecond - 1).Milliseconds(), 1); st.bare != "" && ms == s.c.cfg.waitSlice().Milliseconds() {
+			st.Args[last] = strconv.FormatInt(max(st.glance.Milliseconds(), 1), 10)
+		} else if ms := max((each + time.Millisecond - 1).Milliseconds(), 1); st.bare != "" && ms == s.c.Cfg.WaitSlice().Milliseconds() {
 			// The session's own lock_timeout (see sessionSettings).
-			sql, args = st.bare, st.args[:last]
+			sql, args = st.bare, st.Args[:last]
 		} else {
-			st.args[last] = strconv.FormatInt(ms, 10)
+			st.Args[last] = strconv.FormatInt(ms, 10)
 		}
 		var sctx context.Context
 		var cancel context.CancelCauseFunc
@@ -171,45 +171,45 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 		// the slice, so that two slices in a row, each proving the
 		// backend alive as of its start, are answered within L - H plus
 		// two answers' time.
-		cutAfter := slice + s.c.cfg.heartbeat/2
-		if st.durable {
+		cutAfter := slice + s.c.Cfg.Heartbeat/2
+		if st.Durable {
 			cutAfter = slice
 		}
 		cut := time.AfterFunc(cutAfter, func() { cancel(errSliceOver) })
-		if err := s.grabForWait(ctx, cancel, st.quick); err != nil {
+		if err := s.grabForWait(ctx, cancel, st.Quick); err != nil {
 			stop()
 			cut.Stop()
 			cancel(nil)
 			return err
 		}
 		arm := func() bool { return true }
-		if st.quick {
+		if st.Quick {
 			arm = time.AfterFunc(yieldAfter, func() {
-				s.state.Lock()
-				if s.pending > 0 && s.interrupt != nil {
+				s.State.Lock()
+				if s.Pending > 0 && s.interrupt != nil {
 					s.interrupt(errYield)
 				}
-				s.state.Unlock()
+				s.State.Unlock()
 			}).Stop
 		}
 		warned := notDurableWarnings(s.conn)
-		err := s.exec(sctx, func(ctx context.Context, conn *pgx.Conn) error {
-			return st.run(ctx, conn, sql, args)
+		err := s.Exec(sctx, func(ctx context.Context, conn *pgx.Conn) error {
+			return st.Run(ctx, conn, sql, args)
 		})
-		s.state.Lock()
+		s.State.Lock()
 		s.interrupt = nil
-		s.state.Unlock()
+		s.State.Unlock()
 		arm()
 		stop()
 		cut.Stop()
 		cause := context.Cause(sctx)
 		cancel(nil)
-		if err == nil && st.durable && notDurableWarnings(s.conn) != warned {
+		if err == nil && st.Durable && notDurableWarnings(s.conn) != warned {
 			// Committed on this server only: withhold the token.
 			err = errNotDurable
 			if withheld++; withheld == 1 {
-				s.c.cfg.warnLogger().Warn("pgcoord: a token's commit was not confirmed by the synchronous standby; it is withheld and a new one issued until the standby confirms one",
-					"pid", s.pid)
+				s.c.Cfg.WarnLogger().Warn("pgcoord: a token's commit was not confirmed by the synchronous standby; it is withheld and a new one issued until the standby confirms one",
+					"pid", s.Pid)
 			}
 		}
 		// A yield or the cut cancels the slice's statement: on the server
@@ -217,10 +217,10 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 		// intact).
 		yielded := errors.Is(cause, errYield)
 		interrupted := (yielded || errors.Is(cause, errSliceOver)) &&
-			(sqlState(err) == "57014" || errors.Is(err, context.Canceled) && !s.conn.IsClosed())
-		sliceEnded := interrupted || sqlState(err) == "55P03" && st.glance == 0 || err == errNotDurable
+			(SqlState(err) == "57014" || errors.Is(err, context.Canceled) && !s.conn.IsClosed())
+		sliceEnded := interrupted || SqlState(err) == "55P03" && st.glance == 0 || err == errNotDurable
 		if err == nil || ctx.Err() != nil || s.Err() != nil || !sliceEnded {
-			s.release()
+			s.Release()
 			if err == errNotDurable {
 				// ctx ended, or the session did, before the standby
 				// confirmed a token.
@@ -228,21 +228,21 @@ func (s *Session) block(ctx context.Context, st blockingStatement) error {
 				if e := s.Err(); e != nil {
 					why = e
 				}
-				err = errorf("%w (%w)", why, errNotDurable)
+				err = Errorf("%w (%w)", why, errNotDurable)
 			}
 			return err
 		}
 		// The slice ended without success: go on waiting, from nothing.
-		if st.undo != nil {
-			uctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
-			err = s.exec(uctx, st.undo)
+		if st.Undo != nil {
+			uctx, cancel := WithoutCancel(ctx, s.c.Cfg.LossDeadline)
+			err = s.Exec(uctx, st.Undo)
 			cancel()
 			if err != nil {
-				s.release()
+				s.Release()
 				return err
 			}
 		}
-		s.release()
+		s.Release()
 	}
 }
 
@@ -275,26 +275,26 @@ func (s *Session) grabForWait(ctx context.Context, interrupt func(error), quick 
 				return s.Err()
 			}
 		}
-		s.state.Lock()
+		s.State.Lock()
 		if s.err != nil {
-			s.state.Unlock()
+			s.State.Unlock()
 			<-s.use
 			return s.Err()
 		}
-		if s.pending == 0 || quick {
+		if s.Pending == 0 || quick {
 			s.interrupt = interrupt
 			s.interruptAt = time.Time{}
 			if quick {
 				s.interruptAt = time.Now().Add(yieldAfter)
 			}
-			s.state.Unlock()
+			s.State.Unlock()
 			return nil
 		}
 		if s.noPending == nil {
 			s.noPending = make(chan struct{})
 		}
 		ch := s.noPending
-		s.state.Unlock()
+		s.State.Unlock()
 		<-s.use
 		select {
 		case <-ch:

@@ -1,4 +1,4 @@
-package pgcoord
+package core
 
 import (
 	"context"
@@ -124,22 +124,22 @@ const (
 // Client opens another, up to one less than WithSharedBackends +
 // WithMaxWaits, and puts each new key on the backend that holds the
 // fewest.
-const spreadAbove = 1024
+const SpreadAbove = 1024
 
 // Intervals of a blocking acquire that cannot wait on the server yet
 // (polling), and of one that cannot reach the server (retrying).
 const (
-	minPollInterval  = 2 * time.Millisecond
+	MinPollInterval  = 2 * time.Millisecond
 	maxPollInterval  = 100 * time.Millisecond
-	minRetryInterval = 50 * time.Millisecond
-	maxRetryInterval = time.Second
+	MinRetryInterval = 50 * time.Millisecond
+	MaxRetryInterval = time.Second
 
-	// maxRoutes bounds how often in a row an acquire picks another backend
+	// MaxRoutes bounds how often in a row an acquire picks another backend
 	// at once before it pauses like a poll.
-	maxRoutes = 8
+	MaxRoutes = 8
 )
 
-// Stat is a snapshot of a Client's use of the server, like pgxpool.Stat.
+// Stat is the core of [pgcoord.Stat], which documents it.
 type Stat struct {
 	Backends    int // dedicated connections of the Client's own locks
 	Sessions    int // connections of Sessions from NewSession
@@ -151,51 +151,48 @@ type Stat struct {
 	DroppedHookEvents int64 // events not delivered to WithHooks' hooks because too many were pending
 }
 
-// Stat returns a snapshot of the Client's connections, waits and locks.
+// Stat is the core of [pgcoord.Client.Stat], which documents it.
 func (c *Client) Stat() Stat {
-	c.mu.Lock()
-	defer c.mu.Unlock()
+	c.Mu.Lock()
+	defer c.Mu.Unlock()
 	st := Stat{
-		Backends:    len(c.backends),
-		Sessions:    len(c.sessions) - len(c.backends),
+		Backends:    len(c.Backends),
+		Sessions:    len(c.Sessions) - len(c.Backends),
 		Connecting:  c.opening,
-		QueuedWaits: int(c.queuedWaits.Load()),
+		QueuedWaits: int(c.QueuedWaits.Load()),
 
-		DroppedHookEvents: c.hooks.droppedEvents(),
+		DroppedHookEvents: c.Hooks.droppedEvents(),
 	}
-	for s := range c.sessions {
-		s.state.Lock()
-		if s.waiting {
+	for s := range c.Sessions {
+		s.State.Lock()
+		if s.Waiting {
 			st.Waits++
 		}
 		st.Locks += len(s.locks)
-		s.state.Unlock()
+		s.State.Unlock()
 	}
 	return st
 }
 
-// Warm opens the Client's shared backends now, so that the first locks do
-// not wait for a connection. ctx bounds the wait; the connections go on
-// opening in the background if it ends first. It returns the first
-// connection error, or ctx's.
-func (c *Client) Warm(ctx context.Context) error { return c.warm(ctx, c.cfg.sharedBackends) }
+// Warm is the core of [pgcoord.Client.Warm], which documents it.
+func (c *Client) Warm(ctx context.Context) error { return c.WarmUp(ctx, c.Cfg.SharedBackends) }
 
-// warm opens shared backends until n are open or opening, and waits for
+// WarmUp opens shared backends until n are open or opening, and waits for
 // the ones it started, bounded by ctx.
-func (c *Client) warm(ctx context.Context, n int) error {
+func (c *Client) WarmUp(ctx context.Context, n int) error {
 	if ctx == nil {
-		return errorf("warm: ctx is nil")
+		return Errorf("warm: ctx is nil")
 	}
-	if err := c.enter(); err != nil {
+	if err := c.Enter(); err != nil {
 		return err
 	}
-	defer c.wg.Done()
-	c.mu.Lock()
+	defer c.Wg.Done()
+	c.Mu.Lock()
 	var calls []*connectCall
-	for open := len(c.backends) + c.opening; open < n; open++ {
+	for open := len(c.Backends) + c.opening; open < n; open++ {
 		calls = append(calls, c.startConnect())
 	}
-	c.mu.Unlock()
+	c.Mu.Unlock()
 	for _, call := range calls {
 		if err := c.awaitConnect(ctx, call); err != nil {
 			return err
@@ -204,49 +201,49 @@ func (c *Client) warm(ctx context.Context, n int) error {
 	return nil
 }
 
-// claimWait marks b, which holds only the key only and has no grant in
+// ClaimWait marks b, which holds only the key only and has no grant in
 // flight, as waiting, if fewer than WithMaxWaits acquires of the Client
 // wait: nothing else takes a key on it until unclaimWait. It reports
 // whether it did.
-func (c *Client) claimWait(b *Session, only Key) bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
+func (c *Client) ClaimWait(b *Session, only Key) bool {
+	c.Mu.Lock()
+	defer c.Mu.Unlock()
 	waits := 0
-	for _, o := range c.backends {
-		o.state.Lock()
-		if o.waiting {
+	for _, o := range c.Backends {
+		o.State.Lock()
+		if o.Waiting {
 			waits++
 		}
-		o.state.Unlock()
+		o.State.Unlock()
 	}
-	if waits >= c.cfg.maxWaits {
+	if waits >= c.Cfg.MaxWaits {
 		return false
 	}
-	b.state.Lock()
-	defer b.state.Unlock()
-	if b.waiting || b.granting != 0 || b.err != nil || len(b.keys) != 1 || b.keys[only] == nil {
+	b.State.Lock()
+	defer b.State.Unlock()
+	if b.Waiting || b.granting != 0 || b.err != nil || len(b.Holds) != 1 || b.Holds[only] == nil {
 		return false
 	}
-	b.waiting = true
+	b.Waiting = true
 	return true
 }
 
-// unclaimWait ends claimWait's mark.
-func (c *Client) unclaimWait(b *Session) {
-	b.state.Lock()
-	b.waiting = false
-	b.state.Unlock()
+// UnclaimWait ends claimWait's mark.
+func (c *Client) UnclaimWait(b *Session) {
+	b.State.Lock()
+	b.Waiting = false
+	b.State.Unlock()
 	c.backendFreed()
 }
 
 // Errors that route an acquire elsewhere; they never reach the caller.
 var (
-	// errRoute: the backend picked for a statement may not run it any
+	// ErrRoute: the backend picked for a statement may not run it any
 	// more (it started a wait, or a shared hold there stopped taking
 	// joiners); pick again.
-	errRoute = errors.New("pgcoord: pick another backend")
-	// errNoWaitBackend: no backend may take a blocking wait now.
-	errNoWaitBackend = errors.New("pgcoord: no backend free to wait on")
+	ErrRoute = errors.New("pgcoord: pick another backend")
+	// ErrNoWaitBackend: no backend may take a blocking wait now.
+	ErrNoWaitBackend = errors.New("pgcoord: no backend free to wait on")
 )
 
 // take acquires r on the Client's backends: a try on a backend that is not
@@ -258,14 +255,14 @@ var (
 // leaves such an error unmarked, and it is returned at once). A try goes on
 // once on another backend if its backend was lost, and otherwise fails
 // fast.
-func (c *Client) take(ctx context.Context, r request) (*Lock, error) {
-	poll, retry := minPollInterval, minRetryInterval
+func (c *Client) take(ctx context.Context, r Request) (*Lock, error) {
+	poll, retry := MinPollInterval, MinRetryInterval
 	var last error  // the last connection error, for a blocking acquire
 	queued := false // counted in Stat's QueuedWaits
 	dequeue := func() {
 		if queued {
 			queued = false
-			c.queuedWaits.Add(-1)
+			c.QueuedWaits.Add(-1)
 		}
 	}
 	defer dequeue()
@@ -276,47 +273,47 @@ func (c *Client) take(ctx context.Context, r request) (*Lock, error) {
 		case err == nil:
 			return l, nil
 		case ctx.Err() != nil:
-			return nil, endedWhileRetrying(ctx, err, last)
-		case errors.Is(err, errRoute) && routed < maxRoutes:
+			return nil, EndedWhileRetrying(ctx, err, last)
+		case errors.Is(err, ErrRoute) && routed < MaxRoutes:
 			routed++
 			continue
-		case errors.Is(err, errRoute) || errors.Is(err, errNoWaitBackend):
+		case errors.Is(err, ErrRoute) || errors.Is(err, ErrNoWaitBackend):
 			routed = 0
 			wait, poll = poll, min(2*poll, maxPollInterval)
-		case !connectionTrouble(err):
+		case !ConnectionTrouble(err):
 			return nil, err
 		case r.try:
-			if lost++; lost > 1 || !errorIsLoss(err) {
+			if lost++; lost > 1 || !ErrorIsLoss(err) {
 				return nil, err
 			}
 			continue
 		default:
 			last = err
-			wait, retry = retry, min(2*retry, maxRetryInterval)
+			wait, retry = retry, min(2*retry, MaxRetryInterval)
 		}
 		if !queued {
 			queued = true
-			c.queuedWaits.Add(1)
+			c.QueuedWaits.Add(1)
 		}
-		if err := c.pause(ctx, wait); err != nil {
+		if err := c.Pause(ctx, wait); err != nil {
 			if last != nil {
-				err = withLastConnErr(err, last)
+				err = WithLastConnErr(err, last)
 			}
 			return nil, err
 		}
 	}
 }
 
-// connectionTrouble reports whether err means the server could not be
+// ConnectionTrouble reports whether err means the server could not be
 // reached or a backend was lost, which a blocking acquire rides through:
 // a lost lock (ErrLockLost) or a connectFailure, which excludes the errors
 // that permanentConnectError finds.
-func connectionTrouble(err error) bool {
+func ConnectionTrouble(err error) bool {
 	return errors.Is(err, ErrLockLost) || errors.Is(err, errConnect)
 }
 
-// pause waits d, or less if a backend frees up meanwhile, bounded by ctx.
-func (c *Client) pause(ctx context.Context, d time.Duration) error {
+// Pause waits d, or less if a backend frees up meanwhile, bounded by ctx.
+func (c *Client) Pause(ctx context.Context, d time.Duration) error {
 	freed := c.freedSignal()
 	t := time.NewTimer(d)
 	defer t.Stop()
@@ -353,14 +350,14 @@ func (c *Client) backendFreed() {
 
 // takeOnce is one attempt of take; waiting is called when it has a
 // backend to wait on.
-func (c *Client) takeOnce(ctx context.Context, r request, waiting func()) (*Lock, error) {
-	if !r.try && !r.shared && len(r.keys) == 1 && !c.watchesContention() && c.contention.recent(r.keys[0]) {
+func (c *Client) takeOnce(ctx context.Context, r Request, waiting func()) (*Lock, error) {
+	if !r.try && !r.shared && len(r.keys) == 1 && !c.watchesContention() && c.Contention.Recent(r.keys[0]) {
 		// The key was held elsewhere a moment ago: a try would most
 		// likely fail and cost a round trip, so try and wait in one
 		// statement, on a backend that may wait. Without such a backend
 		// free now, go the usual way. A Client that reports contention
 		// tries first, so that it reports each wait as it starts.
-		b, done, err := c.waitBackend(ctx)
+		b, done, err := c.WaitBackend(ctx)
 		switch {
 		case err == nil:
 			defer done()
@@ -370,13 +367,13 @@ func (c *Client) takeOnce(ctx context.Context, r request, waiting func()) (*Lock
 			}
 			r.waiting, r.direct = true, true
 			return b.take(ctx, r)
-		case !errors.Is(err, errNoWaitBackend):
+		case !errors.Is(err, ErrNoWaitBackend):
 			return nil, err
 		}
 	}
 	tr := r
 	tr.try, tr.mayWait = true, !r.try
-	b, err := c.route(ctx, r)
+	b, err := c.Route(ctx, r)
 	if err != nil {
 		return nil, err
 	}
@@ -392,10 +389,10 @@ func (c *Client) takeOnce(ctx context.Context, r request, waiting func()) (*Lock
 			c.contended(r, false)
 		}
 		if len(r.keys) == 1 {
-			c.contention.note(r.keys[0])
+			c.Contention.Note(r.keys[0])
 		}
 	}
-	b, done, err := c.waitBackend(ctx)
+	b, done, err := c.WaitBackend(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -408,7 +405,7 @@ func (c *Client) takeOnce(ctx context.Context, r request, waiting func()) (*Lock
 	return b.take(ctx, r)
 }
 
-// route picks the backend for a try of r: a backend whose shared hold of
+// Route picks the backend for a try of r: a backend whose shared hold of
 // r's keys r may join (no round trip), else the least busy backend that is
 // not waiting and holds none of r's keys. It opens another while all are
 // busy and fewer than the shared count are open, and waits for a
@@ -416,21 +413,21 @@ func (c *Client) takeOnce(ctx context.Context, r request, waiting func()) (*Lock
 // keys (shared holds that take no more joiners) and no other may be
 // opened, it returns nil for a blocking acquire, which then waits, and
 // ErrLocked for a try.
-func (c *Client) route(ctx context.Context, r request) (*Session, error) {
+func (c *Client) Route(ctx context.Context, r Request) (*Session, error) {
 	for {
-		c.mu.Lock()
-		if c.closed {
-			c.mu.Unlock()
+		c.Mu.Lock()
+		if c.Closed {
+			c.Mu.Unlock()
 			return nil, ErrClosed
 		}
 		var pick, holder *Session
 		var pickLoad, pickQueued int
 		n := 0
-		for _, b := range c.backends {
-			b.state.Lock()
-			waiting, held, joinable := b.waiting, false, false
+		for _, b := range c.Backends {
+			b.State.Lock()
+			waiting, held, joinable := b.Waiting, false, false
 			for _, k := range r.keys {
-				if h := b.keys[k]; h != nil {
+				if h := b.Holds[k]; h != nil {
 					held = true
 					joinable = r.shared && h.shared && c.joinable(h)
 				}
@@ -439,20 +436,20 @@ func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 			// it holds, busy ones after idle ones of the same load, and
 			// among busy ones, those with fewer calls queued first (they
 			// go out together: see combine.go).
-			load := len(b.keys)
-			if load < spreadAbove {
+			load := len(b.Holds)
+			if load < SpreadAbove {
 				load = 0
 			}
 			load *= 2
 			if len(b.use) != 0 {
 				load++
 			}
-			queued := len(b.calls.queue)
-			b.state.Unlock()
+			queued := len(b.Calls.Queue)
+			b.State.Unlock()
 			if joinable {
 				// Joining sends no statement: a waiting backend takes
 				// joiners of the shared key it waits for.
-				c.mu.Unlock()
+				c.Mu.Unlock()
 				return b, nil
 			}
 			if waiting {
@@ -468,11 +465,11 @@ func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 		}
 		started := false
 		switch {
-		case (pick == nil || pickLoad%2 == 1) && n+c.opening < c.cfg.sharedBackends:
+		case (pick == nil || pickLoad%2 == 1) && n+c.opening < c.Cfg.SharedBackends:
 			c.startConnect()
 			started = true
-		case pick != nil && pickLoad >= 2*spreadAbove && c.opening == 0 &&
-			len(c.backends) < c.cfg.sharedBackends+c.cfg.maxWaits-1:
+		case pick != nil && pickLoad >= 2*SpreadAbove && c.opening == 0 &&
+			len(c.Backends) < c.Cfg.SharedBackends+c.Cfg.MaxWaits-1:
 			// Every backend it may use holds many keys: spread them
 			// over another (see spreadAbove), leaving one that the
 			// Client may open to wait on.
@@ -481,21 +478,21 @@ func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 		}
 		switch {
 		case pick != nil:
-			c.mu.Unlock()
+			c.Mu.Unlock()
 			return pick, nil
-		case holder != nil && c.opening == 0 && len(c.backends) >= c.cfg.sharedBackends+c.cfg.maxWaits:
-			c.mu.Unlock()
+		case holder != nil && c.opening == 0 && len(c.Backends) >= c.Cfg.SharedBackends+c.Cfg.MaxWaits:
+			c.Mu.Unlock()
 			if r.try {
 				// Joining would not ask the server, which may have a
 				// writer queued for the key.
-				return nil, errorf("%w: every connection of this Client holds the key shared already, past the bounds in which readers join a hold", ErrLocked)
+				return nil, Errorf("%w: every connection of this Client holds the key shared already, past the bounds in which readers join a hold", ErrLocked)
 			}
 			return nil, nil
-		case holder != nil && !started && len(c.backends)+c.opening < c.cfg.sharedBackends+c.cfg.maxWaits:
+		case holder != nil && !started && len(c.Backends)+c.opening < c.Cfg.SharedBackends+c.Cfg.MaxWaits:
 			c.startConnect()
 		}
 		call := c.anyConnect()
-		c.mu.Unlock()
+		c.Mu.Unlock()
 		if err := c.awaitConnect(ctx, call); err != nil {
 			return nil, err
 		}
@@ -507,87 +504,87 @@ func (c *Client) route(ctx context.Context, r request) (*Session, error) {
 // of the hold's start, so that a writer that waits on the server for the
 // key gets its turn once the readers that joined in time are done.
 func (c *Client) joinable(h *keyHold) bool {
-	return h.busy != nil || h.joins < c.cfg.maxHandoffs && time.Since(h.since) < c.cfg.handoffWindow
+	return h.Busy != nil || h.joins < c.Cfg.MaxHandoffs && time.Since(h.since) < c.Cfg.HandoffWindow
 }
 
 // needs returns the keys of r that the backend does not hold, checking
 // that r may join the others and send a statement here. The caller holds
 // s.state.
-func (s *Session) needs(r request) ([]Key, error) {
+func (s *Session) needs(r Request) ([]Key, error) {
 	var need []Key
 	for _, k := range r.keys {
-		h := s.keys[k]
+		h := s.Holds[k]
 		switch {
 		case h == nil:
 			need = append(need, k)
 		case !r.shared || !h.shared:
-			return nil, errorf("%s is already held on this backend in another mode", k)
+			return nil, Errorf("%s is already held on this backend in another mode", k)
 		case s.managed && !s.c.joinable(h):
-			return nil, errRoute
+			return nil, ErrRoute
 		}
 	}
-	if len(need) > 0 && s.waiting && !r.waiting {
-		return nil, errRoute
+	if len(need) > 0 && s.Waiting && !r.waiting {
+		return nil, ErrRoute
 	}
 	return need, nil
 }
 
-// waitBackend picks a backend that holds nothing, and has no grant in
+// WaitBackend picks a backend that holds nothing, and has no grant in
 // flight, for a blocking acquire and marks it as waiting, so that nothing
 // else takes a key on it; done unmarks it. It opens one while fewer than WithSharedBackends +
 // WithMaxWaits are open. It returns errNoWaitBackend when WithMaxWaits
 // acquires wait already, or no backend may be opened and every open one
 // holds locks or waits.
-func (c *Client) waitBackend(ctx context.Context) (*Session, func(), error) {
+func (c *Client) WaitBackend(ctx context.Context) (*Session, func(), error) {
 	for {
-		c.mu.Lock()
-		if c.closed {
-			c.mu.Unlock()
+		c.Mu.Lock()
+		if c.Closed {
+			c.Mu.Unlock()
 			return nil, nil, ErrClosed
 		}
 		var pick *Session
 		waits := 0
-		for _, b := range c.backends {
-			b.state.Lock()
-			if b.waiting {
+		for _, b := range c.Backends {
+			b.State.Lock()
+			if b.Waiting {
 				waits++
-			} else if len(b.keys) == 0 && b.granting == 0 && (pick == nil || len(b.use) == 0) {
+			} else if len(b.Holds) == 0 && b.granting == 0 && (pick == nil || len(b.use) == 0) {
 				pick = b
 			}
-			b.state.Unlock()
+			b.State.Unlock()
 		}
-		if waits >= c.cfg.maxWaits {
-			c.mu.Unlock()
-			return nil, nil, errNoWaitBackend
+		if waits >= c.Cfg.MaxWaits {
+			c.Mu.Unlock()
+			return nil, nil, ErrNoWaitBackend
 		}
 		if pick != nil {
-			pick.state.Lock()
-			ok := len(pick.keys) == 0 && pick.granting == 0 && !pick.waiting && pick.err == nil
-			pick.waiting = ok
-			pick.state.Unlock()
-			c.mu.Unlock()
+			pick.State.Lock()
+			ok := len(pick.Holds) == 0 && pick.granting == 0 && !pick.Waiting && pick.err == nil
+			pick.Waiting = ok
+			pick.State.Unlock()
+			c.Mu.Unlock()
 			if !ok {
 				continue
 			}
 			return pick, func() {
-				pick.state.Lock()
-				pick.waiting = false
-				pick.state.Unlock()
+				pick.State.Lock()
+				pick.Waiting = false
+				pick.State.Unlock()
 				c.backendFreed()
 			}, nil
 		}
-		if len(c.backends)+c.opening >= c.cfg.sharedBackends+c.cfg.maxWaits {
-			c.mu.Unlock()
-			return nil, nil, errNoWaitBackend
+		if len(c.Backends)+c.opening >= c.Cfg.SharedBackends+c.Cfg.MaxWaits {
+			c.Mu.Unlock()
+			return nil, nil, ErrNoWaitBackend
 		}
-		have := len(c.backends) > 0
+		have := len(c.Backends) > 0
 		call := c.startConnect()
-		c.mu.Unlock()
+		c.Mu.Unlock()
 		if err := c.awaitConnect(ctx, call); err != nil {
 			if have && errors.Is(err, ErrTooManyConnections) {
 				// The server has no slot for another connection: try on
 				// the ones the Client has until one frees up.
-				return nil, nil, errNoWaitBackend
+				return nil, nil, ErrNoWaitBackend
 			}
 			return nil, nil, err
 		}
@@ -597,7 +594,7 @@ func (c *Client) waitBackend(ctx context.Context) (*Session, func(), error) {
 // watchesContention reports whether the Client reports each wait as it
 // starts: to OnContention, or in its debug log.
 func (c *Client) watchesContention() bool {
-	return c.hooks != nil && c.hooks.h.onContention != nil || c.cfg.debugging()
+	return c.Hooks != nil && c.Hooks.h.OnContention != nil || c.Cfg.debugging()
 }
 
 // contention remembers which keys the Client's blocking acquires found
@@ -610,7 +607,7 @@ func (c *Client) watchesContention() bool {
 // slots by their hash; a key that collides with a contended one only takes
 // that path too, which costs it nothing but its place on a shared backend.
 type contention struct {
-	memory time.Duration // contentionMemory; tests set it
+	Memory time.Duration // contentionMemory; tests set it
 	slots  [contentionSlots]struct {
 		key atomic.Int64 // Key.v
 		at  atomic.Int64 // since contentionEpoch, in nanoseconds
@@ -625,23 +622,23 @@ const (
 // contentionEpoch is the origin of contention's monotonic times.
 var contentionEpoch = time.Now()
 
-func (m *contention) slot(k Key) int {
-	return int(uint64(k.v) * 0x9e3779b97f4a7c15 >> 58) // the top 6 bits: 64 slots
+func (m *contention) Slot(k Key) int {
+	return int(uint64(k.V) * 0x9e3779b97f4a7c15 >> 58) // the top 6 bits: 64 slots
 }
 
-// note records that a blocking acquire found k held elsewhere just now.
-func (m *contention) note(k Key) {
-	sl := &m.slots[m.slot(k)]
-	sl.key.Store(k.v)
+// Note records that a blocking acquire found k held elsewhere just now.
+func (m *contention) Note(k Key) {
+	sl := &m.slots[m.Slot(k)]
+	sl.key.Store(k.V)
 	sl.at.Store(int64(time.Since(contentionEpoch)))
 }
 
-// recent reports whether a blocking acquire found k held elsewhere within
+// Recent reports whether a blocking acquire found k held elsewhere within
 // the last contentionMemory.
-func (m *contention) recent(k Key) bool {
-	sl := &m.slots[m.slot(k)]
+func (m *contention) Recent(k Key) bool {
+	sl := &m.slots[m.Slot(k)]
 	at := sl.at.Load()
-	return at != 0 && sl.key.Load() == k.v && time.Since(contentionEpoch)-time.Duration(at) < m.memory
+	return at != 0 && sl.key.Load() == k.V && time.Since(contentionEpoch)-time.Duration(at) < m.Memory
 }
 
 // awaitConnect waits for call, bounded by ctx.

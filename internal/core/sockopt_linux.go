@@ -1,4 +1,4 @@
-package pgcoord
+package core
 
 import (
 	"syscall"

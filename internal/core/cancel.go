@@ -1,4 +1,4 @@
-package pgcoord
+package core
 
 import (
 	"context"
@@ -7,7 +7,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// cancelHandler ends a statement whose context is done by sending the
+// CancelHandler ends a statement whose context is done by sending the
 // server a cancel request, as pgconn.CancelRequestContextWatcherHandler
 // does, with a precise guard instead of its fixed 100 ms sleep.
 //
@@ -41,9 +41,9 @@ import (
 // answered, the request perhaps still on its way: then the deadline is
 // left in place, so that the connection fails its next statement before
 // sending it, rather than run one that the request may yet cancel.
-type cancelHandler struct {
-	conn          *pgconn.PgConn
-	deadlineDelay time.Duration
+type CancelHandler struct {
+	Conn          *pgconn.PgConn
+	DeadlineDelay time.Duration
 
 	sent    chan struct{} // closed when the last cancel request has been answered, or cut by the deadline
 	unwatch chan struct{} // closed by HandleUnwatchAfterCancel: no more repeats
@@ -62,15 +62,15 @@ const (
 
 // HandleCancel sends the cancel request at once, in the background, and
 // again while the statement runs.
-func (h *cancelHandler) HandleCancel(context.Context) {
-	deadline := time.Now().Add(h.deadlineDelay)
-	_ = h.conn.Conn().SetDeadline(deadline)
+func (h *CancelHandler) HandleCancel(context.Context) {
+	deadline := time.Now().Add(h.DeadlineDelay)
+	_ = h.Conn.Conn().SetDeadline(deadline)
 	ctx, stop := context.WithDeadline(context.Background(), deadline)
 	h.sent, h.unwatch, h.deadline, h.stop = make(chan struct{}), make(chan struct{}), ctx, stop
 	go func(sent, unwatch chan struct{}) {
 		defer close(sent)
 		for wait := cancelRepeat; ; wait = min(2*wait, maxCancelRepeat) {
-			_ = h.conn.CancelRequest(ctx)
+			_ = h.Conn.CancelRequest(ctx)
 			if ctx.Err() != nil {
 				return // cut by the deadline: see HandleUnwatchAfterCancel
 			}
@@ -99,7 +99,7 @@ func (h *cancelHandler) HandleCancel(context.Context) {
 // cancel may end. (A statement still running at the deadline fails with
 // it anyway; this stops one that ended just before it from being followed
 // by another.)
-func (h *cancelHandler) HandleUnwatchAfterCancel() {
+func (h *CancelHandler) HandleUnwatchAfterCancel() {
 	close(h.unwatch)
 	<-h.sent
 	passed := h.deadline.Err() != nil
@@ -107,5 +107,5 @@ func (h *cancelHandler) HandleUnwatchAfterCancel() {
 	if passed {
 		return
 	}
-	_ = h.conn.Conn().SetDeadline(time.Time{})
+	_ = h.Conn.Conn().SetDeadline(time.Time{})
 }

@@ -1,6 +1,6 @@
 //go:build !linux
 
-package pgcoord
+package core
 
 import (
 	"syscall"

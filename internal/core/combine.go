@@ -1,4 +1,4 @@
-package pgcoord
+package core
 
 import (
 	"cmp"
@@ -43,60 +43,60 @@ import (
 // maxKeysCombined bounds the keys of one combined statement: enough to
 // carry every goroutine that queues behind a round trip, few enough that
 // the statement texts stay few.
-const maxKeysCombined = 32
+const MaxKeysCombined = 32
 
-// keyCall is one caller's try or release of one key.
-type keyCall struct {
-	fn   string // the function: lockFunc(shared, true) or unlockFunc(shared)
-	key  Key
-	ok   bool          // the function's answer
-	err  error         // why there is no answer
-	lead bool          // woken to send the queue
-	done chan struct{} // closed once: when answered, or woken to lead (then its own turn answers it)
+// KeyCall is one caller's try or release of one key.
+type KeyCall struct {
+	Fn    string // the function: lockFunc(shared, true) or unlockFunc(shared)
+	Key   Key
+	Ok    bool          // the function's answer
+	Cause error         // why there is no answer
+	lead  bool          // woken to send the queue
+	done  chan struct{} // closed once: when answered, or woken to lead (then its own turn answers it)
 }
 
 // maxCombinedTexts bounds the combined statements a backend prepares. The
 // text of one depends on how many calls of each kind it carries, so a busy
 // backend meets a few of them again and again: prepared, they skip the
 // server's parse and plan. Past the bound, a new text is sent unprepared.
-const maxCombinedTexts = 64
+const MaxCombinedTexts = 64
 
 // combiner queues the key calls of one backend while one is sent.
 type combiner struct {
-	busy     bool // a caller sends, or is about to
-	queue    []*keyCall
-	combined int // statements sent that carried more than one call
+	Busy     bool // a caller sends, or is about to
+	Queue    []*KeyCall
+	Combined int // statements sent that carried more than one call
 
-	// prepared holds the combined texts prepared on the connection (at
+	// Prepared holds the combined texts prepared on the connection (at
 	// most maxCombinedTexts); only the connection's holder uses it.
-	prepared map[string]struct{}
+	Prepared map[string]struct{}
 }
 
-// callKey runs fn (a try, or a release) of k on the session's connection
+// CallKey runs fn (a try, or a release) of k on the session's connection
 // and returns its answer, combined with other goroutines' calls when the
 // connection is busy (see above). ctx bounds the wait for the connection,
 // as run's does: once its statement is sent, the call waits for the
 // answer, so that the caller knows what the backend holds.
-func (s *Session) callKey(ctx context.Context, fn string, k Key) (bool, error) {
-	s.state.Lock()
-	if !s.calls.busy {
-		s.calls.busy = true
-		s.pending++ // until the queue is empty: see passCalls
-		s.state.Unlock()
+func (s *Session) CallKey(ctx context.Context, fn string, k Key) (bool, error) {
+	s.State.Lock()
+	if !s.Calls.Busy {
+		s.Calls.Busy = true
+		s.Pending++ // until the queue is empty: see passCalls
+		s.State.Unlock()
 		return s.sendCalls(ctx, fn, k, nil)
 	}
-	call := &keyCall{fn: fn, key: k, done: make(chan struct{})}
-	s.calls.queue = append(s.calls.queue, call)
-	s.state.Unlock()
+	call := &KeyCall{Fn: fn, Key: k, done: make(chan struct{})}
+	s.Calls.Queue = append(s.Calls.Queue, call)
+	s.State.Unlock()
 	select {
 	case <-call.done:
 	case <-ctx.Done():
-		s.state.Lock()
-		i := slices.Index(s.calls.queue, call)
+		s.State.Lock()
+		i := slices.Index(s.Calls.Queue, call)
 		if i >= 0 {
-			s.calls.queue = slices.Delete(s.calls.queue, i, i+1)
+			s.Calls.Queue = slices.Delete(s.Calls.Queue, i, i+1)
 		}
-		s.state.Unlock()
+		s.State.Unlock()
 		if i >= 0 {
 			return false, context.Cause(ctx) // not sent: nothing done
 		}
@@ -109,39 +109,39 @@ func (s *Session) callKey(ctx context.Context, fn string, k Key) (bool, error) {
 		runtime.Gosched()
 		return s.sendCalls(ctx, fn, k, call)
 	}
-	return call.ok, call.err
+	return call.Ok, call.Cause
 }
 
 // sendCalls sends fn of k, the call of a caller whose turn it is (own, if
 // it queued), together with the calls queued behind it, in one statement;
 // it answers them, hands the turn to the first call that queued since, and
 // returns its own answer.
-func (s *Session) sendCalls(ctx context.Context, fn string, k Key, own *keyCall) (bool, error) {
-	if err := s.grab(ctx); err != nil {
+func (s *Session) sendCalls(ctx context.Context, fn string, k Key, own *KeyCall) (bool, error) {
+	if err := s.Grab(ctx); err != nil {
 		s.passCalls()
 		return false, err
 	}
 	ctx = detached(ctx) // see run
-	s.state.Lock()
-	n := min(len(s.calls.queue), maxKeysCombined-1)
+	s.State.Lock()
+	n := min(len(s.Calls.Queue), MaxKeysCombined-1)
 	if n == 0 {
-		s.state.Unlock()
+		s.State.Unlock()
 		ok, err := s.callOne(ctx, fn, k)
-		s.release()
+		s.Release()
 		s.passCalls()
 		return ok, err
 	}
 	if own == nil {
-		own = &keyCall{fn: fn, key: k}
+		own = &KeyCall{Fn: fn, Key: k}
 	}
-	calls := make([]*keyCall, 0, n+1)
-	calls = append(append(calls, own), s.calls.queue[:n]...)
-	s.calls.queue = slices.Delete(s.calls.queue, 0, n)
-	s.calls.combined++
-	s.state.Unlock()
+	calls := make([]*KeyCall, 0, n+1)
+	calls = append(append(calls, own), s.Calls.Queue[:n]...)
+	s.Calls.Queue = slices.Delete(s.Calls.Queue, 0, n)
+	s.Calls.Combined++
+	s.State.Unlock()
 
-	s.answerCalls(ctx, calls)
-	s.release()
+	s.AnswerCalls(ctx, calls)
+	s.Release()
 	for _, c := range calls {
 		if c != own {
 			close(c.done)
@@ -152,45 +152,45 @@ func (s *Session) sendCalls(ctx context.Context, fn string, k Key, own *keyCall)
 	// combined statement instead of going out alone ahead of it.
 	runtime.Gosched()
 	s.passCalls()
-	return own.ok, own.err
+	return own.Ok, own.Cause
 }
 
 // passCalls wakes the first queued call to send the queue, or marks the
 // combiner idle.
 func (s *Session) passCalls() {
-	s.state.Lock()
-	defer s.state.Unlock()
-	if len(s.calls.queue) == 0 {
-		s.calls.busy = false
+	s.State.Lock()
+	defer s.State.Unlock()
+	if len(s.Calls.Queue) == 0 {
+		s.Calls.Busy = false
 		s.unpend()
 		return
 	}
-	next := s.calls.queue[0]
-	s.calls.queue = slices.Delete(s.calls.queue, 0, 1)
+	next := s.Calls.Queue[0]
+	s.Calls.Queue = slices.Delete(s.Calls.Queue, 0, 1)
 	next.lead = true
 	close(next.done)
 }
 
-// answerCalls runs calls (more than one) in one statement while the
+// AnswerCalls runs calls (more than one) in one statement while the
 // caller holds the connection, and settles them one by one if that
 // statement fails while the session lives.
-func (s *Session) answerCalls(ctx context.Context, calls []*keyCall) {
-	sql, args := combinedSQL(calls, s.pid)
+func (s *Session) AnswerCalls(ctx context.Context, calls []*KeyCall) {
+	sql, args := CombinedSQL(calls, s.Pid)
 	dest := make([]any, len(calls))
 	for i, c := range calls {
-		dest[i] = &c.ok
+		dest[i] = &c.Ok
 	}
-	err := s.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+	err := s.Exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 		if !s.prepareCombined(ctx, conn, sql) {
 			args = append([]any{pgx.QueryExecModeExec}, args...)
 		}
-		return s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(dest...))
+		return s.WrongBackend(conn.QueryRow(ctx, sql, args...).Scan(dest...))
 	})
 	if err == nil {
 		return
 	}
 	for _, c := range calls {
-		c.ok, c.err = s.settleCall(ctx, c)
+		c.Ok, c.Cause = s.settleCall(ctx, c)
 	}
 }
 
@@ -198,40 +198,40 @@ func (s *Session) answerCalls(ctx context.Context, calls []*keyCall) {
 // caller holds, unless maxCombinedTexts are prepared already, and reports
 // whether sql is prepared: pgx then runs it as such.
 func (s *Session) prepareCombined(ctx context.Context, conn *pgx.Conn, sql string) bool {
-	if _, ok := s.calls.prepared[sql]; ok {
+	if _, ok := s.Calls.Prepared[sql]; ok {
 		return true
 	}
-	if len(s.calls.prepared) >= maxCombinedTexts {
+	if len(s.Calls.Prepared) >= MaxCombinedTexts {
 		return false
 	}
 	if _, err := conn.Prepare(ctx, sql, sql); err != nil {
 		return false // the statement, sent unprepared, reports what is wrong
 	}
-	if s.calls.prepared == nil {
-		s.calls.prepared = make(map[string]struct{})
+	if s.Calls.Prepared == nil {
+		s.Calls.Prepared = make(map[string]struct{})
 	}
-	s.calls.prepared[sql] = struct{}{}
+	s.Calls.Prepared[sql] = struct{}{}
 	return true
 }
 
 // settleCall answers c alone after the combined statement failed: what
 // that statement did to c's key is unknown.
-func (s *Session) settleCall(ctx context.Context, c *keyCall) (bool, error) {
+func (s *Session) settleCall(ctx context.Context, c *KeyCall) (bool, error) {
 	if e := s.Err(); e != nil {
 		return false, e
 	}
-	if strings.HasPrefix(c.fn, "pg_try_") {
+	if strings.HasPrefix(c.Fn, "pg_try_") {
 		// The backend did not hold the key before: one release frees it
 		// if the failed statement took it.
-		shared := strings.HasSuffix(c.fn, "_shared")
-		if _, err := s.callOne(ctx, unlockFunc(shared), c.key); err != nil {
+		shared := strings.HasSuffix(c.Fn, "_shared")
+		if _, err := s.callOne(ctx, UnlockFunc(shared), c.Key); err != nil {
 			return false, err
 		}
-		return s.callOne(ctx, c.fn, c.key)
+		return s.callOne(ctx, c.Fn, c.Key)
 	}
 	// The backend held the key before: after this release it does not,
 	// whichever statement released it.
-	if _, err := s.callOne(ctx, c.fn, c.key); err != nil {
+	if _, err := s.callOne(ctx, c.Fn, c.Key); err != nil {
 		return false, err
 	}
 	return true, nil
@@ -239,20 +239,20 @@ func (s *Session) settleCall(ctx context.Context, c *keyCall) (bool, error) {
 
 // callOne runs fn of k alone while the caller holds the connection.
 func (s *Session) callOne(ctx context.Context, fn string, k Key) (ok bool, err error) {
-	sql, args := singleKeySQL(fn, selectForm, k, s.pid)
-	err = s.exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		return s.wrongBackend(s.queryRow(ctx, conn, sql, args, &ok))
+	sql, args := SingleKeySQL(fn, selectForm, k, s.Pid)
+	err = s.Exec(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+		return s.WrongBackend(s.QueryRow(ctx, conn, sql, args, &ok))
 	})
 	return ok, err
 }
 
-// combinedSQL is "SELECT fn1(k1), fn2(k2), ... WHERE pg_backend_pid() =
+// CombinedSQL is "SELECT fn1(k1), fn2(k2), ... WHERE pg_backend_pid() =
 // pid" for calls, which it sorts by function and key form so that the
 // statement's text depends on how many calls of each kind it carries, not
 // on their order.
-func combinedSQL(calls []*keyCall, pid int32) (string, []any) {
-	slices.SortFunc(calls, func(a, b *keyCall) int {
-		return cmp.Or(strings.Compare(a.fn, b.fn), cmp.Compare(a.key.kind, b.key.kind))
+func CombinedSQL(calls []*KeyCall, pid int32) (string, []any) {
+	slices.SortFunc(calls, func(a, b *KeyCall) int {
+		return cmp.Or(strings.Compare(a.Fn, b.Fn), cmp.Compare(a.Key.kind, b.Key.kind))
 	})
 	var b strings.Builder
 	b.WriteString("SELECT ")
@@ -262,11 +262,11 @@ func combinedSQL(calls []*keyCall, pid int32) (string, []any) {
 			b.WriteString(", ")
 		}
 		var list string
-		list, args = c.key.sqlArgs(len(args)+1, args)
-		b.WriteString(c.fn)
+		list, args = c.Key.SqlArgs(len(args)+1, args)
+		b.WriteString(c.Fn)
 		b.WriteByte('(')
 		b.WriteString(list)
 		b.WriteByte(')')
 	}
-	return guard(&b, args, pid)
+	return Guard(&b, args, pid)
 }

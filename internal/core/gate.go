@@ -1,4 +1,4 @@
-package pgcoord
+package core
 
 import (
 	"context"
@@ -26,14 +26,14 @@ type gates struct {
 	maxHandoffs   int
 	handoffWindow time.Duration
 
-	mu sync.Mutex
-	m  map[Key]*gate
+	Mu sync.Mutex
+	M  map[Key]*gate
 }
 
 type gate struct {
 	readers  int
-	writer   bool
-	queue    []*gateWaiter // in arrival order
+	Writer   bool
+	Queue    []*gateWaiter // in arrival order
 	handoffs int           // consecutive handoffs since the key was last admitted plainly
 	since    time.Time     // when it was
 }
@@ -45,36 +45,36 @@ type gateWaiter struct {
 	admitted bool
 }
 
-// enter waits until the gate of k admits a reader (shared) or a writer,
+// Enter waits until the gate of k admits a reader (shared) or a writer,
 // or until ctx is done. try makes it return false at once instead of
 // waiting. queued, if not nil, is called when enter starts to wait. It
 // returns a non-nil lock when a holder handed one over: the caller still
 // owns the gate until its claim of the lock (Lock.claim) passes the gate
 // to the lock, and leaves the gate itself if the claim fails. The caller
 // must call leave(k, shared) once admitted without a lock.
-func (g *gates) enter(ctx context.Context, k Key, shared, try bool, accept func(*Lock) bool, queued func()) (*Lock, bool, error) {
-	g.mu.Lock()
-	if g.m == nil {
-		g.m = make(map[Key]*gate)
+func (g *gates) Enter(ctx context.Context, k Key, shared, try bool, accept func(*Lock) bool, queued func()) (*Lock, bool, error) {
+	g.Mu.Lock()
+	if g.M == nil {
+		g.M = make(map[Key]*gate)
 	}
-	e := g.m[k]
+	e := g.M[k]
 	if e == nil {
 		e = &gate{}
-		g.m[k] = e
+		g.M[k] = e
 	}
-	if len(e.queue) == 0 && e.admits(shared) {
+	if len(e.Queue) == 0 && e.admits(shared) {
 		e.admit(shared)
-		g.mu.Unlock()
+		g.Mu.Unlock()
 		return nil, true, nil
 	}
 	if try {
 		g.gc(k, e)
-		g.mu.Unlock()
+		g.Mu.Unlock()
 		return nil, false, nil
 	}
 	w := &gateWaiter{shared: shared, accept: accept, ready: make(chan *Lock, 1)}
-	e.queue = append(e.queue, w)
-	g.mu.Unlock()
+	e.Queue = append(e.Queue, w)
+	g.Mu.Unlock()
 	if queued != nil {
 		queued()
 	}
@@ -84,33 +84,33 @@ func (g *gates) enter(ctx context.Context, k Key, shared, try bool, accept func(
 		return l, true, nil
 	case <-ctx.Done():
 	}
-	g.mu.Lock()
+	g.Mu.Lock()
 	if w.admitted {
 		// Admitted as ctx ended: take it.
-		g.mu.Unlock()
+		g.Mu.Unlock()
 		return <-w.ready, true, nil
 	}
-	for i, x := range e.queue {
+	for i, x := range e.Queue {
 		if x == w {
-			e.queue = append(e.queue[:i:i], e.queue[i+1:]...)
+			e.Queue = append(e.Queue[:i:i], e.Queue[i+1:]...)
 			break
 		}
 	}
 	e.dispatch() // the ones behind it may go now
 	g.gc(k, e)
-	g.mu.Unlock()
+	g.Mu.Unlock()
 	return nil, false, context.Cause(ctx)
 }
 
 // leave gives back what enter admitted.
 func (g *gates) leave(k Key, shared bool) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	e := g.m[k]
+	g.Mu.Lock()
+	defer g.Mu.Unlock()
+	e := g.M[k]
 	if shared {
 		e.readers--
 	} else {
-		e.writer = false
+		e.Writer = false
 	}
 	e.dispatch()
 	g.gc(k, e)
@@ -121,32 +121,32 @@ func (g *gates) leave(k Key, shared bool) {
 // l's release is reported to the hooks before the waiter gets the lock, so
 // that it comes before the waiter's acquire.
 func (g *gates) handoff(l *Lock, transfer func() *Lock) bool {
-	if l.shared || len(l.keys) != 1 || g.maxHandoffs == 0 {
+	if l.Shared || len(l.KeyList) != 1 || g.maxHandoffs == 0 {
 		return false
 	}
-	k := l.keys[0]
-	g.mu.Lock()
-	e := g.m[k]
-	if e == nil || len(e.queue) == 0 || !e.writer {
-		g.mu.Unlock()
+	k := l.KeyList[0]
+	g.Mu.Lock()
+	e := g.M[k]
+	if e == nil || len(e.Queue) == 0 || !e.Writer {
+		g.Mu.Unlock()
 		return false
 	}
-	w := e.queue[0]
+	w := e.Queue[0]
 	if w.shared || w.accept == nil || !w.accept(l) ||
 		e.handoffs >= g.maxHandoffs || time.Since(e.since) >= g.handoffWindow {
-		g.mu.Unlock()
+		g.Mu.Unlock()
 		return false
 	}
 	next := transfer()
 	if next == nil {
-		g.mu.Unlock()
+		g.Mu.Unlock()
 		return false
 	}
 	e.handoffs++
-	e.queue = e.queue[1:]
+	e.Queue = e.Queue[1:]
 	// Admitted: a waiter whose ctx ends now waits for the send below.
 	w.admitted = true
-	g.mu.Unlock()
+	g.Mu.Unlock()
 	l.released(true, nil)
 	w.ready <- next
 	return true
@@ -154,16 +154,16 @@ func (g *gates) handoff(l *Lock, transfer func() *Lock) bool {
 
 func (e *gate) admits(shared bool) bool {
 	if shared {
-		return !e.writer
+		return !e.Writer
 	}
-	return !e.writer && e.readers == 0
+	return !e.Writer && e.readers == 0
 }
 
 func (e *gate) admit(shared bool) {
 	if shared {
 		e.readers++
 	} else {
-		e.writer = true
+		e.Writer = true
 	}
 	e.handoffs = 0
 	e.since = time.Now()
@@ -171,9 +171,9 @@ func (e *gate) admit(shared bool) {
 
 // dispatch admits waiters from the front of the queue while they fit.
 func (e *gate) dispatch() {
-	for len(e.queue) > 0 && e.admits(e.queue[0].shared) {
-		w := e.queue[0]
-		e.queue = e.queue[1:]
+	for len(e.Queue) > 0 && e.admits(e.Queue[0].shared) {
+		w := e.Queue[0]
+		e.Queue = e.Queue[1:]
 		e.admit(w.shared)
 		w.admitted = true
 		w.ready <- nil
@@ -185,7 +185,7 @@ func (e *gate) dispatch() {
 
 // gc frees the gate of k when nobody holds or waits for it.
 func (g *gates) gc(k Key, e *gate) {
-	if e.readers == 0 && !e.writer && len(e.queue) == 0 {
-		delete(g.m, k)
+	if e.readers == 0 && !e.Writer && len(e.Queue) == 0 {
+		delete(g.M, k)
 	}
 }

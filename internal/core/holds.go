@@ -1,4 +1,4 @@
-package pgcoord
+package core
 
 import (
 	"context"
@@ -27,7 +27,7 @@ import (
 
 // take acquires r's keys on s and returns the new handle. On error, nothing
 // this call took stays held; the in-process gates stay the caller's.
-func (s *Session) take(ctx context.Context, r request) (*Lock, error) {
+func (s *Session) take(ctx context.Context, r Request) (*Lock, error) {
 	need, err := s.reserve(ctx, r)
 	if err != nil {
 		return nil, err
@@ -43,11 +43,11 @@ func (s *Session) take(ctx context.Context, r request) (*Lock, error) {
 		if err == nil {
 			return nil, ErrLocked
 		}
-		if !errorIsLoss(err) && !errors.Is(err, errRoute) {
+		if !ErrorIsLoss(err) && !errors.Is(err, ErrRoute) {
 			// The statement's error, not the backend's: a deadlock or a
 			// cancel ended this acquire, and the backend's other locks
 			// live.
-			err = pgError("acquire", err)
+			err = PgError("acquire", err)
 		}
 		return nil, err
 	}
@@ -77,52 +77,52 @@ func (s *Session) take(ctx context.Context, r request) (*Lock, error) {
 // backends.go): it returns errRoute, reserving nothing, when the backend
 // waits for another acquire and r would send a statement, or when a shared
 // acquire would join a hold that takes no more joiners.
-func (s *Session) reserve(ctx context.Context, r request) ([]Key, error) {
+func (s *Session) reserve(ctx context.Context, r Request) ([]Key, error) {
 	for {
-		s.state.Lock()
+		s.State.Lock()
 		if s.err != nil {
-			s.state.Unlock()
+			s.State.Unlock()
 			return nil, s.err
 		}
 		var busy, waitsSet chan struct{}
 		for _, k := range r.keys {
-			if h := s.keys[k]; h != nil && h.busy != nil {
+			if h := s.Holds[k]; h != nil && h.Busy != nil {
 				if r.try && !r.mayWait {
 					if h.waits {
 						// Another acquire waits on the server for the
 						// key here, as long as it takes: a try does not
 						// wait for that.
-						s.state.Unlock()
-						return nil, errorf("%w: another acquire of this backend waits for it on the server", ErrLocked)
+						s.State.Unlock()
+						return nil, Errorf("%w: another acquire of this backend waits for it on the server", ErrLocked)
 					}
 					// The statement in flight may yet start to wait.
-					if h.waitsSet == nil {
-						h.waitsSet = make(chan struct{})
+					if h.WaitsSet == nil {
+						h.WaitsSet = make(chan struct{})
 					}
-					waitsSet = h.waitsSet
+					waitsSet = h.WaitsSet
 				}
-				busy = h.busy
+				busy = h.Busy
 				break
 			}
 		}
 		if busy == nil {
 			need, err := s.needs(r)
 			if err != nil {
-				s.state.Unlock()
+				s.State.Unlock()
 				return nil, err
 			}
 			for _, k := range r.keys {
-				if h := s.keys[k]; h != nil {
+				if h := s.Holds[k]; h != nil {
 					h.n++
 					h.joins++
 					continue
 				}
-				s.keys[k] = &keyHold{shared: r.shared, busy: make(chan struct{})}
+				s.Holds[k] = &keyHold{shared: r.shared, Busy: make(chan struct{})}
 			}
-			s.state.Unlock()
+			s.State.Unlock()
 			return need, nil
 		}
-		s.state.Unlock()
+		s.State.Unlock()
 		select {
 		case <-busy:
 		case <-waitsSet: // look again: it waits
@@ -136,8 +136,8 @@ func (s *Session) reserve(ctx context.Context, r request) ([]Key, error) {
 
 // lockKeys takes the reserved keys on the server, in order, chunk by chunk.
 // It reports false if a try found a key held elsewhere.
-func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, error) {
-	for _, chunk := range chunked(need) {
+func (s *Session) lockKeys(ctx context.Context, need []Key, r Request) (bool, error) {
+	for _, chunk := range Chunked(need) {
 		if !r.try {
 			if r.direct && len(need) == 1 {
 				// A key contended a moment ago: one statement tries it
@@ -150,7 +150,7 @@ func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, er
 					return false, err
 				}
 				if waited {
-					s.c.contention.note(chunk[0])
+					s.c.Contention.Note(chunk[0])
 				}
 				continue
 			}
@@ -167,7 +167,7 @@ func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, er
 				}
 			}
 			s.markWaits(chunk)
-			if err := s.block(ctx, s.lockStatement(chunk, r.shared)); err != nil {
+			if err := s.Block(ctx, s.lockStatement(chunk, r.shared)); err != nil {
 				return false, err
 			}
 			continue
@@ -184,17 +184,17 @@ func (s *Session) lockKeys(ctx context.Context, need []Key, r request) (bool, er
 // the caller reserved (busy), waits for them on the server: a try of one
 // of them answers ErrLocked instead of waiting for that (see reserve).
 func (s *Session) markWaits(keys []Key) {
-	s.state.Lock()
+	s.State.Lock()
 	for _, k := range keys {
-		if h := s.keys[k]; h != nil && h.busy != nil {
+		if h := s.Holds[k]; h != nil && h.Busy != nil {
 			h.waits = true
-			if h.waitsSet != nil {
-				close(h.waitsSet)
-				h.waitsSet = nil
+			if h.WaitsSet != nil {
+				close(h.WaitsSet)
+				h.WaitsSet = nil
 			}
 		}
 	}
-	s.state.Unlock()
+	s.State.Unlock()
 }
 
 // tryKeys tries keys (at most one chunk) in order, without waiting. It
@@ -205,14 +205,14 @@ func (s *Session) tryKeys(ctx context.Context, chunk []Key, shared bool) (bool, 
 	var err error
 	if len(chunk) == 1 {
 		var ok bool
-		ok, err = s.callKey(ctx, lockFunc(shared, true), chunk[0])
+		ok, err = s.CallKey(ctx, LockFunc(shared, true), chunk[0])
 		if !ok {
 			failed = 1
 		}
 	} else {
-		sql, args := trySQL(lockFunc(shared, true), chunk, s.pid)
-		err = s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-			return s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(&failed))
+		sql, args := TrySQL(LockFunc(shared, true), chunk, s.Pid)
+		err = s.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+			return s.WrongBackend(conn.QueryRow(ctx, sql, args...).Scan(&failed))
 		})
 	}
 	if err == nil && ctx.Err() != nil {
@@ -228,19 +228,19 @@ func (s *Session) tryKeys(ctx context.Context, chunk []Key, shared bool) (bool, 
 // order, and only the one it needs), and reports whether it had to wait.
 // A slice that ends without the key is undone as lockStatement's is.
 func (s *Session) tryThenWait(ctx context.Context, k Key, shared bool) (waited bool, err error) {
-	sql, bare, args := tryThenWaitSQL(k, shared, s.pid)
-	err = s.block(ctx, blockingStatement{
-		sql:   sql,
+	sql, bare, args := TryThenWaitSQL(k, shared, s.Pid)
+	err = s.Block(ctx, BlockingStatement{
+		Sql:   sql,
 		bare:  bare,
-		args:  args,
-		locks: 1,
-		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+		Args:  args,
+		Locks: 1,
+		Run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 			var free bool
-			err := s.queryRow(ctx, conn, sql, args, nil, &free)
+			err := s.QueryRow(ctx, conn, sql, args, nil, &free)
 			waited = err == nil && !free
-			return s.wrongBackend(err)
+			return s.WrongBackend(err)
 		},
-		undo: func(ctx context.Context, conn *pgx.Conn) error {
+		Undo: func(ctx context.Context, conn *pgx.Conn) error {
 			return s.unlockStatement(ctx, conn, []Key{k}, shared, false)
 		},
 	})
@@ -254,23 +254,23 @@ func (s *Session) tryThenWait(ctx context.Context, k Key, shared bool) (waited b
 // the last moment), so its undo releases them all, as far as they were
 // taken: the backend held none of them before, so its count of each key
 // is 0 again afterwards.
-func (s *Session) lockStatement(keys []Key, shared bool) blockingStatement {
-	sql, args := waitSQL(lockFunc(shared, false), keys, s.pid)
-	return blockingStatement{
-		sql:   sql,
-		args:  args,
-		locks: len(keys),
-		run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
+func (s *Session) lockStatement(keys []Key, shared bool) BlockingStatement {
+	sql, args := WaitSQL(LockFunc(shared, false), keys, s.Pid)
+	return BlockingStatement{
+		Sql:   sql,
+		Args:  args,
+		Locks: len(keys),
+		Run: func(ctx context.Context, conn *pgx.Conn, sql string, args []any) error {
 			if len(keys) == 1 {
-				return s.wrongBackend(s.queryRow(ctx, conn, sql, args))
+				return s.WrongBackend(s.QueryRow(ctx, conn, sql, args))
 			}
 			tag, err := conn.Exec(ctx, sql, args...)
 			if err == nil && tag.RowsAffected() == 0 {
-				err = s.wrongBackend(pgx.ErrNoRows)
+				err = s.WrongBackend(pgx.ErrNoRows)
 			}
 			return err
 		},
-		undo: func(ctx context.Context, conn *pgx.Conn) error {
+		Undo: func(ctx context.Context, conn *pgx.Conn) error {
 			return s.unlockStatement(ctx, conn, keys, shared, false)
 		},
 	}
@@ -278,14 +278,14 @@ func (s *Session) lockStatement(keys []Key, shared bool) blockingStatement {
 
 // settle records that the reserved keys are now held by l.
 func (s *Session) settle(need []Key, l *Lock) error {
-	s.state.Lock()
-	defer s.state.Unlock()
+	s.State.Lock()
+	defer s.State.Unlock()
 	now := time.Now()
 	for _, k := range need {
-		h := s.keys[k]
-		h.n, h.since, h.waits, h.waitsSet = 1, now, false, nil
-		close(h.busy)
-		h.busy = nil
+		h := s.Holds[k]
+		h.n, h.since, h.waits, h.WaitsSet = 1, now, false, nil
+		close(h.Busy)
+		h.Busy = nil
 	}
 	if s.err != nil {
 		return s.err // ended meanwhile: the server freed everything
@@ -299,21 +299,21 @@ func (s *Session) settle(need []Key, l *Lock) error {
 // false for a key it did not hold), and the joined keys are released like
 // any other handle's. If that fails, the session is lost, which frees
 // everything.
-func (s *Session) undo(ctx context.Context, r request, need []Key, nothingTaken bool) {
-	ctx, cancel := withoutCancel(ctx, s.c.cfg.lossDeadline)
+func (s *Session) undo(ctx context.Context, r Request, need []Key, nothingTaken bool) {
+	ctx, cancel := WithoutCancel(ctx, s.c.Cfg.LossDeadline)
 	defer cancel()
 	var err error
 	if len(need) > 0 && !nothingTaken && s.Err() == nil {
 		err = s.unlockKeys(ctx, need, r.shared, false)
 	}
-	s.forgetKeys(need)
+	s.ForgetKeys(need)
 	if err != nil {
-		s.lose(errorf("release after failed acquire: %w", err))
+		s.Lose(Errorf("release after failed acquire: %w", err))
 		return
 	}
 	joined := make([]Key, 0, len(r.keys)-len(need))
 	for _, k := range r.keys {
-		if !containsKey(need, k) {
+		if !ContainsKey(need, k) {
 			joined = append(joined, k)
 		}
 	}
@@ -331,21 +331,21 @@ func (s *Session) releaseKeys(ctx context.Context, keys []Key, shared bool) erro
 // releaseHold is releaseKeys; sent reports whether it sent a release to
 // the server (false: other handles still hold every key here).
 func (s *Session) releaseHold(ctx context.Context, keys []Key, shared bool) (sent bool, err error) {
-	s.state.Lock()
+	s.State.Lock()
 	var free []Key
 	for _, k := range keys {
-		h := s.keys[k]
+		h := s.Holds[k]
 		switch {
 		case h == nil:
 		case h.n > 1:
 			h.n--
 		default:
 			h.n = 0
-			h.busy = make(chan struct{})
+			h.Busy = make(chan struct{})
 			free = append(free, k)
 		}
 	}
-	s.state.Unlock()
+	s.State.Unlock()
 	if len(free) == 0 {
 		return false, nil
 	}
@@ -355,9 +355,9 @@ func (s *Session) releaseHold(ctx context.Context, keys []Key, shared bool) (sen
 // releaseFree releases on the server the keys that releaseHold marked.
 func (s *Session) releaseFree(ctx context.Context, free []Key, shared bool) error {
 	err := s.unlockKeys(ctx, free, shared, true)
-	s.forgetKeys(free)
+	s.ForgetKeys(free)
 	if err != nil {
-		s.lose(err)
+		s.Lose(err)
 		if e := s.Err(); e != nil {
 			return e
 		}
@@ -365,17 +365,17 @@ func (s *Session) releaseFree(ctx context.Context, free []Key, shared bool) erro
 	return err
 }
 
-// forgetKeys drops busy keys whose statement has ended and that the
+// ForgetKeys drops busy keys whose statement has ended and that the
 // backend no longer holds, and wakes whoever waits for them.
-func (s *Session) forgetKeys(keys []Key) {
-	s.state.Lock()
+func (s *Session) ForgetKeys(keys []Key) {
+	s.State.Lock()
 	for _, k := range keys {
-		h := s.keys[k]
-		delete(s.keys, k)
-		close(h.busy)
+		h := s.Holds[k]
+		delete(s.Holds, k)
+		close(h.Busy)
 	}
-	empty := len(s.keys) == 0 && s.managed
-	s.state.Unlock()
+	empty := len(s.Holds) == 0 && s.managed
+	s.State.Unlock()
 	if empty {
 		s.c.backendFreed()
 	}
@@ -386,14 +386,14 @@ func (s *Session) forgetKeys(keys []Key) {
 // ErrNotHeld: the session's picture of its locks would be wrong.
 func (s *Session) unlockKeys(ctx context.Context, keys []Key, shared, strict bool) error {
 	if len(keys) == 1 {
-		ok, err := s.callKey(ctx, unlockFunc(shared), keys[0])
+		ok, err := s.CallKey(ctx, UnlockFunc(shared), keys[0])
 		if err == nil && strict && !ok {
-			err = errNotHeldBy(keys[0], s.pid)
+			err = errNotHeldBy(keys[0], s.Pid)
 		}
 		return err
 	}
-	for _, chunk := range chunked(keys) {
-		err := s.run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
+	for _, chunk := range Chunked(keys) {
+		err := s.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
 			return s.unlockStatement(ctx, conn, chunk, shared, strict)
 		})
 		if err != nil {
@@ -406,11 +406,11 @@ func (s *Session) unlockKeys(ctx context.Context, keys []Key, shared, strict boo
 // unlockStatement releases keys (at most one chunk) in one statement on
 // conn, which the caller holds.
 func (s *Session) unlockStatement(ctx context.Context, conn *pgx.Conn, keys []Key, shared, strict bool) error {
-	sql, args := unlockSQL(unlockFunc(shared), keys, s.pid)
+	sql, args := UnlockSQL(UnlockFunc(shared), keys, s.Pid)
 	var one [1]bool
 	ok := one[:]
 	if len(keys) == 1 {
-		if err := s.wrongBackend(s.queryRow(ctx, conn, sql, args, &one[0])); err != nil {
+		if err := s.WrongBackend(s.QueryRow(ctx, conn, sql, args, &one[0])); err != nil {
 			return err
 		}
 	} else {
@@ -419,29 +419,29 @@ func (s *Session) unlockStatement(ctx context.Context, conn *pgx.Conn, keys []Ke
 		for i := range ok {
 			dest[i] = &ok[i]
 		}
-		if err := s.wrongBackend(conn.QueryRow(ctx, sql, args...).Scan(dest...)); err != nil {
+		if err := s.WrongBackend(conn.QueryRow(ctx, sql, args...).Scan(dest...)); err != nil {
 			return err
 		}
 	}
 	for i, k := range keys {
 		if strict && !ok[i] {
-			return errNotHeldBy(k, s.pid)
+			return errNotHeldBy(k, s.Pid)
 		}
 	}
 	return nil
 }
 
-// wrongBackend turns "no row" from a statement guarded by
+// WrongBackend turns "no row" from a statement guarded by
 // WHERE pg_backend_pid() = <the session's pid> into ErrTransactionPooling:
 // the statement ran on another backend, and did nothing there.
-func (s *Session) wrongBackend(err error) error {
+func (s *Session) WrongBackend(err error) error {
 	if errors.Is(err, pgx.ErrNoRows) {
-		return errorf("%w: a statement of backend %d ran on another backend (and did nothing there)", ErrTransactionPooling, s.pid)
+		return Errorf("%w: a statement of backend %d ran on another backend (and did nothing there)", ErrTransactionPooling, s.Pid)
 	}
 	return err
 }
 
-func containsKey(keys []Key, k Key) bool {
+func ContainsKey(keys []Key, k Key) bool {
 	for _, x := range keys {
 		if x == k {
 			return true
@@ -453,13 +453,13 @@ func containsKey(keys []Key, k Key) bool {
 // maxKeysPerStatement bounds the keys one statement takes or releases:
 // PostgreSQL allows at most 1664 select-list entries, and pgx 65535
 // parameters. Larger sets take one round trip per chunk, in order.
-const maxKeysPerStatement = 1000
+const MaxKeysPerStatement = 1000
 
-// chunked yields keys in order, in chunks of at most maxKeysPerStatement.
-func chunked(keys []Key) iter.Seq2[int, []Key] {
+// Chunked yields keys in order, in chunks of at most maxKeysPerStatement.
+func Chunked(keys []Key) iter.Seq2[int, []Key] {
 	return func(yield func(int, []Key) bool) {
 		i := 0
-		for chunk := range slices.Chunk(keys, maxKeysPerStatement) {
+		for chunk := range slices.Chunk(keys, MaxKeysPerStatement) {
 			if !yield(i, chunk) {
 				return
 			}
@@ -468,14 +468,14 @@ func chunked(keys []Key) iter.Seq2[int, []Key] {
 	}
 }
 
-// selectKeys writes "fn(k1), fn(k2), ..." and appends the keys' values.
-func selectKeys(b *strings.Builder, fn string, keys []Key, args []any) []any {
+// SelectKeys writes "fn(k1), fn(k2), ..." and appends the keys' values.
+func SelectKeys(b *strings.Builder, fn string, keys []Key, args []any) []any {
 	for i, k := range keys {
 		if i > 0 {
 			b.WriteString(", ")
 		}
 		var list string
-		list, args = k.sqlArgs(len(args)+1, args)
+		list, args = k.SqlArgs(len(args)+1, args)
 		b.WriteString(fn)
 		b.WriteByte('(')
 		b.WriteString(list)
@@ -484,117 +484,117 @@ func selectKeys(b *strings.Builder, fn string, keys []Key, args []any) []any {
 	return args
 }
 
-// guard appends the backend check.
-func guard(b *strings.Builder, args []any, pid int32) (string, []any) {
+// Guard appends the backend check.
+func Guard(b *strings.Builder, args []any, pid int32) (string, []any) {
 	args = append(args, pid)
 	fmt.Fprintf(b, " WHERE pg_backend_pid() = $%d", len(args))
 	return b.String(), args
 }
 
-// lockSQL applies fn to each key in order, with no backend check: for
+// LockSQL applies fn to each key in order, with no backend check: for
 // transaction-level locks, which need none.
-func lockSQL(fn string, keys []Key) (string, []any) {
+func LockSQL(fn string, keys []Key) (string, []any) {
 	var b strings.Builder
 	b.WriteString("SELECT ")
-	args := selectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)))
+	args := SelectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)))
 	return b.String(), args
 }
 
-// unlockSQL releases keys: one boolean column per key.
-func unlockSQL(fn string, keys []Key, pid int32) (string, []any) {
+// UnlockSQL releases keys: one boolean column per key.
+func UnlockSQL(fn string, keys []Key, pid int32) (string, []any) {
 	if len(keys) == 1 {
-		return singleKeySQL(fn, selectForm, keys[0], pid)
+		return SingleKeySQL(fn, selectForm, keys[0], pid)
 	}
 	var b strings.Builder
 	b.WriteString("SELECT ")
-	args := selectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)+1))
-	return guard(&b, args, pid)
+	args := SelectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)+1))
+	return Guard(&b, args, pid)
 }
 
-// trySQL tries keys in order. For one key it returns one boolean; for more
+// TrySQL tries keys in order. For one key it returns one boolean; for more
 // it stops at the first key it cannot take and returns that key's 1-based
 // position, or 0 if it took them all (CASE evaluates its conditions in
 // order, and only as far as needed).
-func trySQL(fn string, keys []Key, pid int32) (string, []any) {
+func TrySQL(fn string, keys []Key, pid int32) (string, []any) {
 	if len(keys) == 1 {
-		return singleKeySQL(fn, selectForm, keys[0], pid)
+		return SingleKeySQL(fn, selectForm, keys[0], pid)
 	}
 	var b strings.Builder
-	args := tryCase(&b, fn, keys, make([]any, 0, 2*len(keys)+1))
-	return guard(&b, args, pid)
+	args := TryCase(&b, fn, keys, make([]any, 0, 2*len(keys)+1))
+	return Guard(&b, args, pid)
 }
 
-// tryCase writes to b the statement that tries keys in order with fn and
+// TryCase writes to b the statement that tries keys in order with fn and
 // returns args with the keys' arguments added. CASE evaluates its WHEN
 // conditions in order and only as far as needed (PostgreSQL documents
 // this), so it stops at the first key it cannot take and returns that
 // key's 1-based position, or 0 if it took them all:
 //
 //	SELECT CASE WHEN NOT pg_try_advisory_lock($1::int8) THEN 1 WHEN NOT ... THEN 2 ELSE 0 END
-func tryCase(b *strings.Builder, fn string, keys []Key, args []any) []any {
+func TryCase(b *strings.Builder, fn string, keys []Key, args []any) []any {
 	b.WriteString("SELECT CASE")
 	for i, k := range keys {
 		var list string
-		list, args = k.sqlArgs(len(args)+1, args)
+		list, args = k.SqlArgs(len(args)+1, args)
 		fmt.Fprintf(b, " WHEN NOT %s(%s) THEN %d", fn, list, i+1)
 	}
 	b.WriteString(" ELSE 0 END")
 	return args
 }
 
-// waitSQL takes keys, waiting at most the lock_timeout given as the last
+// WaitSQL takes keys, waiting at most the lock_timeout given as the last
 // argument (milliseconds, as text; set for this statement's transaction
 // only) before failing with SQLSTATE 55P03. The caller fills that argument
 // in.
-func waitSQL(fn string, keys []Key, pid int32) (string, []any) {
+func WaitSQL(fn string, keys []Key, pid int32) (string, []any) {
 	if len(keys) == 1 {
-		sql, args := singleKeySQL(fn, waitForm, keys[0], pid)
+		sql, args := SingleKeySQL(fn, waitForm, keys[0], pid)
 		return sql, append(args, "")
 	}
 	var b strings.Builder
 	b.WriteString("SELECT set_config('lock_timeout', $%d, true), ")
-	args := selectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)+2))
-	sql, args := guard(&b, args, pid)
+	args := SelectKeys(&b, fn, keys, make([]any, 0, 2*len(keys)+2))
+	sql, args := Guard(&b, args, pid)
 	return fmt.Sprintf(sql, len(args)+1), append(args, "")
 }
 
-// tryThenWaitSQL takes one key: it tries the key and, only if that
+// TryThenWaitSQL takes one key: it tries the key and, only if that
 // fails, waits for it at most the lock_timeout given as the last argument
 // (which the caller fills in). Its second column is true if the try took
 // the key, false if the statement waited. bare is the same statement
 // without the setting of lock_timeout (see blockingStatement.bare).
-func tryThenWaitSQL(k Key, shared bool, pid int32) (sql, bare string, args []any) {
+func TryThenWaitSQL(k Key, shared bool, pid int32) (sql, bare string, args []any) {
 	_, _, pair := k.Pair()
-	slot := &tryThenWaitTexts[b2i(shared)][b2i(pair)]
+	slot := &tryThenWaitTexts[B2i(shared)][B2i(pair)]
 	texts := slot.Load()
 	if texts == nil {
-		list, args := k.sqlArgs(1, nil)
+		list, args := k.SqlArgs(1, nil)
 		format := "SELECT %s, CASE WHEN %s(%s) THEN true ELSE %s(%s) IS NULL END WHERE pg_backend_pid() = $%d"
 		setting := fmt.Sprintf("set_config('lock_timeout', $%d, true)", len(args)+2)
 		texts = &[2]string{
-			fmt.Sprintf(format, setting, lockFunc(shared, true), list, lockFunc(shared, false), list, len(args)+1),
-			fmt.Sprintf(format, "NULL", lockFunc(shared, true), list, lockFunc(shared, false), list, len(args)+1),
+			fmt.Sprintf(format, setting, LockFunc(shared, true), list, LockFunc(shared, false), list, len(args)+1),
+			fmt.Sprintf(format, "NULL", LockFunc(shared, true), list, LockFunc(shared, false), list, len(args)+1),
 		}
 		slot.Store(texts)
 	}
 	if a, b, pair := k.Pair(); pair {
 		return texts[0], texts[1], []any{a, b, pid, ""}
 	}
-	return texts[0], texts[1], []any{k.v, pid, ""}
+	return texts[0], texts[1], []any{k.V, pid, ""}
 }
 
 // tryThenWaitTexts caches tryThenWaitSQL's texts, by mode (shared) and
 // key form (pair).
 var tryThenWaitTexts [2][2]atomic.Pointer[[2]string]
 
-// singleKeySQL builds the statement for one key from a cache: the common
+// SingleKeySQL builds the statement for one key from a cache: the common
 // case builds no SQL. format has a %s for the key's call and guard, and
 // may have a %d before it for the number of the argument after them.
-func singleKeySQL(fn, format string, k Key, pid int32) (string, []any) {
+func SingleKeySQL(fn, format string, k Key, pid int32) (string, []any) {
 	_, _, pair := k.Pair()
 	var slot *atomic.Pointer[string]
-	if f, ff := slices.Index(keyFuncs[:], fn), slices.Index(singleKeyForms[:], format); f >= 0 && ff >= 0 {
-		slot = &singleKeyTexts[f][ff][b2i(pair)]
+	if f, ff := slices.Index(KeyFuncs[:], fn), slices.Index(SingleKeyForms[:], format); f >= 0 && ff >= 0 {
+		slot = &SingleKeyTexts[f][ff][B2i(pair)]
 	}
 	var sql *string
 	if slot != nil {
@@ -602,8 +602,8 @@ func singleKeySQL(fn, format string, k Key, pid int32) (string, []any) {
 	}
 	if sql == nil {
 		var b strings.Builder
-		args := selectKeys(&b, fn, []Key{k}, nil)
-		text, args := guard(&b, args, pid)
+		args := SelectKeys(&b, fn, []Key{k}, nil)
+		text, args := Guard(&b, args, pid)
 		if strings.Contains(format, "%d") {
 			text = fmt.Sprintf(format, len(args)+1, text)
 		} else {
@@ -617,7 +617,7 @@ func singleKeySQL(fn, format string, k Key, pid int32) (string, []any) {
 	if a, b, pair := k.Pair(); pair {
 		return *sql, []any{a, b, pid}
 	}
-	return *sql, []any{k.v, pid}
+	return *sql, []any{k.V, pid}
 }
 
 // keyFuncs are the advisory lock functions of one key that the lock core
@@ -625,13 +625,13 @@ func singleKeySQL(fn, format string, k Key, pid int32) (string, []any) {
 // singleKeyTexts caches the texts of each, by key form (pair), built on
 // first use. (A function or form not listed is built every time.)
 var (
-	keyFuncs = [...]string{
+	KeyFuncs = [...]string{
 		"pg_try_advisory_lock", "pg_try_advisory_lock_shared",
 		"pg_advisory_lock", "pg_advisory_lock_shared",
 		"pg_advisory_unlock", "pg_advisory_unlock_shared",
 	}
-	singleKeyForms = [...]string{selectForm, waitForm}
-	singleKeyTexts [len(keyFuncs)][len(singleKeyForms)][2]atomic.Pointer[string]
+	SingleKeyForms = [...]string{selectForm, waitForm}
+	SingleKeyTexts [len(KeyFuncs)][len(SingleKeyForms)][2]atomic.Pointer[string]
 )
 
 // The forms of singleKeySQL: the call alone, and the call after the
@@ -641,15 +641,15 @@ const (
 	waitForm   = "SELECT set_config('lock_timeout', $%d, true), %s"
 )
 
-// b2i is 1 for true and 0 for false.
-func b2i(b bool) int {
+// B2i is 1 for true and 0 for false.
+func B2i(b bool) int {
 	if b {
 		return 1
 	}
 	return 0
 }
 
-func lockFunc(shared, try bool) string {
+func LockFunc(shared, try bool) string {
 	switch {
 	case shared && try:
 		return "pg_try_advisory_lock_shared"
@@ -661,20 +661,20 @@ func lockFunc(shared, try bool) string {
 	return "pg_advisory_lock"
 }
 
-func unlockFunc(shared bool) string {
+func UnlockFunc(shared bool) string {
 	if shared {
 		return "pg_advisory_unlock_shared"
 	}
 	return "pg_advisory_unlock"
 }
 
-// sqlArgs returns the SQL argument list text for k starting at placeholder
+// SqlArgs returns the SQL argument list text for k starting at placeholder
 // $n, and appends k's values to args: "$n" for a bigint key, "$n, $n+1" for
 // a pair key (typed so the right PostgreSQL overload is chosen).
-func (k Key) sqlArgs(n int, args []any) (string, []any) {
+func (k Key) SqlArgs(n int, args []any) (string, []any) {
 	if k.kind == kindPair {
 		a, b, _ := k.Pair()
 		return fmt.Sprintf("$%d::int4, $%d::int4", n, n+1), append(args, a, b)
 	}
-	return fmt.Sprintf("$%d::int8", n), append(args, k.v)
+	return fmt.Sprintf("$%d::int8", n), append(args, k.V)
 }

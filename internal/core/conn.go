@@ -1,4 +1,4 @@
-package pgcoord
+package core
 
 import (
 	"context"
@@ -34,23 +34,23 @@ type connectCall struct {
 // newSession opens a dedicated connection and prepares it for holding locks.
 // ctx bounds the connect.
 func (c *Client) newSession(ctx context.Context, managed bool) (*Session, error) {
-	conn, pid, err := c.connect(ctx)
+	conn, pid, err := c.Connect(ctx)
 	if err != nil {
 		return nil, err
 	}
 	if err := prepareHot(ctx, conn); err != nil {
-		closeConn(conn, c.cfg.lossDeadline)
+		CloseConn(conn, c.Cfg.LossDeadline)
 		return nil, err
 	}
 	s := &Session{
 		c:        c,
 		conn:     conn,
-		pid:      pid,
+		Pid:      pid,
 		managed:  managed,
 		use:      make(chan struct{}, 1),
 		waitTurn: make(chan struct{}, 1),
-		lastOK:   time.Now(),
-		keys:     make(map[Key]*keyHold),
+		LastOK:   time.Now(),
+		Holds:    make(map[Key]*keyHold),
 		locks:    make(map[*Lock]struct{}),
 		done:     make(chan struct{}),
 		stopHB:   make(chan struct{}),
@@ -59,44 +59,44 @@ func (c *Client) newSession(ctx context.Context, managed bool) (*Session, error)
 		traced:   conn.Config().Tracer != nil,
 	}
 	// The lease's callback reads s.lease under s.state.
-	s.state.Lock()
-	s.lease = time.AfterFunc(c.cfg.lossDeadline, s.checkLease)
-	s.state.Unlock()
+	s.State.Lock()
+	s.lease = time.AfterFunc(c.Cfg.LossDeadline, s.checkLease)
+	s.State.Unlock()
 	go s.heartbeat()
 	return s, nil
 }
 
-// openSession opens a session of its own (not one of the Client's shared
+// OpenSession opens a session of its own (not one of the Client's shared
 // backends) and records it so Close can end it. The connection is opened
 // in the background, bounded by the connect timeout and by Close; ctx
 // bounds only the wait for it, and a session that is ready after ctx ended
 // is closed. It returns ErrClosed if the Client was closed meanwhile, and
 // a failure to connect as a connectFailure (see connectFailed), as
 // startConnect does.
-func (c *Client) openSession(ctx context.Context) (*Session, error) {
+func (c *Client) OpenSession(ctx context.Context) (*Session, error) {
 	type opened struct {
 		s   *Session
 		err error
 	}
 	ch := make(chan opened, 1)
-	c.wg.Add(1)
+	c.Wg.Add(1)
 	go func() {
-		defer c.wg.Done()
-		cctx, cancel := context.WithTimeout(c.closing, c.connectTimeout)
+		defer c.Wg.Done()
+		cctx, cancel := context.WithTimeout(c.Closing, c.ConnectTimeout)
 		s, err := c.newSession(cctx, false)
 		cancel()
 		if err == nil {
-			c.mu.Lock()
-			closed := c.closed
+			c.Mu.Lock()
+			closed := c.Closed
 			if !closed {
-				c.sessions[s] = struct{}{}
+				c.Sessions[s] = struct{}{}
 			}
-			c.mu.Unlock()
+			c.Mu.Unlock()
 			if closed {
 				s.close(context.Background())
 				s, err = nil, ErrClosed
 			}
-		} else if c.closing.Err() != nil {
+		} else if c.Closing.Err() != nil {
 			err = ErrClosed
 		} else {
 			err = connectFailed(err)
@@ -107,9 +107,9 @@ func (c *Client) openSession(ctx context.Context) (*Session, error) {
 	case o := <-ch:
 		return o.s, o.err
 	case <-ctx.Done():
-		c.wg.Add(1)
+		c.Wg.Add(1)
 		go func() {
-			defer c.wg.Done()
+			defer c.Wg.Done()
 			if o := <-ch; o.s != nil {
 				o.s.close(context.Background())
 			}
@@ -124,13 +124,13 @@ func (c *Client) startConnect() *connectCall {
 	call := &connectCall{done: make(chan struct{})}
 	c.connects = append(c.connects, call)
 	c.opening++
-	c.wg.Add(1)
+	c.Wg.Add(1)
 	go func() {
-		defer c.wg.Done()
-		ctx, cancel := context.WithTimeout(c.closing, c.connectTimeout)
+		defer c.Wg.Done()
+		ctx, cancel := context.WithTimeout(c.Closing, c.ConnectTimeout)
 		s, err := c.newSession(ctx, true)
 		cancel()
-		c.mu.Lock()
+		c.Mu.Lock()
 		c.opening--
 		for i, x := range c.connects {
 			if x == call {
@@ -140,18 +140,18 @@ func (c *Client) startConnect() *connectCall {
 		}
 		switch {
 		case err != nil:
-			if cause := context.Cause(ctx); c.closed && cause != nil {
+			if cause := context.Cause(ctx); c.Closed && cause != nil {
 				err = cause
 			} else {
 				err = connectFailed(err)
 			}
-		case c.closed:
+		case c.Closed:
 			err = ErrClosed
 		default:
-			c.sessions[s] = struct{}{}
-			c.backends = append(c.backends, s)
+			c.Sessions[s] = struct{}{}
+			c.Backends = append(c.Backends, s)
 		}
-		c.mu.Unlock()
+		c.Mu.Unlock()
 		c.backendFreed()
 		if err != nil && s != nil {
 			s.close(context.Background())
@@ -215,7 +215,7 @@ func permanentConnectError(err error) bool {
 	if errors.Is(err, ErrTransactionPooling) || errors.Is(err, errConnConfig) {
 		return true
 	}
-	code := sqlState(err)
+	code := SqlState(err)
 	return strings.HasPrefix(code, "28") || code == "3D000" || code == "42501" || code == "42704" || code == "22023"
 }
 
@@ -229,9 +229,9 @@ var errConnConfig = errors.New("pgcoord: unusable connection config")
 func checkConnConfig(cc *pgx.ConnConfig) error {
 	switch {
 	case cc.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement && cc.StatementCacheCapacity <= 0:
-		return errorf("open connection: %w: statement_cache_capacity is 0 with default_query_exec_mode cache_statement, which pgx refuses for every statement with arguments (cannot use QueryExecModeCacheStatement with disabled statement cache); give the statement cache a capacity, or set default_query_exec_mode to describe_exec or exec", errConnConfig)
+		return Errorf("open connection: %w: statement_cache_capacity is 0 with default_query_exec_mode cache_statement, which pgx refuses for every statement with arguments (cannot use QueryExecModeCacheStatement with disabled statement cache); give the statement cache a capacity, or set default_query_exec_mode to describe_exec or exec", errConnConfig)
 	case cc.DefaultQueryExecMode == pgx.QueryExecModeCacheDescribe && cc.DescriptionCacheCapacity <= 0:
-		return errorf("open connection: %w: description_cache_capacity is 0 with default_query_exec_mode cache_describe, which pgx refuses for every statement with arguments (cannot use QueryExecModeCacheDescribe with disabled description cache); give the description cache a capacity, or set default_query_exec_mode to describe_exec or exec", errConnConfig)
+		return Errorf("open connection: %w: description_cache_capacity is 0 with default_query_exec_mode cache_describe, which pgx refuses for every statement with arguments (cannot use QueryExecModeCacheDescribe with disabled description cache); give the description cache a capacity, or set default_query_exec_mode to describe_exec or exec", errConnConfig)
 	}
 	return nil
 }
@@ -245,18 +245,18 @@ func (c *Client) anyConnect() *connectCall {
 	return c.startConnect()
 }
 
-// connect opens a dedicated connection through the pool's connect path
+// Connect opens a dedicated connection through the pool's connect path
 // (its dialer, wrapped, and its BeforeConnect and AfterConnect hooks) and
 // prepares it for holding locks. It returns the connection and its backend
 // pid.
-func (c *Client) connect(ctx context.Context) (*pgx.Conn, int32, error) {
+func (c *Client) Connect(ctx context.Context) (*pgx.Conn, int32, error) {
 	conn, err := c.dial(ctx)
 	if err != nil {
 		return nil, 0, err
 	}
 	pid, err := c.prepare(ctx, conn)
 	if err != nil {
-		closeConn(conn, c.cfg.lossDeadline)
+		CloseConn(conn, c.Cfg.LossDeadline)
 		return nil, 0, err
 	}
 	return conn, pid, nil
@@ -265,18 +265,18 @@ func (c *Client) connect(ctx context.Context) (*pgx.Conn, int32, error) {
 // A hotStatement is a statement of a session's common path, with
 // arguments that make it do nothing: a pid guard of 0 matches no backend.
 type hotStatement struct {
-	sql  string
+	Sql  string
 	args []any
 }
 
 // hotStatements are the statements of Lock, TryLock and Unlock of one
 // bigint key, and of the heartbeat.
-var hotStatements = sync.OnceValue(func() []hotStatement {
+var HotStatements = sync.OnceValue(func() []hotStatement {
 	k := []Key{Int64Key(0)}
-	try, tryArgs := trySQL(lockFunc(false, true), k, 0)
-	wait, waitArgs := waitSQL(lockFunc(false, false), k, 0)
-	unlock, unlockArgs := unlockSQL(unlockFunc(false), k, 0)
-	return []hotStatement{{try, tryArgs}, {wait, waitArgs}, {unlock, unlockArgs}, {pingSQL, nil}}
+	try, tryArgs := TrySQL(LockFunc(false, true), k, 0)
+	wait, waitArgs := WaitSQL(LockFunc(false, false), k, 0)
+	unlock, unlockArgs := UnlockSQL(UnlockFunc(false), k, 0)
+	return []hotStatement{{try, tryArgs}, {wait, waitArgs}, {unlock, unlockArgs}, {PingSQL, nil}}
 })
 
 // prepareHot prepares hotStatements on a session's new connection and
@@ -286,12 +286,12 @@ var hotStatements = sync.OnceValue(func() []hotStatement {
 // and more on a loaded machine, where a tight deadline would then miss on
 // a connection that was ready.
 func prepareHot(ctx context.Context, conn *pgx.Conn) error {
-	for _, h := range hotStatements() {
-		if _, err := conn.Prepare(ctx, h.sql, h.sql); err != nil {
-			return errorf("prepare session connection: %w", err)
+	for _, h := range HotStatements() {
+		if _, err := conn.Prepare(ctx, h.Sql, h.Sql); err != nil {
+			return Errorf("prepare session connection: %w", err)
 		}
-		if _, err := conn.Exec(ctx, h.sql, h.args...); err != nil {
-			return errorf("prepare session connection: %w", err)
+		if _, err := conn.Exec(ctx, h.Sql, h.args...); err != nil {
+			return Errorf("prepare session connection: %w", err)
 		}
 	}
 	return nil
@@ -304,7 +304,7 @@ func (c *Client) dial(ctx context.Context) (*pgx.Conn, error) {
 	watchNotices(cc)
 	if c.beforeConnect != nil {
 		if err := c.beforeConnect(ctx, cc); err != nil {
-			return nil, errorf("open connection: BeforeConnect: %w", err)
+			return nil, Errorf("open connection: BeforeConnect: %w", err)
 		}
 	}
 	if err := checkConnConfig(cc); err != nil {
@@ -316,8 +316,8 @@ func (c *Client) dial(ctx context.Context) (*pgx.Conn, error) {
 	}
 	if c.afterConnect != nil {
 		if err := c.afterConnect(ctx, conn); err != nil {
-			closeConn(conn, c.cfg.lossDeadline)
-			return nil, errorf("open connection: AfterConnect: %w", err)
+			CloseConn(conn, c.Cfg.LossDeadline)
+			return nil, Errorf("open connection: AfterConnect: %w", err)
 		}
 	}
 	return conn, nil
@@ -326,10 +326,10 @@ func (c *Client) dial(ctx context.Context) (*pgx.Conn, error) {
 // connectError explains a failed connect; running out of connection slots
 // wraps ErrTooManyConnections.
 func connectError(err error) error {
-	if sqlState(err) == "53300" {
-		return errorf("open connection: %w: the server has no free connection slot (SQLSTATE 53300); raise max_connections, close idle connections elsewhere, or lower WithMaxWaits: %w", ErrTooManyConnections, err)
+	if SqlState(err) == "53300" {
+		return Errorf("open connection: %w: the server has no free connection slot (SQLSTATE 53300); raise max_connections, close idle connections elsewhere, or lower WithMaxWaits: %w", ErrTooManyConnections, err)
 	}
-	return errorf("open connection: %w", err)
+	return Errorf("open connection: %w", err)
 }
 
 // prepare applies the session settings to conn's backend and checks that
@@ -349,36 +349,36 @@ func connectError(err error) error {
 // Settings are applied with a statement guarded by the backend's pid, which
 // does nothing on another backend.
 func (c *Client) prepare(ctx context.Context, conn *pgx.Conn) (int32, error) {
-	major := serverMajor(conn.PgConn().ParameterStatus("server_version"))
+	major := ServerMajor(conn.PgConn().ParameterStatus("server_version"))
 	pid, err := c.setup(ctx, conn, major, int32(conn.PgConn().PID()))
 	if !errors.Is(err, pgx.ErrNoRows) {
 		return pid, err
 	}
-	if !c.cfg.sessionPooler {
-		return 0, errorf("%w: a connection pooler is between pgcoord and the server (the backend pid differs from the one announced at connect); session locks cannot work through transaction pooling: use the Xact functions, or, if the pooler runs in session mode, pass WithSessionPooler", ErrTransactionPooling)
+	if !c.Cfg.SessionPooler {
+		return 0, Errorf("%w: a connection pooler is between pgcoord and the server (the backend pid differs from the one announced at connect); session locks cannot work through transaction pooling: use the Xact functions, or, if the pooler runs in session mode, pass WithSessionPooler", ErrTransactionPooling)
 	}
 	probe, err := c.dial(ctx)
 	if err != nil {
 		return 0, err
 	}
-	defer closeConn(probe, c.cfg.lossDeadline)
+	defer CloseConn(probe, c.Cfg.LossDeadline)
 	var inRecovery bool
 	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid(), pg_is_in_recovery()").Scan(&pid, &inRecovery); err != nil {
-		return 0, errorf("prepare session connection: %w", err)
+		return 0, Errorf("prepare session connection: %w", err)
 	}
 	if inRecovery {
 		return 0, readOnlyError()
 	}
 	var other int32
 	if err := probe.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&other); err != nil {
-		return 0, errorf("prepare session connection: probe: %w", err)
+		return 0, Errorf("prepare session connection: probe: %w", err)
 	}
 	if other == pid {
-		return 0, errorf("%w: two client connections share backend %d (the pooler pools transactions, not sessions); use the Xact functions", ErrTransactionPooling, pid)
+		return 0, Errorf("%w: two client connections share backend %d (the pooler pools transactions, not sessions); use the Xact functions", ErrTransactionPooling, pid)
 	}
 	got, err := c.setup(ctx, conn, major, pid)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, errorf("%w: the backend changed between two statements (the pooler pools transactions, not sessions); use the Xact functions", ErrTransactionPooling)
+		return 0, Errorf("%w: the backend changed between two statements (the pooler pools transactions, not sessions); use the Xact functions", ErrTransactionPooling)
 	}
 	return got, err
 }
@@ -386,7 +386,7 @@ func (c *Client) prepare(ctx context.Context, conn *pgx.Conn) (int32, error) {
 // setup runs the settings statement guarded by pid; pgx.ErrNoRows means it
 // ran on another backend and did nothing.
 func (c *Client) setup(ctx context.Context, conn *pgx.Conn, major int, pid int32) (int32, error) {
-	sql, args := setupSQL(c.cfg, major, pid)
+	sql, args := setupSQL(c.Cfg, major, pid)
 	var got int32
 	var inRecovery bool
 	dest := []any{&got, &inRecovery}
@@ -398,7 +398,7 @@ func (c *Client) setup(ctx context.Context, conn *pgx.Conn, major int, pid int32
 	case errors.Is(err, pgx.ErrNoRows):
 		return 0, err
 	case err != nil:
-		return 0, errorf("prepare session connection: %w", err)
+		return 0, Errorf("prepare session connection: %w", err)
 	case inRecovery:
 		return 0, readOnlyError()
 	}
@@ -406,11 +406,11 @@ func (c *Client) setup(ctx context.Context, conn *pgx.Conn, major int, pid int32
 }
 
 func readOnlyError() error {
-	return errorf("%w: pg_is_in_recovery() is true; connect to the primary", ErrReadOnly)
+	return Errorf("%w: pg_is_in_recovery() is true; connect to the primary", ErrReadOnly)
 }
 
-// closeConn closes a connection that holds nothing, bounded by d.
-func closeConn(conn *pgx.Conn, d time.Duration) {
+// CloseConn closes a connection that holds nothing, bounded by d.
+func CloseConn(conn *pgx.Conn, d time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	defer cancel()
 	_ = conn.Close(ctx)
