@@ -419,7 +419,7 @@ func TestHandoff(t *testing.T) {
 	pgtest.Eventually(t, testTimeout, "local waiter queued", func() bool {
 		c.core.Gates.Mu.Lock()
 		defer c.core.Gates.Mu.Unlock()
-		return c.core.Gates.M[k.core] != nil && len(c.core.Gates.M[k.core].Queue) == 1
+		return c.core.Gates.M[k.coreKey()] != nil && len(c.core.Gates.M[k.coreKey()].Queue) == 1
 	})
 	pid := first.core.S.PID()
 	mustUnlock(t, first)
@@ -450,7 +450,7 @@ func TestHandoff(t *testing.T) {
 		pgtest.Eventually(t, testTimeout, "local waiter queued", func() bool {
 			c.core.Gates.Mu.Lock()
 			defer c.core.Gates.Mu.Unlock()
-			return len(c.core.Gates.M[k.core].Queue) == 1
+			return len(c.core.Gates.M[k.coreKey()].Queue) == 1
 		})
 		mustUnlock(t, cur)
 		select {

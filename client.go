@@ -18,6 +18,20 @@ type Client struct {
 	coordState
 }
 
+// engine returns c's lock core: nil for a nil Client, and a zero one for a
+// Client that New or Open did not make, so that the checks of the core's
+// methods (a nil ctx, first) come as they did before the core had its own
+// package.
+func (c *Client) engine() *core.Client {
+	if c == nil {
+		return nil
+	}
+	if c.core == nil {
+		return new(core.Client)
+	}
+	return c.core
+}
+
 // Close ends every session and lock of the Client (their Done channels
 // close, their Err is ErrClosed), makes waiting acquires return ErrClosed,
 // waits for background work to finish, and closes the pool if Open made
@@ -32,7 +46,7 @@ type Client struct {
 // returns within the loss deadline whatever the pool and the server do.
 // It returns every release error, joined (with ctx's error when ctx ended
 // first); calling it again returns nil.
-func (c *Client) Close(ctx context.Context) error { return c.core.Close(ctx) }
+func (c *Client) Close(ctx context.Context) error { return c.engine().Close(ctx) }
 
 // Lock blocks until it holds key exclusively, on one of the Client's
 // dedicated connections, and returns the held lock. ctx bounds only the
@@ -52,7 +66,7 @@ func (c *Client) Close(ctx context.Context) error { return c.core.Close(ctx) }
 // [ErrInvalidKey]; [ErrNotMigrated] (with WithFence); or
 // [ErrTransactionPooling].
 func (c *Client) Lock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
-	return lockOf(c.core.Lock(ctx, key.core, coreLockOptions(opts)...))
+	return lockOf(c.engine().Lock(ctx, key.coreKey(), coreLockOptions(opts)...))
 }
 
 // TryLock takes key exclusively if nobody holds it, without waiting. It
@@ -64,7 +78,7 @@ func (c *Client) Lock(ctx context.Context, key Key, opts ...LockOption) (*Lock, 
 // reached (after one more attempt on another connection if its
 // connection was lost). Other errors are as for Lock.
 func (c *Client) TryLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
-	return lockOf(c.core.TryLock(ctx, key.core, coreLockOptions(opts)...))
+	return lockOf(c.engine().TryLock(ctx, key.coreKey(), coreLockOptions(opts)...))
 }
 
 // RLock blocks until it holds key shared: any number of shared holders
@@ -78,14 +92,14 @@ func (c *Client) TryLock(ctx context.Context, key Key, opts ...LockOption) (*Loc
 // for the first. ctx, opts and errors are as for Lock, except that
 // [WithFence] is refused (a fence orders exclusive holders).
 func (c *Client) RLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
-	return lockOf(c.core.RLock(ctx, key.core, coreLockOptions(opts)...))
+	return lockOf(c.engine().RLock(ctx, key.coreKey(), coreLockOptions(opts)...))
 }
 
 // TryRLock takes key shared if no exclusive holder has it, without
 // waiting; otherwise it returns an error wrapping [ErrLocked]. ctx, opts
 // and other errors are as for RLock.
 func (c *Client) TryRLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
-	return lockOf(c.core.TryRLock(ctx, key.core, coreLockOptions(opts)...))
+	return lockOf(c.engine().TryRLock(ctx, key.coreKey(), coreLockOptions(opts)...))
 }
 
 // LockAll blocks until it holds every key exclusively, or none. Keys are
@@ -96,7 +110,7 @@ func (c *Client) TryRLock(ctx context.Context, key Key, opts ...LockOption) (*Lo
 // LockAll takes no LockOption: its variadic parameter is the keys, and
 // the one option there is, [WithFence], orders single-key holders.
 func (c *Client) LockAll(ctx context.Context, keys ...Key) (*Lock, error) {
-	return lockOf(c.core.LockAll(ctx, coreKeys(keys)...))
+	return lockOf(c.engine().LockAll(ctx, coreKeys(keys)...))
 }
 
 // Stat is a snapshot of a Client's use of the server, like pgxpool.Stat.
@@ -112,18 +126,18 @@ type Stat struct {
 }
 
 // Stat returns a snapshot of the Client's connections, waits and locks.
-func (c *Client) Stat() Stat { return Stat(c.core.Stat()) }
+func (c *Client) Stat() Stat { return Stat(c.engine().Stat()) }
 
 // Warm opens the Client's shared backends now, so that the first locks do
 // not wait for a connection. ctx bounds the wait; the connections go on
 // opening in the background if it ends first. It returns the first
 // connection error, or ctx's.
-func (c *Client) Warm(ctx context.Context) error { return c.core.Warm(ctx) }
+func (c *Client) Warm(ctx context.Context) error { return c.engine().Warm(ctx) }
 
 // DefaultMaxWaits is how many blocking acquires of one Client wait on the
 // server at once unless WithMaxWaits says otherwise; DefaultSharedBackends
 // is how many backends serve its tries and hold its locks.
 const (
-	DefaultMaxWaits       = core.DefaultMaxWaits
-	DefaultSharedBackends = core.DefaultSharedBackends
+	DefaultMaxWaits       = 4
+	DefaultSharedBackends = 2
 )

@@ -507,7 +507,7 @@ func pingPong(b *testing.B, ctx context.Context, waiter *sync.WaitGroup, take, g
 // poll is a round trip), bounded by testTimeout.
 func awaitWaiter(b *testing.B, conn *pgx.Conn, k Key, asleep bool) {
 	b.Helper()
-	classid, objid, objsubid := k.core.LockColumns()
+	classid, objid, objsubid := k.coreKey().LockColumns()
 	deadline := time.Now().Add(testTimeout)
 	for {
 		var n int

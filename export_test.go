@@ -63,7 +63,7 @@ func lockBackendPID(l *core.Lock) int32 { return l.S.PID() }
 func gateWaiters(c *Client, k Key) int {
 	c.core.Gates.Mu.Lock()
 	defer c.core.Gates.Mu.Unlock()
-	if g := c.core.Gates.M[k.core]; g != nil {
+	if g := c.core.Gates.M[k.coreKey()]; g != nil {
 		return len(g.Queue)
 	}
 	return 0
@@ -74,6 +74,6 @@ func gateWaiters(c *Client, k Key) int {
 func gatePassedExclusive(c *Client, k Key) bool {
 	c.core.Gates.Mu.Lock()
 	defer c.core.Gates.Mu.Unlock()
-	g := c.core.Gates.M[k.core]
+	g := c.core.Gates.M[k.coreKey()]
 	return g != nil && g.Writer
 }

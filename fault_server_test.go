@@ -297,7 +297,7 @@ func TestFaultFailover(t *testing.T) {
 	replica := pgtest.Conn(t, sdsn)
 	pgtest.Eventually(t, testTimeout, "the fence replicates", func() bool {
 		var n int64
-		space, key := core.FenceRow(k.core)
+		space, key := core.FenceRow(k.coreKey())
 		err := replica.QueryRow(ctx, "SELECT coalesce(max(fence), 0) FROM pgcoord.fences WHERE key_space = $1 AND key = $2", space, key).Scan(&n)
 		return err == nil && Term(n) == l.Fence()
 	})

@@ -14,7 +14,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/pgcoord/pgcoord/internal/xactsql"
-) // CheckFence verifies, inside tx, that fence is still the newest fence
+)
+
+// CheckFence verifies, inside tx, that fence is still the newest fence
 // issued for key, and keeps it so until tx ends. Call it in the transaction
 // that writes the data the lock protects, before committing:
 //
@@ -91,9 +93,9 @@ import (
 func CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term, opts ...FenceOption) error {
 	c, err := newFenceConfig(opts)
 	if err != nil {
-		return core.Errorf("check fence %s: %w", core.KeyList([]core.Key{key.core}), err)
+		return core.Errorf("check fence %s: %w", core.KeyList([]core.Key{key.coreKey()}), err)
 	}
-	return checkFencePgx(ctx, c, tx, key.core, fence)
+	return checkFencePgx(ctx, c, tx, key.coreKey(), fence)
 }
 
 // CheckFence is [CheckFence] in the Client's schema ([WithSchema]): it
@@ -105,10 +107,10 @@ func (c *Client) CheckFence(ctx context.Context, tx pgx.Tx, key Key, fence Term)
 	if ctx == nil {
 		return core.Errorf("check fence %s: ctx is nil", key)
 	}
-	if err := c.core.RefuseClosed(); err != nil {
+	if err := c.engine().RefuseClosed(); err != nil {
 		return core.Errorf("check fence %s: %w", key, err)
 	}
-	return checkFencePgx(ctx, c.core.Cfg, tx, key.core, fence)
+	return checkFencePgx(ctx, c.engine().Cfg, tx, key.coreKey(), fence)
 }
 
 func checkFencePgx(ctx context.Context, c *core.Config, tx pgx.Tx, key core.Key, fence Term) error {

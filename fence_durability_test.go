@@ -73,7 +73,7 @@ func lazyWALServer(t *testing.T, ctx context.Context, level string) (*pgtest.Ser
 // no row for k.
 func storedFence(t *testing.T, ctx context.Context, conn *pgx.Conn, k Key) int64 {
 	t.Helper()
-	space, key := core.FenceRow(k.core)
+	space, key := core.FenceRow(k.coreKey())
 	var fence int64
 	err := conn.QueryRow(ctx, "SELECT coalesce((SELECT fence FROM "+pgx.Identifier{DefaultSchema, "fences"}.Sanitize()+
 		" WHERE key_space = $1 AND key = $2), 0)", space, key).Scan(&fence)
@@ -315,7 +315,7 @@ func TestTokensWaitForSynchronousStandby(t *testing.T) {
 	}
 	// The fence waits longer than a glance on the lock's backend, so it
 	// waits on another backend of the Client, in slices.
-	space, key := core.FenceRow(kB.core)
+	space, key := core.FenceRow(kB.coreKey())
 	pgtest.Eventually(t, testTimeout, "kB's fence waits for the CheckFence transaction away from the lock's backend", func() bool {
 		var n int
 		err := pconn.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%fences%'

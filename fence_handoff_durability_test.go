@@ -27,7 +27,7 @@ func TestHandedOverLockFenceWaitsForSynchronousStandby(t *testing.T) {
 	}
 	f1 := first.Fence()
 	// Another lock on the same backend, which must live through the stall.
-	other, err := first.core.S.Lock(ctx, kOther.core)
+	other, err := first.core.S.Lock(ctx, kOther.coreKey())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -137,7 +137,7 @@ func TestCheckFenceWaitsForFenceBeingIssued(t *testing.T) {
 					}
 					defer other.Release()
 					issued := make(chan error, 1)
-					go func() { _, err := core.NextFence(ctx, other, c, k.core); issued <- err }()
+					go func() { _, err := core.NextFence(ctx, other, c, k.coreKey()); issued <- err }()
 					waitBlockedBy(t, ctx, pool, other.Conn().PgConn().PID(), pid)
 					if err := tx.Commit(ctx); err != nil {
 						t.Fatal(err)

@@ -43,7 +43,7 @@ func mustNextFence(t *testing.T, ctx context.Context, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }, c *core.Config, k Key) int64 {
 	t.Helper()
-	f, err := core.NextFence(ctx, q, c, k.core)
+	f, err := core.NextFence(ctx, q, c, k.coreKey())
 	if err != nil {
 		t.Fatalf("nextFence(%v): %v", k, err)
 	}
@@ -103,7 +103,7 @@ func TestNextFenceIncreasingAndPerKey(t *testing.T) {
 		t.Fatalf("fences table = %q, want %q", got, want)
 	}
 
-	if _, err := core.NextFence(ctx, pool, c, Key{}.core); !errors.Is(err, ErrInvalidKey) {
+	if _, err := core.NextFence(ctx, pool, c, Key{}.coreKey()); !errors.Is(err, ErrInvalidKey) {
 		t.Fatalf("nextFence(zero Key) = %v, want ErrInvalidKey", err)
 	}
 }
@@ -123,7 +123,7 @@ func TestNextFenceRowsMatchPgLocks(t *testing.T) {
 		HashKey("invoice", "42"),
 	} {
 		mustNextFence(t, ctx, pool, c, k)
-		arg, args := k.core.SqlArgs(1, nil)
+		arg, args := k.coreKey().SqlArgs(1, nil)
 		if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock("+arg+")", args...); err != nil {
 			t.Fatal(err)
 		}
@@ -167,7 +167,7 @@ func TestNextFenceConcurrentUnique(t *testing.T) {
 	for range workers {
 		wg.Go(func() {
 			for range each {
-				f, err := core.NextFence(ctx, pool, c, k.core)
+				f, err := core.NextFence(ctx, pool, c, k.coreKey())
 				if err != nil {
 					errs <- err
 					return
@@ -196,7 +196,7 @@ func TestNextFenceNotMigrated(t *testing.T) {
 	dsn := pgtest.DB(t)
 	pool := pgtest.Pool(t, dsn)
 	c := mustFenceConfig(t)
-	_, err := core.NextFence(ctx, pool, c, Int64Key(1).core)
+	_, err := core.NextFence(ctx, pool, c, Int64Key(1).coreKey())
 	if !errors.Is(err, ErrNotMigrated) || !strings.Contains(err.Error(), `"pgcoord"`) {
 		t.Fatalf("nextFence before Migrate = %v, want ErrNotMigrated naming the schema", err)
 	}
@@ -210,14 +210,14 @@ func TestNextFenceNotMigrated(t *testing.T) {
 		t.Fatal(err)
 	}
 	other := mustFenceConfig(t, WithSchema("elsewhere"))
-	if _, err := core.NextFence(ctx, pool, other, Int64Key(1).core); !errors.Is(err, ErrNotMigrated) || !strings.Contains(err.Error(), `"elsewhere"`) {
+	if _, err := core.NextFence(ctx, pool, other, Int64Key(1).coreKey()); !errors.Is(err, ErrNotMigrated) || !strings.Contains(err.Error(), `"elsewhere"`) {
 		t.Fatalf("nextFence in an unmigrated schema = %v, want ErrNotMigrated naming it", err)
 	}
 	// The schema exists, the table does not.
 	if _, err := pool.Exec(ctx, "CREATE SCHEMA elsewhere"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := core.NextFence(ctx, pool, other, Int64Key(1).core); !errors.Is(err, ErrNotMigrated) {
+	if _, err := core.NextFence(ctx, pool, other, Int64Key(1).coreKey()); !errors.Is(err, ErrNotMigrated) {
 		t.Fatalf("nextFence in a schema without fences = %v, want ErrNotMigrated", err)
 	}
 }
@@ -418,7 +418,7 @@ func TestCheckFenceHoldsOffNewerFence(t *testing.T) {
 			}
 			done := make(chan issued, 1)
 			go func() {
-				f, err := core.NextFence(ctx, issuer, c, k.core)
+				f, err := core.NextFence(ctx, issuer, c, k.coreKey())
 				done <- issued{f, err}
 			}()
 

@@ -75,11 +75,11 @@ func TestHASwitchoverAndBack(t *testing.T) {
 	}
 	a, b := parties[0], parties[1]
 	watched := map[Key]string{
-		k:                   "fenced lock",
-		a.e.Key():           "election lock",
-		Key{a.e.guard}:      "election guard",
-		Key{a.s.slotKey(0)}: "permit slot 0",
-		Key{a.s.queueKey()}: "permit queue",
+		k:                     "fenced lock",
+		a.e.Key():             "election lock",
+		keyOf(a.e.guard):      "election guard",
+		keyOf(a.s.slotKey(0)): "permit slot 0",
+		keyOf(a.s.queueKey()): "permit queue",
 	}
 	w := watchLocks(t, cluster, db, watched)
 	defer w.stop()
@@ -97,7 +97,7 @@ func TestHASwitchoverAndBack(t *testing.T) {
 		waits := waiter.wait(ctx, k, a, b)
 		queued := func() (lock, leader, permit bool) {
 			return w.waiting(primary, k), w.waiting(primary, a.e.Key()),
-				w.waiting(primary, Key{a.s.slotKey(0)}) || w.granted(primary, Key{a.s.queueKey()})
+				w.waiting(primary, keyOf(a.s.slotKey(0))) || w.granted(primary, keyOf(a.s.queueKey()))
 		}
 		ok := pgtest.Poll(testTimeout, func() bool {
 			lock, leader, permit := queued()
@@ -379,7 +379,7 @@ func (hs *haHolds) list(k Key) []haHold {
 	return []haHold{
 		{what: "fenced lock", key: k, pid: hs.lock.core.S.PID(), at: hs.lockAt, done: hs.watch["lock"], err: hs.lock.Err},
 		{what: "leadership of " + hs.leaderParty.name, key: hs.leaderParty.e.Key(), pid: hs.leader.lock.S.PID(), at: hs.leaderAt, done: hs.watch["leader"], err: hs.leader.Err},
-		{what: "permit", key: Key{hs.party.s.slotKey(hs.permit.Slot())}, pid: hs.permit.l.S.PID(), at: hs.permitAt, done: hs.watch["permit"], err: hs.permit.Err},
+		{what: "permit", key: keyOf(hs.party.s.slotKey(hs.permit.Slot())), pid: hs.permit.l.S.PID(), at: hs.permitAt, done: hs.watch["permit"], err: hs.permit.Err},
 	}
 }
 

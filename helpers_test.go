@@ -189,7 +189,7 @@ func refusedAcquire(t testing.TB, c *Client, k Key, want error) {
 // waits for it. Unlike lockState it reports errors instead of failing the
 // test, so it can run in a goroutine of the test's own.
 func keyHolders(ctx context.Context, conn *pgx.Conn, k Key) ([]holder, error) {
-	classid, objid, objsubid := k.core.LockColumns()
+	classid, objid, objsubid := k.coreKey().LockColumns()
 	rows, err := conn.Query(ctx, `
 SELECT pid, mode = 'ShareLock', granted FROM pg_locks
 WHERE locktype = 'advisory'

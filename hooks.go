@@ -75,7 +75,7 @@ type Hooks struct {
 }
 
 // MaxPendingHookEvents bounds the events queued for a Client's hooks.
-const MaxPendingHookEvents = core.MaxPendingHookEvents
+const MaxPendingHookEvents = 4096
 
 // AcquireEvent describes the end of an acquire (Lock, TryLock, RLock,
 // TryRLock, LockAll, Do) on a Client or a Session.
@@ -186,8 +186,9 @@ type PermitEvent struct {
 // [Hooks]. Calling WithHooks again replaces them.
 func WithHooks(h Hooks) Option { return hooksOption{h} }
 
-// hooksOption is WithHooks's option: it sets the lock hooks of the
-// Client's config, and New and Open take the rest (eventHooks).
+// hooksOption is WithHooks's option: it sets the Client's lock hooks, and
+// keeps with them the hooks of its elections and semaphores (eventHooks),
+// which New and Open take from there.
 type hooksOption struct{ h Hooks }
 
 func (o hooksOption) apply(c *core.Config) error {
@@ -195,29 +196,33 @@ func (o hooksOption) apply(c *core.Config) error {
 	var lh core.LockHooks
 	if f := h.OnAcquire; f != nil {
 		lh.OnAcquire = func(ev core.AcquireEvent) {
-			f(AcquireEvent{Key: Key{ev.Key}, Keys: keysOf(ev.Keys), Name: ev.Name, Mode: LockMode(ev.Mode),
+			f(AcquireEvent{Key: keyOf(ev.Key), Keys: keysOf(ev.Keys), Name: ev.Name, Mode: LockMode(ev.Mode),
 				Try: ev.Try, Wait: ev.Wait, PID: ev.PID, Handoff: ev.Handoff, Err: ev.Err})
 		}
 	}
 	if f := h.OnRelease; f != nil {
 		lh.OnRelease = func(ev core.ReleaseEvent) {
-			f(ReleaseEvent{Key: Key{ev.Key}, Keys: keysOf(ev.Keys), Name: ev.Name, Mode: LockMode(ev.Mode),
+			f(ReleaseEvent{Key: keyOf(ev.Key), Keys: keysOf(ev.Keys), Name: ev.Name, Mode: LockMode(ev.Mode),
 				Held: ev.Held, PID: ev.PID, Handoff: ev.Handoff, Err: ev.Err})
 		}
 	}
 	if f := h.OnContention; f != nil {
 		lh.OnContention = func(ev core.ContentionEvent) {
-			f(ContentionEvent{Key: Key{ev.Key}, Keys: keysOf(ev.Keys), Name: ev.Name, Mode: LockMode(ev.Mode),
+			f(ContentionEvent{Key: keyOf(ev.Key), Keys: keysOf(ev.Keys), Name: ev.Name, Mode: LockMode(ev.Mode),
 				Try: ev.Try, Local: ev.Local})
 		}
 	}
 	if f := h.OnLoss; f != nil {
 		lh.OnLoss = func(ev core.LossEvent) {
-			f(LossEvent{Key: Key{ev.Key}, Keys: keysOf(ev.Keys), Name: ev.Name, Mode: LockMode(ev.Mode),
+			f(LossEvent{Key: keyOf(ev.Key), Keys: keysOf(ev.Keys), Name: ev.Name, Mode: LockMode(ev.Mode),
 				Held: ev.Held, PID: ev.PID, Err: ev.Err})
 		}
 	}
-	lh.Queue = h.OnLeadership != nil || h.OnPermit != nil
+	lh.MaxPending = MaxPendingHookEvents
+	if h.OnLeadership != nil || h.OnPermit != nil {
+		e := &eventHooks{h: h}
+		lh.Queue, lh.InternalEnded, lh.Events = true, e.internalEnded, e
+	}
 	c.Hooks = lh
 	return nil
 }
@@ -230,26 +235,16 @@ type eventHooks struct {
 	q *core.HookQueue
 
 	// permits holds the permits that an acquire returned and whose end
-	// is not reported yet (*Lock → *Permit): whoever removes one reports
-	// its end, so each is reported once.
+	// is not reported yet (the permit's *core.Lock → *Permit): whoever
+	// removes one reports its end, so each is reported once.
 	permits sync.Map
 }
 
-// newEventHooks returns the eventHooks of the last WithHooks in opts, if
-// it sets OnLeadership or OnPermit, and has the unreported locks' ends of
-// cfg reported to it. Its queue is set once the Client is made.
-func newEventHooks(opts []Option, cfg *core.Config) *eventHooks {
-	var h Hooks
-	for _, o := range opts {
-		if ho, ok := o.(hooksOption); ok {
-			h = ho.h
-		}
-	}
-	if h.OnLeadership == nil && h.OnPermit == nil {
-		return nil
-	}
-	e := &eventHooks{h: h}
-	cfg.Hooks.InternalEnded = e.internalEnded
+// eventHooksOf returns the eventHooks that the options left in cfg, or nil
+// if they set neither OnLeadership nor OnPermit. Its queue is set once the
+// Client is made.
+func eventHooksOf(cfg *core.Config) *eventHooks {
+	e, _ := cfg.Hooks.Events.(*eventHooks)
 	return e
 }
 

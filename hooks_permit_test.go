@@ -3,6 +3,7 @@ package pgcoord
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 
@@ -234,4 +235,47 @@ func holderPIDOf(t *testing.T, dsn string, sem *Semaphore, p *Permit) int32 {
 		t.Errorf("pg_locks: no backend holds slot %d of %s", p.Slot(), sem.name)
 	}
 	return slots[p.Slot()]
+}
+
+// WithHooks works as any Option does when the caller wraps it (a type of
+// its own that embeds the Option): the permit events come all the same,
+// and a later WithHooks, wrapped or not, replaces the earlier one whole,
+// so that a Client whose last WithHooks sets no hook takes its permits
+// and reports nothing.
+func TestHookPermitEventsThroughWrappedOption(t *testing.T) {
+	ctx := testCtx(t)
+	dsn, _ := semaphoreDB(t)
+	type wrapped struct{ Option }
+
+	var rec permitRecorder
+	c := newTestClient(t, dsn, wrapped{WithHooks(rec.hooks())})
+	p := mustAcquire(t, c.Semaphore("wrapped", 1), true)
+	mustRelease(t, p)
+	if evs := rec.until(t, 2); evs[0].Kind != PermitAcquired || evs[1].Kind != PermitReleased {
+		t.Errorf("events through a wrapped WithHooks: %+v", evs)
+	}
+
+	var first permitRecorder
+	replaced := newTestClient(t, dsn, WithHooks(first.hooks()), wrapped{WithHooks(Hooks{})})
+	var err error
+	func() {
+		defer func() {
+			if r := recover(); r != nil {
+				err = fmt.Errorf("panic: %v", r)
+			}
+		}()
+		var q *Permit
+		if q, err = replaced.Semaphore("wrapped", 1).TryAcquire(ctx); err == nil {
+			err = q.Release(ctx)
+		}
+	}()
+	if err != nil {
+		t.Fatalf("TryAcquire and Release on a Client whose last WithHooks sets no hook: %v", err)
+	}
+	if err := replaced.Close(ctx); err != nil { // delivers what was queued
+		t.Fatal(err)
+	}
+	if evs := first.events(); len(evs) != 0 {
+		t.Errorf("the replaced WithHooks got permit events: %+v", evs)
+	}
 }

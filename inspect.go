@@ -64,7 +64,7 @@ type LockInfo struct {
 func WithKeyNames(names map[Key]string) Option {
 	m := make(map[core.Key]string, len(names))
 	for k, n := range names {
-		m[k.core] = n
+		m[k.coreKey()] = n
 	}
 	return optionFunc{"WithKeyNames", func(c *core.Config) error {
 		for k := range m {
@@ -129,7 +129,7 @@ func (c *Client) Locks(ctx context.Context) ([]LockInfo, error) {
 		if err != nil {
 			return li, err
 		}
-		li.Key, li.Name, li.Mode = Key{k}, c.core.Cfg.KeyName(k), ModeExclusive
+		li.Key, li.Name, li.Mode = keyOf(k), c.core.Cfg.KeyName(k), ModeExclusive
 		if shared {
 			li.Mode = ModeShared
 		}
@@ -143,7 +143,7 @@ func (c *Client) Locks(ctx context.Context) ([]LockInfo, error) {
 	}
 	// The query orders the rows of a key; the keys' order is Go's, since
 	// pg_locks splits a key over columns that do not sort as the key does.
-	slices.SortStableFunc(locks, func(a, b LockInfo) int { return core.CompareKeys(a.Key.core, b.Key.core) })
+	slices.SortStableFunc(locks, func(a, b LockInfo) int { return core.CompareKeys(a.Key.coreKey(), b.Key.coreKey()) })
 	return locks, nil
 }
 

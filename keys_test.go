@@ -58,7 +58,7 @@ func TestKeyBasics(t *testing.T) {
 	if !HashKey().IsZero() || !(Key{}).IsZero() {
 		t.Fatal("HashKey() and the zero Key must be invalid")
 	}
-	if err := (Key{}).core.Check(); !errors.Is(err, ErrInvalidKey) {
+	if err := (Key{}).coreKey().Check(); !errors.Is(err, ErrInvalidKey) {
 		t.Fatalf("zero Key check: %v", err)
 	}
 	if Int64Key(1<<32|2) == PairKey(1, 2) {
@@ -99,7 +99,7 @@ func TestKeyBasics(t *testing.T) {
 				if f < 0 {
 					t.Fatalf("%s is not among keyFuncs: its statements are built anew each time", fn)
 				}
-				first, _ := core.SingleKeySQL(fn, form, k.core, 7)
+				first, _ := core.SingleKeySQL(fn, form, k.coreKey(), 7)
 				_, _, pair := k.Pair()
 				if cached := core.SingleKeyTexts[f][fi][core.B2i(pair)].Load(); cached == nil || *cached != first {
 					t.Errorf("singleKeySQL(%s, %q, %v) = %q, cached %v", fn, form, k, first, cached)
@@ -181,7 +181,7 @@ func FuzzKeyRoundTrip(f *testing.F) {
 	f.Add(int64(math.MinInt64), int32(math.MaxInt32), int32(7))
 	f.Fuzz(func(t *testing.T, v int64, a, b int32) {
 		for _, k := range []Key{Int64Key(v), PairKey(a, b)} {
-			classid, objid, objsubid := k.core.LockColumns()
+			classid, objid, objsubid := k.coreKey().LockColumns()
 			back, err := KeyFromLock(classid, objid, objsubid)
 			if err != nil || back != k {
 				t.Fatalf("%v -> (%d, %d, %d) -> %v, %v", k, classid, objid, objsubid, back, err)
@@ -339,5 +339,20 @@ func TestKeyJSON(t *testing.T) {
 		if err == nil || (bad != `{"Key":7}` && !errors.Is(err, ErrInvalidKey)) {
 			t.Errorf("json.Unmarshal(%s): %v, want an error wrapping ErrInvalidKey", bad, err)
 		}
+	}
+}
+
+// A Key prints as it always did under %#v (its two fields), and a nil
+// *Key refuses text it cannot parse with an error, before it would write.
+func TestKeyFormatAndNilUnmarshal(t *testing.T) {
+	if got := fmt.Sprintf("%#v", Int64Key(7)); got != "pgcoord.Key{kind:0x1, v:7}" {
+		t.Errorf("%%#v of Int64Key(7) = %s, want pgcoord.Key{kind:0x1, v:7}", got)
+	}
+	if got := fmt.Sprintf("%#v", PairKey(1, 2)); got != "pgcoord.Key{kind:0x2, v:4294967298}" {
+		t.Errorf("%%#v of PairKey(1, 2) = %s, want pgcoord.Key{kind:0x2, v:4294967298}", got)
+	}
+	var k *Key
+	if err := k.UnmarshalText([]byte("bad")); !errors.Is(err, ErrInvalidKey) {
+		t.Errorf("nil *Key: UnmarshalText(bad) = %v, want an error wrapping ErrInvalidKey", err)
 	}
 }

@@ -245,7 +245,7 @@ func (e *Election) Name() string { return e.name }
 // CheckFence. It is HashKey("pgcoord.election", schema, name), with the
 // schema of the Client's tables (WithSchema): elections of one name in two
 // schemas of a database are independent, as their rows are.
-func (e *Election) Key() Key { return Key{e.key} }
+func (e *Election) Key() Key { return keyOf(e.key) }
 
 // electionKey returns the lock key of the election called name whose row
 // is in schema.

@@ -495,7 +495,7 @@ func TestCloseCancelsLeaderBeforeRelease(t *testing.T) {
 			won <- ld
 		}()
 		pgtest.Eventually(t, testTimeout, "the follower to wait for the election", func() bool {
-			return waitingOn(t, dsn, Key{la.e.key}) == 1
+			return waitingOn(t, dsn, keyOf(la.e.key)) == 1
 		})
 		if err := a.Close(context.Background()); err != nil {
 			t.Fatal(err)

@@ -31,7 +31,7 @@ import (
 // the fence.
 type electionTarget struct{ name string }
 
-func (e electionTarget) key() Key       { return Key{electionKey(DefaultSchema, e.name)} }
+func (e electionTarget) key() Key       { return keyOf(electionKey(DefaultSchema, e.name)) }
 func (e electionTarget) String() string { return "election:" + e.name }
 
 func (e electionTarget) acquire(ctx context.Context, c *Client) (faultHold, error) {
@@ -429,7 +429,7 @@ func watchElection(t testing.TB, dsn string, e *Election) (w *electionWatch, sto
 	ctx, cancel := context.WithCancel(context.Background())
 	w = &electionWatch{}
 	done := make(chan struct{})
-	classid, objid, _ := e.Key().core.LockColumns()
+	classid, objid, _ := e.Key().coreKey().LockColumns()
 	type state struct {
 		pids      []int32
 		term      int64
@@ -1139,7 +1139,7 @@ func TestElectionConnectionUse(t *testing.T) {
 		held = map[int]int32{}
 		state := lockState(t, dsn)
 		for i := range elections {
-			for _, h := range state[Key{electionKey(DefaultSchema, name(i))}] {
+			for _, h := range state[keyOf(electionKey(DefaultSchema, name(i)))] {
 				if h.granted {
 					held[i] = h.pid
 				} else {

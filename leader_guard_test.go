@@ -46,7 +46,7 @@ func TestElectionGuardlessLeaderSilentNetworkWithinL(t *testing.T) {
 	for i := range n {
 		name := "silent-guardless-" + string(rune('a'+i))
 		guardKey := HashKey("pgcoord.election.guard", DefaultSchema, name)
-		if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.core.V); err != nil {
+		if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.coreKey().V); err != nil {
 			t.Fatal(err)
 		}
 		c, proxy := silentClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(beat))
@@ -105,7 +105,7 @@ func TestElectionGuardWaitsAreIndependent(t *testing.T) {
 	opts := []Option{WithLossDeadline(4 * time.Second), WithHeartbeat(100 * time.Millisecond)}
 	squatter := pgtest.Conn(t, dsn)
 	guardA := HashKey("pgcoord.election.guard", DefaultSchema, "shared-guard-a")
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardA.core.V); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardA.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	z := newTestClient(t, dsn, oldOpts...)
@@ -116,13 +116,13 @@ func TestElectionGuardWaitsAreIndependent(t *testing.T) {
 	y := newTestClient(t, dsn, opts...)
 	chB := goCampaign(ctx, y.Election("shared-guard-b"))
 	pgtest.Eventually(t, testTimeout, "the Client waits for B's lock", func() bool {
-		return waitingOn(t, dsn, Key{electionKey(DefaultSchema, "shared-guard-b")}) >= 1
+		return waitingOn(t, dsn, keyOf(electionKey(DefaultSchema, "shared-guard-b"))) >= 1
 	})
 	chA := goCampaign(ctx, y.Election("shared-guard-a"))
 	// The Client has won A's lock; A's guard is held elsewhere, so it
 	// waits for the guard.
 	pgtest.Eventually(t, testTimeout, "the Client wins A's lock and waits for A's guard", func() bool {
-		return len(grantedTo(t, dsn, Key{electionKey(DefaultSchema, "shared-guard-a")})) == 1
+		return len(grantedTo(t, dsn, keyOf(electionKey(DefaultSchema, "shared-guard-a")))) == 1
 	})
 	at := terminateBackend(t, admin, ldZ.lock.S.PID())
 	r := receiveCampaign(t, chB, "B")
@@ -174,7 +174,7 @@ func TestElectionManyElectionsGuardSessionLost(t *testing.T) {
 	}
 	pgtest.Eventually(t, testTimeout, "every follower waits for its election's lock", func() bool {
 		for i := range n {
-			if waitingOn(t, dsn, Key{electionKey(DefaultSchema, fmt.Sprintf("many-%d", i))}) < 1 {
+			if waitingOn(t, dsn, keyOf(electionKey(DefaultSchema, fmt.Sprintf("many-%d", i)))) < 1 {
 				return false
 			}
 		}
@@ -199,7 +199,7 @@ func TestElectionManyElectionsGuardSessionLost(t *testing.T) {
 		if r.at.Before(cancelled) {
 			t.Errorf("election %d: the new leader started %v before the old leader's context was cancelled", i, cancelled.Sub(r.at))
 		}
-		heldOnlyBy(t, dsn, Key{electionKey(DefaultSchema, fmt.Sprintf("many-%d", i))}, r.ld.lock.S.PID())
+		heldOnlyBy(t, dsn, keyOf(electionKey(DefaultSchema, fmt.Sprintf("many-%d", i))), r.ld.lock.S.PID())
 		if err := r.ld.Resign(ctx); err != nil {
 			t.Fatal(err)
 		}
@@ -224,10 +224,10 @@ func guardProofStalled(t *testing.T, dsn, name string, loss, beat time.Duration)
 	t.Cleanup(cancel)
 	next := goCampaign(cctx, a.Election(name))
 	pgtest.Eventually(t, testTimeout, "the candidate records its term and waits for the guard", func() bool {
-		return rowTerm(ctx, pool, DefaultSchema, name) > 0 && len(grantedTo(t, dsn, Key{key})) == 1 && waitingOn(t, dsn, guardKey) >= 1
+		return rowTerm(ctx, pool, DefaultSchema, name) > 0 && len(grantedTo(t, dsn, keyOf(key))) == 1 && waitingOn(t, dsn, guardKey) >= 1
 	})
 	obs := pgtest.Conn(t, dsn)
-	_, resume := pauseBackend(t, obs, grantedTo(t, dsn, Key{key})[0], func(state, _, _ string) bool { return state == "idle" })
+	_, resume := pauseBackend(t, obs, grantedTo(t, dsn, keyOf(key))[0], func(state, _, _ string) bool { return state == "idle" })
 	freeGuard()
 	pgtest.Eventually(t, testTimeout, "the candidate takes the guard", func() bool {
 		pid := guardSessionPID(a)
@@ -239,7 +239,7 @@ func guardProofStalled(t *testing.T, dsn, name string, loss, beat time.Duration)
 		t.Fatalf("the campaign returned (%v, %v) although its lock's backend cannot answer the proof", termOf(r), r.err)
 	default:
 	}
-	return a, next, cancel, Key{key}, resume
+	return a, next, cancel, keyOf(key), resume
 }
 
 // The candidate's campaign ctx ends while its proof on the lock's backend
@@ -322,7 +322,7 @@ func TestElectionGuardProofOnBusySharedBackend(t *testing.T) {
 	pid := lockBackendPID(&held[0].core)
 	next := goCampaign(ctx, a.Election(name))
 	pgtest.Eventually(t, testTimeout, "the candidate wins on the shared backend and waits for the guard", func() bool {
-		got := grantedTo(t, dsn, Key{key})
+		got := grantedTo(t, dsn, keyOf(key))
 		return len(got) == 1 && got[0] == pid && waitingOn(t, dsn, guardKey) >= 1
 	})
 

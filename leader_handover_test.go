@@ -196,7 +196,7 @@ func TestElectionHandoverAfterServerRestart(t *testing.T) {
 		first = n
 	}
 	pgtest.Eventually(t, testTimeout, "the other Client waits for the lock", func() bool {
-		return waitingOn(t, dsn, Key{electionKey(DefaultSchema, "restart")}) >= 1
+		return waitingOn(t, dsn, keyOf(electionKey(DefaultSchema, "restart"))) >= 1
 	})
 	srv.Restart(t)
 	await("a leader after the restart", func() bool {
@@ -239,7 +239,7 @@ func TestElectionGuardlessLeaderRetakesGuard(t *testing.T) {
 	name := "retake"
 	guardKey := HashKey("pgcoord.election.guard", DefaultSchema, name)
 	squatter := pgtest.Conn(t, dsn)
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.core.V); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	a := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(beat))
@@ -254,7 +254,7 @@ func TestElectionGuardlessLeaderRetakesGuard(t *testing.T) {
 	if term, guarded, ended := leaderRow(t, pool, name); term != ld.Term() || guarded || ended {
 		t.Fatalf("leaders row: term %d, guarded %v, ended %v; want term %d led without the guard", term, guarded, ended, ld.Term())
 	}
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.core.V); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	pgtest.Eventually(t, testTimeout, "the leader takes the freed guard and records it", func() bool {
@@ -280,7 +280,7 @@ func TestElectionGuardlessLeaderRetakesGuard(t *testing.T) {
 	// Another leader without the guard, asked to resign the moment the
 	// guard is free, before it can take it: the row says its term ended,
 	// so the waiting candidate starts at once, not a loss deadline later.
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.core.V); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	b := newTestClient(t, dsn, WithLossDeadline(loss), WithHeartbeat(beat))
@@ -297,9 +297,9 @@ func TestElectionGuardlessLeaderRetakesGuard(t *testing.T) {
 		next <- ld
 	}()
 	pgtest.Eventually(t, testTimeout, "the next candidate waits for the lock", func() bool {
-		return waitingOn(t, dsn, Key{electionKey(DefaultSchema, name)}) >= 1
+		return waitingOn(t, dsn, keyOf(electionKey(DefaultSchema, name))) >= 1
 	})
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.core.V); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	if err := a.Election(name).RequestResign(ctx); err != nil {
@@ -393,7 +393,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	heldOnlyBy(t, dsn, Key{key}, ldOld.lock.S.PID())
+	heldOnlyBy(t, dsn, keyOf(key), ldOld.lock.S.PID())
 
 	quick := []Option{WithLossDeadline(time.Second), WithHeartbeat(100 * time.Millisecond)}
 	first := newTestClient(t, dsn, quick...)
@@ -402,7 +402,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterRestart(t *testing.T) {
 	defer giveUp()
 	firstCh := goCampaign(firstCtx, first.Election(name))
 	pgtest.Eventually(t, testTimeout, "the first candidate waits for the lock", func() bool {
-		return waitingOn(t, dsn, Key{key}) >= 1
+		return waitingOn(t, dsn, keyOf(key)) >= 1
 	})
 
 	proxy.Blackhole()
@@ -418,7 +418,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterRestart(t *testing.T) {
 	}
 	secondCh := goCampaign(ctx, second.Election(name))
 	pgtest.Eventually(t, testTimeout, "the second candidate waits for the lock", func() bool {
-		return waitingOn(t, dsn, Key{key}) >= 1
+		return waitingOn(t, dsn, keyOf(key)) >= 1
 	})
 	giveUp()
 	if r := receiveCampaign(t, firstCh, "first"); r.err == nil {
@@ -429,7 +429,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterRestart(t *testing.T) {
 		t.Fatal(r.err)
 	}
 	oldLive := ldOld.Context().Err() == nil
-	heldOnlyBy(t, dsn, Key{key}, r.ld.lock.S.PID())
+	heldOnlyBy(t, dsn, keyOf(key), r.ld.lock.S.PID())
 	oldEnd := awaitLeadershipEnd(t, ldOld)
 	t.Logf("restart; second candidate led %v after it (term %d); the old leader's context was cancelled %v after it",
 		r.at.Sub(restarted).Round(time.Millisecond), r.ld.Term(), oldEnd.Sub(restarted).Round(time.Millisecond))
@@ -463,7 +463,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterGuardless(t *testing.T) {
 	key := electionKey(DefaultSchema, name)
 	guardKey := HashKey("pgcoord.election.guard", DefaultSchema, name)
 	squatter := pgtest.Conn(t, dsn)
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.core.V); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	const oldLoss, oldBeat = 4 * time.Second, time.Second
@@ -483,11 +483,11 @@ func TestElectionHandoverWaitOutlivesWinnerAfterGuardless(t *testing.T) {
 	defer giveUp()
 	firstCh := goCampaign(firstCtx, first.Election(name))
 	pgtest.Eventually(t, testTimeout, "the first candidate waits for the lock", func() bool {
-		return waitingOn(t, dsn, Key{key}) >= 1
+		return waitingOn(t, dsn, keyOf(key)) >= 1
 	})
 
 	proxy.Blackhole()
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.core.V); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	at := terminateBackend(t, admin, ldOld.lock.S.PID())
@@ -501,7 +501,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterGuardless(t *testing.T) {
 	}
 	secondCh := goCampaign(ctx, second.Election(name))
 	pgtest.Eventually(t, testTimeout, "the second candidate waits for the lock", func() bool {
-		return waitingOn(t, dsn, Key{key}) >= 1
+		return waitingOn(t, dsn, keyOf(key)) >= 1
 	})
 	giveUp()
 	if r := receiveCampaign(t, firstCh, "first"); r.err == nil {
@@ -512,7 +512,7 @@ func TestElectionHandoverWaitOutlivesWinnerAfterGuardless(t *testing.T) {
 		t.Fatal(r.err)
 	}
 	oldLive := ldOld.Context().Err() == nil
-	heldOnlyBy(t, dsn, Key{key}, r.ld.lock.S.PID())
+	heldOnlyBy(t, dsn, keyOf(key), r.ld.lock.S.PID())
 	oldEnd := awaitLeadershipEnd(t, ldOld)
 	if !errors.Is(ldOld.Err(), ErrLockLost) {
 		t.Errorf("guardless leader ended with %v, want ErrLockLost", ldOld.Err())
@@ -551,7 +551,7 @@ func TestElectionBothConnectionsLostApartIsBounded(t *testing.T) {
 	}
 	next := goCampaign(ctx, b.Election(name))
 	pgtest.Eventually(t, testTimeout, "the other candidate waits for the lock", func() bool {
-		return waitingOn(t, dsn, Key{key}) >= 1
+		return waitingOn(t, dsn, keyOf(key)) >= 1
 	})
 	guard := old.guardLock()
 	if guard == nil {
@@ -583,7 +583,7 @@ func TestElectionBothConnectionsLostApartIsBounded(t *testing.T) {
 	if r.ld.Term() <= old.Term() {
 		t.Fatalf("new term %d, old %d", r.ld.Term(), old.Term())
 	}
-	heldOnlyBy(t, dsn, Key{key}, r.ld.lock.S.PID())
+	heldOnlyBy(t, dsn, keyOf(key), r.ld.lock.S.PID())
 	if d := cancelled.Sub(first); d > lossNoticeBound(&core.Config{Heartbeat: beat}) {
 		t.Errorf("the old leader's context was cancelled %v after its guard connection was lost, want within 2H = %v", d.Round(time.Millisecond), 2*beat)
 	}
@@ -592,7 +592,7 @@ func TestElectionBothConnectionsLostApartIsBounded(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
-	if err := CheckFence(ctx, tx, Key{key}, old.Term()); !errors.Is(err, ErrStaleFence) {
+	if err := CheckFence(ctx, tx, keyOf(key), old.Term()); !errors.Is(err, ErrStaleFence) {
 		t.Errorf("CheckFence with the old term %d: %v, want ErrStaleFence", old.Term(), err)
 	}
 	t.Logf("new leader %v after the lock connection was lost; old leader's context cancelled %v after the guard's (overlap %v)",
@@ -608,10 +608,10 @@ func guardlessHandover(t *testing.T, dsn, name string) (y *Client, next <-chan c
 	t.Helper()
 	ctx := testCtx(t)
 	pool := pgtest.Pool(t, dsn)
-	key = Key{electionKey(DefaultSchema, name)}
+	key = keyOf(electionKey(DefaultSchema, name))
 	guardKey = HashKey("pgcoord.election.guard", DefaultSchema, name)
 	squatter := pgtest.Conn(t, dsn)
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.core.V); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	x := newTestClient(t, dsn, WithLossDeadline(time.Second), WithHeartbeat(100*time.Millisecond))
@@ -637,7 +637,7 @@ func guardlessHandover(t *testing.T, dsn, name string) (y *Client, next <-chan c
 	})
 	awaitLeadershipEnd(t, old)
 	// The guard is free now: the candidate takes it and waits on.
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.core.V); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	pgtest.Eventually(t, testTimeout, "the candidate takes the guard", func() bool {
@@ -759,10 +759,10 @@ func TestElectionCandidateThatLostItsLockWhileWaitingForTheGuardNeverLeadsThatTe
 	a := newTestClient(t, dsn, WithLossDeadline(20*time.Second), WithHeartbeat(10*time.Second))
 	aNext := goCampaign(ctx, a.Election(name))
 	pgtest.Eventually(t, testTimeout, "the first candidate records its term and waits for the guard", func() bool {
-		return rowTerm(ctx, pool, DefaultSchema, name) > 0 && len(grantedTo(t, dsn, Key{key})) == 1 && waitingOn(t, dsn, guardKey) >= 1
+		return rowTerm(ctx, pool, DefaultSchema, name) > 0 && len(grantedTo(t, dsn, keyOf(key))) == 1 && waitingOn(t, dsn, guardKey) >= 1
 	})
 	lost := rowTerm(ctx, pool, DefaultSchema, name)
-	terminateBackend(t, pool, grantedTo(t, dsn, Key{key})[0])
+	terminateBackend(t, pool, grantedTo(t, dsn, keyOf(key))[0])
 
 	b := newTestClient(t, dsn, WithLossDeadline(time.Second), WithHeartbeat(100*time.Millisecond))
 	bNext := goCampaign(ctx, b.Election(name))
@@ -808,7 +808,7 @@ func TestElectionCandidateThatLostItsLockWhileWaitingForTheGuardNeverLeadsThatTe
 	if err := ra.ld.Resign(ctx); err != nil {
 		t.Fatal(err)
 	}
-	notHeld(t, dsn, Key{key})
+	notHeld(t, dsn, keyOf(key))
 }
 
 func termOf(r campaignResult) any {
@@ -825,12 +825,12 @@ func holdGuard(t *testing.T, dsn, name string) (guardKey Key, free func()) {
 	ctx := testCtx(t)
 	guardKey = HashKey("pgcoord.election.guard", DefaultSchema, name)
 	squatter := pgtest.Conn(t, dsn)
-	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.core.V); err != nil {
+	if _, err := squatter.Exec(ctx, "SELECT pg_advisory_lock($1)", guardKey.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	return guardKey, func() {
 		t.Helper()
-		if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.core.V); err != nil {
+		if _, err := squatter.Exec(ctx, "SELECT pg_advisory_unlock($1)", guardKey.coreKey().V); err != nil {
 			t.Fatal(err)
 		}
 	}

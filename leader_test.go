@@ -410,7 +410,7 @@ func TestCampaignReturnsItsErrors(t *testing.T) {
 		defer cancel()
 		ch := goCampaign(cctx, c.Election(name))
 		pgtest.Eventually(t, testTimeout, "the candidate waits for the lock", func() bool {
-			return waitingOn(t, dsn, Key{electionKey(DefaultSchema, name)}) >= 1
+			return waitingOn(t, dsn, keyOf(electionKey(DefaultSchema, name))) >= 1
 		})
 		closed := make(chan time.Duration, 1)
 		start := time.Now()

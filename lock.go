@@ -34,7 +34,7 @@ func lockOf(l *core.Lock, err error) (*Lock, error) {
 
 // Key returns the lock's key; for a lock from LockAll, the first key in
 // canonical order.
-func (l *Lock) Key() Key { return Key{l.core.Key()} }
+func (l *Lock) Key() Key { return keyOf(l.core.Key()) }
 
 // Keys returns every key of the lock in canonical order.
 func (l *Lock) Keys() []Key { return append([]Key(nil), keysOf(l.core.KeyList)...) }
@@ -80,8 +80,8 @@ type LockMode uint8
 // The modes of an advisory lock, as pg_locks names them ExclusiveLock and
 // ShareLock.
 const (
-	ModeExclusive = LockMode(core.ModeExclusive)
-	ModeShared    = LockMode(core.ModeShared)
+	ModeExclusive LockMode = LockMode(core.ModeExclusive)
+	ModeShared    LockMode = LockMode(core.ModeShared)
 )
 
 // String returns "exclusive" or "shared".
@@ -138,7 +138,7 @@ func WithFence() LockOption { return lockOption{core.WithFence()} }
 //	}, pgcoord.WithFence())
 func (c *Client) Do(ctx context.Context, key Key, fn func(ctx context.Context) error, opts ...LockOption) error {
 	if fn == nil {
-		return core.Errorf("do %s: fn is nil", key)
+		return core.Errorf("do %s: fn is nil", core.KeyList([]core.Key{key.coreKey()}))
 	}
 	l, err := c.Lock(ctx, key, opts...)
 	if err != nil {

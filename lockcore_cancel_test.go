@@ -146,7 +146,7 @@ func TestCancelRepeatsEndWhenConnectionCut(t *testing.T) {
 	})
 	other := pgtest.Conn(t, dsn)
 	k := HashKey("lockcore", "cancel-cut")
-	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	mu.Lock()
@@ -155,7 +155,7 @@ func TestCancelRepeatsEndWhenConnectionCut(t *testing.T) {
 	sctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() {
-		_, err := conn.Exec(sctx, "SELECT pg_advisory_lock($1)", k.core.V)
+		_, err := conn.Exec(sctx, "SELECT pg_advisory_lock($1)", k.coreKey().V)
 		done <- err
 	}()
 	pgtest.Eventually(t, testTimeout, "the lock waits", func() bool { return waitingOn(t, dsn, k) == 1 })

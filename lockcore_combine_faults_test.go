@@ -739,7 +739,7 @@ func TestCombinedTriesOnFullLockTableHoldExactlyWhatTheySay(t *testing.T) {
 	}
 	mine := heldBy(t, dsn, s.core.Pid)
 	for _, l := range got {
-		shared, ok := mine[Key{l.core.KeyList[0]}]
+		shared, ok := mine[keyOf(l.core.KeyList[0])]
 		if !ok || shared != l.core.Shared {
 			t.Errorf("pg_locks: %v granted to backend %d: %v (shared %v), but its try said yes (shared %v)", l.core.KeyList[0], s.core.Pid, ok, shared, l.core.Shared)
 		}

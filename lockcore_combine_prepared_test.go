@@ -114,12 +114,12 @@ func combinedRound(t *testing.T, ctx context.Context, dsn string, s *Session, r 
 		shared bool
 	}
 	tries := []want{
-		{&core.KeyCall{Fn: core.LockFunc(false, true), Key: Int64Key(base).core}, true, false},
-		{&core.KeyCall{Fn: core.LockFunc(false, true), Key: PairKey(77, int32(r)).core}, true, false},
-		{&core.KeyCall{Fn: core.LockFunc(true, true), Key: Int64Key(base + 1).core}, true, true},
-		{&core.KeyCall{Fn: core.LockFunc(false, true), Key: heldExcl1.core}, false, false},
-		{&core.KeyCall{Fn: core.LockFunc(true, true), Key: heldExcl2.core}, false, true},
-		{&core.KeyCall{Fn: core.LockFunc(true, true), Key: heldShared.core}, true, true},
+		{&core.KeyCall{Fn: core.LockFunc(false, true), Key: Int64Key(base).coreKey()}, true, false},
+		{&core.KeyCall{Fn: core.LockFunc(false, true), Key: PairKey(77, int32(r)).coreKey()}, true, false},
+		{&core.KeyCall{Fn: core.LockFunc(true, true), Key: Int64Key(base + 1).coreKey()}, true, true},
+		{&core.KeyCall{Fn: core.LockFunc(false, true), Key: heldExcl1.coreKey()}, false, false},
+		{&core.KeyCall{Fn: core.LockFunc(true, true), Key: heldExcl2.coreKey()}, false, true},
+		{&core.KeyCall{Fn: core.LockFunc(true, true), Key: heldShared.coreKey()}, true, true},
 	}
 	var calls []*core.KeyCall
 	for _, w := range tries {
@@ -132,7 +132,7 @@ func combinedRound(t *testing.T, ctx context.Context, dsn string, s *Session, r 
 		if w.c.Cause != nil || w.c.Ok != w.ok {
 			t.Fatalf("round %d: %s(%v) = %v, %v; want %v", r, w.c.Fn, w.c.Key, w.c.Ok, w.c.Cause, w.ok)
 		}
-		shared, ok := held[Key{w.c.Key}]
+		shared, ok := held[keyOf(w.c.Key)]
 		if ok != w.ok || (ok && shared != w.shared) {
 			t.Fatalf("round %d: pg_locks: %v granted to backend %d: %v (shared %v), want %v (shared %v)", r, w.c.Key, s.core.Pid, ok, shared, w.ok, w.shared)
 		}
@@ -295,9 +295,9 @@ func TestCombinedStatementPrepareRefusedIsNotRecordedAndAnswersEachCall(t *testi
 	}
 	shape := func(r int64) []*core.KeyCall {
 		return []*core.KeyCall{
-			{Fn: core.LockFunc(false, true), Key: Int64Key(8_100_000 + r).core},
-			{Fn: core.LockFunc(false, true), Key: held.core},
-			{Fn: core.LockFunc(false, true), Key: Int64Key(8_200_000 + r).core},
+			{Fn: core.LockFunc(false, true), Key: Int64Key(8_100_000 + r).coreKey()},
+			{Fn: core.LockFunc(false, true), Key: held.coreKey()},
+			{Fn: core.LockFunc(false, true), Key: Int64Key(8_200_000 + r).coreKey()},
 		}
 	}
 	sql, _ := core.CombinedSQL(shape(0), s.core.Pid)
@@ -316,11 +316,11 @@ func TestCombinedStatementPrepareRefusedIsNotRecordedAndAnswersEachCall(t *testi
 		sendCombined(t, ctx, s, calls)
 		got := heldBy(t, dsn, s.core.Pid)
 		for _, c := range calls {
-			want := c.Key != held.core
+			want := c.Key != held.coreKey()
 			if c.Cause != nil || c.Ok != want {
 				t.Fatalf("round %d: %s(%v) = %v, %v; want %v", r, c.Fn, c.Key, c.Ok, c.Cause, want)
 			}
-			if _, ok := got[Key{c.Key}]; ok != want {
+			if _, ok := got[keyOf(c.Key)]; ok != want {
 				t.Fatalf("round %d: pg_locks: %v granted to backend %d: %v, want %v", r, c.Key, s.core.Pid, ok, want)
 			}
 		}
@@ -376,14 +376,14 @@ func TestCombinedPreparedStatementOnFullLockTableAnswersEachCall(t *testing.T) {
 	// are kept apart.)
 	shape := func(base int64, relKey Key) (tried []*core.KeyCall, rel *core.KeyCall, calls []*core.KeyCall) {
 		for i := range int64(tries) {
-			tried = append(tried, &core.KeyCall{Fn: core.LockFunc(false, true), Key: Int64Key(base + i).core})
+			tried = append(tried, &core.KeyCall{Fn: core.LockFunc(false, true), Key: Int64Key(base + i).coreKey()})
 		}
-		rel = &core.KeyCall{Fn: core.UnlockFunc(false), Key: relKey.core}
+		rel = &core.KeyCall{Fn: core.UnlockFunc(false), Key: relKey.coreKey()}
 		return tried, rel, append(slices.Clone(tried), rel)
 	}
 	take := func(k Key) {
 		t.Helper()
-		if ok, err := s.core.CallKey(ctx, core.LockFunc(false, true), k.core); err != nil || !ok {
+		if ok, err := s.core.CallKey(ctx, core.LockFunc(false, true), k.coreKey()); err != nil || !ok {
 			t.Fatalf("take %v: %v, %v", k, ok, err)
 		}
 	}
@@ -440,7 +440,7 @@ func TestCombinedPreparedStatementOnFullLockTableAnswersEachCall(t *testing.T) {
 	mine := heldBy(t, dsn, s.core.Pid)
 	taken, full := 0, 0
 	for _, c := range secondTries {
-		_, holds := mine[Key{c.Key}]
+		_, holds := mine[keyOf(c.Key)]
 		switch {
 		case c.Cause == nil && c.Ok:
 			taken++
@@ -461,7 +461,7 @@ func TestCombinedPreparedStatementOnFullLockTableAnswersEachCall(t *testing.T) {
 	if rel.Cause != nil || !rel.Ok {
 		t.Errorf("release of %v in the failed statement: %v, %v; want true", rel.Key, rel.Ok, rel.Cause)
 	}
-	if _, holds := mine[Key{rel.Key}]; holds {
+	if _, holds := mine[keyOf(rel.Key)]; holds {
 		t.Errorf("released %v still granted to backend %d", rel.Key, s.core.Pid)
 	}
 	if len(mine) != taken {

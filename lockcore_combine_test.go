@@ -137,14 +137,14 @@ func TestCombinedStatementFailureCostsNoOtherKey(t *testing.T) {
 	}
 	releaseDone := make(chan answer, 1)
 	go func() {
-		ok, err := s.core.CallKey(ctx, core.UnlockFunc(false), release.core)
+		ok, err := s.core.CallKey(ctx, core.UnlockFunc(false), release.coreKey())
 		releaseDone <- answer{ok, err}
 	}()
 	tryDone := make([]chan answer, len(tries))
 	for i, k := range tries {
 		tryDone[i] = make(chan answer, 1)
 		go func() {
-			ok, err := s.core.CallKey(ctx, core.LockFunc(false, true), k.core)
+			ok, err := s.core.CallKey(ctx, core.LockFunc(false, true), k.coreKey())
 			tryDone[i] <- answer{ok, err}
 		}()
 	}
@@ -182,7 +182,7 @@ func TestCombinedStatementFailureCostsNoOtherKey(t *testing.T) {
 			t.Errorf("try %v answered (%v, %v), granted in pg_locks to %v", k, a.ok, a.err, pids)
 		}
 		if a.ok {
-			if _, err := s.core.CallKey(ctx, core.UnlockFunc(false), k.core); err != nil {
+			if _, err := s.core.CallKey(ctx, core.UnlockFunc(false), k.coreKey()); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -397,12 +397,12 @@ func TestCombinedStatementsPreparedAreBounded(t *testing.T) {
 			var calls, taken []*core.KeyCall
 			for range tries {
 				next++
-				calls = append(calls, &core.KeyCall{Fn: core.LockFunc(false, true), Key: Int64Key(next).core})
+				calls = append(calls, &core.KeyCall{Fn: core.LockFunc(false, true), Key: Int64Key(next).coreKey()})
 			}
 			taken = slices.Clone(calls)
 			for range releases {
 				next++
-				calls = append(calls, &core.KeyCall{Fn: core.UnlockFunc(false), Key: Int64Key(next).core})
+				calls = append(calls, &core.KeyCall{Fn: core.UnlockFunc(false), Key: Int64Key(next).coreKey()})
 			}
 			send(calls)
 			texts++

@@ -365,7 +365,7 @@ func TestDoneClosesForEveryEndAndKeyIsFreeAfter(t *testing.T) {
 			pgtest.Eventually(t, 10*time.Second, "second Lock queued at the key's gate", func() bool {
 				c.core.Gates.Mu.Lock()
 				defer c.core.Gates.Mu.Unlock()
-				g := c.core.Gates.M[k.core]
+				g := c.core.Gates.M[k.coreKey()]
 				return g != nil && len(g.Queue) == 1
 			})
 			mustUnlock(t, l)

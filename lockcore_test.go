@@ -416,10 +416,10 @@ func TestMultiKeyWaitKeepsOtherLocks(t *testing.T) {
 			t.Fatal(err)
 		}
 		for _, k := range keys {
-			outsideLock(t, outside, Key{k})
+			outsideLock(t, outside, keyOf(k))
 		}
 		ch := goLock(func() (*Lock, error) { return lockAll(ctx, keysOf(keys)...) })
-		pgtest.Eventually(t, testTimeout, "LockAll waits for the first key", func() bool { return waitingOn(t, dsn, Key{keys[0]}) == 1 || queued() })
+		pgtest.Eventually(t, testTimeout, "LockAll waits for the first key", func() bool { return waitingOn(t, dsn, keyOf(keys[0])) == 1 || queued() })
 		start := time.Now()
 		// Free the keys one by one, 0.36 L apart, in the order LockAll
 		// takes them, watching the locks beside the wait meanwhile.
@@ -447,7 +447,7 @@ func TestMultiKeyWaitKeepsOtherLocks(t *testing.T) {
 					}
 				}
 			}
-			outsideUnlock(t, outside, Key{k})
+			outsideUnlock(t, outside, keyOf(k))
 		}
 		r := receive(t, ch)
 		took := time.Since(start)
@@ -464,7 +464,7 @@ func TestMultiKeyWaitKeepsOtherLocks(t *testing.T) {
 			stillHeld(t, dsn, l, "the unrelated lock on "+l.Key().String())
 		}
 		for _, k := range keys {
-			heldOnlyBy(t, dsn, Key{k}, r.l.core.S.PID())
+			heldOnlyBy(t, dsn, keyOf(k), r.l.core.S.PID())
 		}
 		mustUnlock(t, r.l)
 	}

@@ -32,7 +32,7 @@ func TestTryRLockDoesNotWaitForAnotherReadersWait(t *testing.T) {
 		c := newTestClient(t, dsn)
 		k := HashKey("lockcore", "tryrlock-joins-wait", name)
 		other := pgtest.Conn(t, dsn)
-		if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
+		if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.coreKey().V); err != nil {
 			t.Fatal(err)
 		}
 		rlock, tryRLock := c.RLock, c.TryRLock
@@ -62,7 +62,7 @@ func TestTryRLockDoesNotWaitForAnotherReadersWait(t *testing.T) {
 		if r := receive(t, wch); r.err == nil {
 			_ = r.l.Unlock(ctx)
 		}
-		if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.core.V); err != nil {
+		if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.coreKey().V); err != nil {
 			t.Fatal(err)
 		}
 		pgtest.Eventually(t, testTimeout, "key free", func() bool { return len(lockState(t, dsn)[k]) == 0 })
@@ -81,7 +81,7 @@ func TestTryRLockDuringOtherReadersTryStopsWhenItWaits(t *testing.T) {
 	s := newTestSession(t, newTestClient(t, dsn))
 	k := HashKey("lockcore", "tryrlock-during-try")
 	other := pgtest.Conn(t, dsn)
-	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	release := holdConn(t, ctx, s)
@@ -91,7 +91,7 @@ func TestTryRLockDuringOtherReadersTryStopsWhenItWaits(t *testing.T) {
 	pgtest.Eventually(t, testTimeout, "the RLock reserved the key and waits for the connection", func() bool {
 		s.core.State.Lock()
 		defer s.core.State.Unlock()
-		h := s.core.Holds[k.core]
+		h := s.core.Holds[k.coreKey()]
 		return h != nil && h.Busy != nil && s.core.Calls.Busy
 	})
 	tctx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -106,7 +106,7 @@ func TestTryRLockDuringOtherReadersTryStopsWhenItWaits(t *testing.T) {
 		}
 		s.core.State.Lock()
 		defer s.core.State.Unlock()
-		return s.core.Holds[k.core] != nil && s.core.Holds[k.core].WaitsSet != nil
+		return s.core.Holds[k.coreKey()] != nil && s.core.Holds[k.coreKey()].WaitsSet != nil
 	})
 	release()
 	pgtest.Eventually(t, testTimeout, "the RLock waits on the server", func() bool { return waitingOn(t, dsn, k) == 1 })
@@ -118,7 +118,7 @@ func TestTryRLockDuringOtherReadersTryStopsWhenItWaits(t *testing.T) {
 	if r := receive(t, wch); r.err == nil {
 		t.Fatalf("RLock took %v while a writer elsewhere holds it", k)
 	}
-	if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.core.V); err != nil {
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	notHeld(t, dsn, k)
@@ -230,7 +230,7 @@ func TestTriesNeverWaitAmidRandomWaitsAndCancels(t *testing.T) {
 		for phase := 0; phase < 1000 && !stopped(); phase++ {
 			if phase%2 == 0 {
 				for _, k := range keys {
-					if !exec("SELECT pg_try_advisory_lock($1)", k.core.V) {
+					if !exec("SELECT pg_try_advisory_lock($1)", k.coreKey().V) {
 						return
 					}
 				}
@@ -251,7 +251,7 @@ func TestTriesNeverWaitAmidRandomWaitsAndCancels(t *testing.T) {
 					fn, unlock = "pg_try_advisory_lock_shared", "pg_advisory_unlock_shared"
 				}
 				var got bool
-				if err := remote.QueryRow(ctx, "SELECT "+fn+"($1)", k.core.V).Scan(&got); err != nil {
+				if err := remote.QueryRow(ctx, "SELECT "+fn+"($1)", k.coreKey().V).Scan(&got); err != nil {
 					fail("remote %s: %v", fn, err)
 					return
 				}
@@ -260,7 +260,7 @@ func TestTriesNeverWaitAmidRandomWaitsAndCancels(t *testing.T) {
 						return
 					}
 				}
-				if got && !exec("SELECT "+unlock+"($1)", k.core.V) {
+				if got && !exec("SELECT "+unlock+"($1)", k.coreKey().V) {
 					return
 				}
 			}
@@ -436,7 +436,7 @@ func TestTryAfterWaitEndsJoinsOrTakesAtOnce(t *testing.T) {
 		other := pgtest.Conn(t, dsn)
 		for round := range 2 {
 			granted := round == 0
-			if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
+			if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", k.coreKey().V); err != nil {
 				t.Fatal(err)
 			}
 			wctx, cancelWait := context.WithCancel(ctx)
@@ -450,7 +450,7 @@ func TestTryAfterWaitEndsJoinsOrTakesAtOnce(t *testing.T) {
 			}
 			var waiter *Lock
 			if granted {
-				if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.core.V); err != nil {
+				if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.coreKey().V); err != nil {
 					t.Fatal(err)
 				}
 				r := receive(t, wch)
@@ -463,7 +463,7 @@ func TestTryAfterWaitEndsJoinsOrTakesAtOnce(t *testing.T) {
 				if r := receive(t, wch); r.err == nil {
 					t.Fatal("the cancelled RLock took the key")
 				}
-				if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.core.V); err != nil {
+				if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.coreKey().V); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -490,7 +490,7 @@ func TestTryAfterWaitEndsJoinsOrTakesAtOnce(t *testing.T) {
 func lockWaitingOn(t *testing.T, ctx context.Context, dsn string, s *Session, k Key) (wch <-chan result, endWait func()) {
 	t.Helper()
 	outside := pgtest.Conn(t, dsn)
-	if _, err := outside.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
+	if _, err := outside.Exec(ctx, "SELECT pg_advisory_lock($1)", k.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	wctx, cancelWait := context.WithCancel(ctx)

@@ -31,7 +31,7 @@ import (
 func waitingQuery(t *testing.T, dsn string, k Key) string {
 	t.Helper()
 	conn := pgtest.Conn(t, dsn)
-	classid, objid, objsubid := k.core.LockColumns()
+	classid, objid, objsubid := k.coreKey().LockColumns()
 	var query string
 	pgtest.Eventually(t, testTimeout, "a backend waiting for "+k.String(), func() bool {
 		err := conn.QueryRow(context.Background(), `
@@ -94,7 +94,7 @@ func TestContendedKeyTriesAndWaitsInOneStatement(t *testing.T) {
 	if q := lockWhileHeld(plain); strings.Contains(q, "CASE WHEN") {
 		t.Fatalf("the first contended Lock waits in %q, want the plain wait after a try", q)
 	}
-	if !plain.core.Contention.Recent(k.core) {
+	if !plain.core.Contention.Recent(k.coreKey()) {
 		t.Fatal("the Client did not remember that the key was held elsewhere")
 	}
 	// The next one waits in the statement that tries.
@@ -115,7 +115,7 @@ func TestContendedKeyTriesAndWaitsInOneStatement(t *testing.T) {
 			t.Fatalf("a Client with OnContention waits in %q, want the plain wait after a try", q)
 		}
 	}
-	if !watched.core.Contention.Recent(k.core) {
+	if !watched.core.Contention.Recent(k.coreKey()) {
 		t.Fatal("the watched Client did not remember that the key was held elsewhere")
 	}
 	rec.until(t, 2, 2, 2, 0)
@@ -196,7 +196,7 @@ func waitsWhileHolding(t testing.TB, dsn string, allowed ...Key) {
 	for k, hs := range lockState(t, dsn) {
 		for _, h := range hs {
 			if h.granted {
-				if !core.ContainsKey(coreKeys(allowed), k.core) {
+				if !core.ContainsKey(coreKeys(allowed), k.coreKey()) {
 					held[h.pid] = append(held[h.pid], k)
 				}
 			} else {
@@ -236,10 +236,10 @@ func TestLockWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 	shared := c.core.Backends[0].PID()
 
 	holder := pgtest.Conn(t, dsn)
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
-	c.core.Contention.Note(k.core) // found held a moment ago: the Lock waits at once
+	c.core.Contention.Note(k.coreKey()) // found held a moment ago: the Lock waits at once
 
 	// Another transaction holds the semaphore's row.
 	row, err := pool.Begin(ctx)
@@ -274,7 +274,7 @@ func TestLockWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 		t.Fatalf("TryAcquire: %v", g.err)
 	}
 	slot := sem.slotKey(g.p.Slot())
-	heldOnlyBy(t, dsn, Key{slot}, shared)
+	heldOnlyBy(t, dsn, keyOf(slot), shared)
 	pgtest.Eventually(t, testTimeout, "the Lock to wait for the key on the server", func() bool {
 		return waitingOn(t, dsn, k) == 1
 	})
@@ -288,13 +288,13 @@ func TestLockWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 		asked <- err
 	}()
 	pgtest.Eventually(t, testTimeout, "the holder to wait for the slot", func() bool {
-		return waitingOn(t, dsn, Key{slot}) == 1
+		return waitingOn(t, dsn, keyOf(slot)) == 1
 	})
 	mustRelease(t, g.p)
 	if err := <-asked; err != nil {
 		t.Fatalf("the holder's request for the slot: %v", err)
 	}
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1), pg_advisory_unlock($2)", k.core.V, slot.V); err != nil {
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1), pg_advisory_unlock($2)", k.coreKey().V, slot.V); err != nil {
 		t.Fatal(err)
 	}
 	r := receive(t, locked)
@@ -398,7 +398,7 @@ func TestQueueHeadWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 		t.Fatalf("TryAcquire of B: %v", g.err)
 	}
 	defer mustRelease(t, g.p)
-	heldOnlyBy(t, dsn, Key{semB.slotKey(g.p.Slot())}, b.PID())
+	heldOnlyBy(t, dsn, keyOf(semB.slotKey(g.p.Slot())), b.PID())
 
 	pgtest.Eventually(t, testTimeout, "the head to give up waiting there, or to wait for slot 0", func() bool {
 		if returned {
@@ -409,10 +409,10 @@ func TestQueueHeadWaitAvoidsBackendWithGrantInFlight(t *testing.T) {
 			returned = true
 			return true
 		default:
-			return waitingOn(t, dsn, Key{semA.slotKey(0)}) > 0
+			return waitingOn(t, dsn, keyOf(semA.slotKey(0))) > 0
 		}
 	})
-	waitsWhileHolding(t, dsn, Key{semA.queueKey()})
+	waitsWhileHolding(t, dsn, keyOf(semA.queueKey()))
 	if !returned {
 		a = <-head
 	}
@@ -448,7 +448,7 @@ func TestGrantAvoidsBackendClaimedToWait(t *testing.T) {
 	if p.l.S == b {
 		t.Fatal("the permit went to the backend claimed to wait")
 	}
-	heldOnlyBy(t, dsn, Key{sem.slotKey(p.Slot())}, p.l.S.PID())
+	heldOnlyBy(t, dsn, keyOf(sem.slotKey(p.Slot())), p.l.S.PID())
 	if got := lockState(t, dsn); len(got) != 1 {
 		t.Fatalf("pg_locks: %v, want only the permit's slot", got)
 	}
@@ -496,7 +496,7 @@ func TestContendedDirectWaitReportedAndCancelled(t *testing.T) {
 	c := newTestClient(t, dsn, WithHooks(rec.hooks()))
 	c.core.Contention.Memory = time.Hour // the test's pace does not matter
 	k := Int64Key(7301)
-	c.core.Contention.Note(k.core) // found held elsewhere a moment ago
+	c.core.Contention.Note(k.coreKey()) // found held elsewhere a moment ago
 
 	h, err := holder.Lock(ctx, k)
 	if err != nil {
@@ -507,7 +507,7 @@ func TestContendedDirectWaitReportedAndCancelled(t *testing.T) {
 	var ctl recorder
 	cc := newTestClient(t, dsn, WithHooks(ctl.hooks()))
 	cc.core.Contention.Memory = time.Hour
-	cc.core.Contention.Note(k.core)
+	cc.core.Contention.Note(k.coreKey())
 	rctx, rcancel := context.WithCancel(ctx)
 	rch := goLock(func() (*Lock, error) { return cc.RLock(rctx, k) })
 	if !pgtest.Poll(testTimeout, func() bool { return ctl.contentionCount() == 1 }) {
@@ -546,7 +546,7 @@ func TestContendedDirectWaitReportedAndCancelled(t *testing.T) {
 	// The one statement that tries and waits, cancelled mid-wait.
 	d := newTestClient(t, dsn)
 	d.core.Contention.Memory = time.Hour
-	d.core.Contention.Note(k.core)
+	d.core.Contention.Note(k.coreKey())
 	dctx, dcancel := context.WithCancel(ctx)
 	defer dcancel()
 	dch := goLock(func() (*Lock, error) { return d.Lock(dctx, k) })
@@ -587,7 +587,7 @@ func TestContendedDirectWaitBackendTerminated(t *testing.T) {
 	c := newTestClient(t, dsn, WithHooks(rec.hooks()))
 	c.core.Contention.Memory = time.Hour
 	k := Int64Key(7302)
-	c.core.Contention.Note(k.core)
+	c.core.Contention.Note(k.coreKey())
 
 	h, err := holder.Lock(ctx, k)
 	if err != nil {
@@ -618,7 +618,7 @@ func TestContendedDirectWaitBackendTerminated(t *testing.T) {
 	// without OnContention).
 	d := newTestClient(t, dsn)
 	d.core.Contention.Memory = time.Hour
-	d.core.Contention.Note(k.core)
+	d.core.Contention.Note(k.coreKey())
 	if h, err = holder.Lock(ctx, k); err != nil {
 		t.Fatal(err)
 	}
@@ -658,13 +658,13 @@ func TestContendedPairKeysAndFence(t *testing.T) {
 	c := newTestClient(t, dsn)
 	c.core.Contention.Memory = time.Hour
 	p := PairKey(12, 34)
-	i := Int64Key(p.core.V)
-	if c.core.Contention.Slot(p.core) != c.core.Contention.Slot(i.core) {
+	i := Int64Key(p.coreKey().V)
+	if c.core.Contention.Slot(p.coreKey()) != c.core.Contention.Slot(i.coreKey()) {
 		t.Fatal("the pair key and the bigint key of the same bits do not share a slot")
 	}
 
 	// The pair key is contended.
-	c.core.Contention.Note(p.core)
+	c.core.Contention.Note(p.coreKey())
 	hp, err := holder.Lock(ctx, p)
 	if err != nil {
 		t.Fatal(err)
@@ -680,7 +680,7 @@ func TestContendedPairKeysAndFence(t *testing.T) {
 	mustUnlock(t, hp)
 
 	// The bigint key is contended; the pair key is free.
-	c.core.Contention.Note(i.core)
+	c.core.Contention.Note(i.coreKey())
 	hi, err := holder.Lock(ctx, i)
 	if err != nil {
 		t.Fatal(err)
@@ -700,7 +700,7 @@ func TestContendedPairKeysAndFence(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c.core.Contention.Note(i.core)
+	c.core.Contention.Note(i.coreKey())
 	ch := goLock(func() (*Lock, error) { return c.Lock(ctx, i, WithFence()) })
 	if q := waitingQuery(t, dsn, i); !strings.Contains(q, "CASE WHEN") {
 		t.Fatalf("the contended fenced Lock waits in %q, want the statement that tries and waits", q)

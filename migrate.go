@@ -325,7 +325,7 @@ func inMigrationTx(ctx context.Context, c *core.Config, db TxBeginner, op string
 	}
 	// The lock comes before any catalog change, so concurrent calls do not
 	// race on CREATE SCHEMA or CREATE TABLE.
-	if err := XactLock(ctx, tx, Key{migrateKey}); err != nil {
+	if err := XactLock(ctx, tx, keyOf(migrateKey)); err != nil {
 		return core.Errorf("%s: wait for other migrations: %w", op, err)
 	}
 	var exists bool

@@ -989,7 +989,7 @@ func (n *nemesis) do(s nemesisStep) bool {
 		a := n.resolve(s)
 		switch {
 		case s.target == nemTargetLeader:
-			ok = n.cut(s.kind, "a.pid IN ("+nemesisHolderSQL+" AND k = $1)", nemesisElections[s.election].key().core.V)
+			ok = n.cut(s.kind, "a.pid IN ("+nemesisHolderSQL+" AND k = $1)", nemesisElections[s.election].key().coreKey().V)
 		case a.holder:
 			ok = n.cut(s.kind, "a.application_name = $1 AND a.pid IN ("+nemesisHolderSQL+" AND k >> 16 = $2 AND k & 65535 <> 65535)",
 				a.name, semaphoreTarget{name: nemesisPermits}.prefix())
@@ -997,7 +997,7 @@ func (n *nemesis) do(s nemesisStep) bool {
 			ok = n.cut(s.kind, "a.application_name = $1 AND a.pid IN ("+nemesisHolderSQL+" AND k = ANY($2))", a.name, nemesisKeys(electionKey))
 		}
 	case nemCutGuard:
-		ok = n.cut(s.kind, "a.pid IN ("+nemesisHolderSQL+" AND k = $1)", nemesisGuardKey(nemesisElections[s.election].name).core.V)
+		ok = n.cut(s.kind, "a.pid IN ("+nemesisHolderSQL+" AND k = $1)", nemesisGuardKey(nemesisElections[s.election].name).coreKey().V)
 	case nemCutListener:
 		ok = n.cut(s.kind, "a.application_name = $1 AND a.query LIKE 'LISTEN%'", n.resolve(s).name)
 	case nemCutAll:
@@ -1064,7 +1064,7 @@ func (n *nemesis) resolve(s nemesisStep) *nemesisActor {
 		defer cancel()
 		var app string
 		err := n.pool.QueryRow(ctx, "SELECT coalesce(a.application_name, '') FROM ("+nemesisHolderSQL+
-			" AND k = $1) h JOIN pg_catalog.pg_stat_activity a ON a.pid = h.pid LIMIT 1", nemesisElections[s.election].key().core.V).Scan(&app)
+			" AND k = $1) h JOIN pg_catalog.pg_stat_activity a ON a.pid = h.pid LIMIT 1", nemesisElections[s.election].key().coreKey().V).Scan(&app)
 		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			n.pool.Reset()
 		}
@@ -1160,10 +1160,10 @@ func (n *nemesis) cut(kind, where string, args ...any) bool {
 		prefix := semaphoreTarget{name: nemesisPermits}.prefix()
 		for _, k := range r.Keys {
 			for _, e := range nemesisElections {
-				if k == e.key().core.V {
+				if k == e.key().coreKey().V {
 					v.lockOf = append(v.lockOf, e.name)
 				}
-				if k == nemesisGuardKey(e.name).core.V {
+				if k == nemesisGuardKey(e.name).coreKey().V {
 					v.guardOf = append(v.guardOf, e.name)
 				}
 			}
@@ -1392,7 +1392,7 @@ func (n *nemesis) guardlessIn(et electionTarget) bool {
 		}
 		last = at
 	}
-	n.cut(nemGuardless, "a.pid = $1 OR a.pid IN ("+nemesisHolderSQL+" AND k = $2)", next.lockPID, nemesisGuardKey(et.name).core.V)
+	n.cut(nemGuardless, "a.pid = $1 OR a.pid IN ("+nemesisHolderSQL+" AND k = $2)", next.lockPID, nemesisGuardKey(et.name).coreKey().V)
 	n.mu.Lock()
 	cuts := next.actor.cuts
 	hit := len(cuts) > 0 && !cuts[len(cuts)-1].at.Before(from) &&

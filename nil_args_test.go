@@ -228,3 +228,48 @@ func TestNilCallbacksRefusedBeforeLocking(t *testing.T) {
 		t.Errorf("nil callbacks left %d keys in pg_locks", n)
 	}
 }
+
+// A nil Client refuses a nil ctx with the same error as any Client, and a
+// Session or Client that NewSession, New or Open did not make (the zero
+// value) answers what it always did: its methods that read no
+// connection do not panic.
+func TestNilAndZeroReceivers(t *testing.T) {
+	var c *Client
+	k := Int64Key(1)
+	for name, call := range map[string]func() error{
+		"Lock":       func() error { _, err := c.Lock(nilCtx, k); return err },
+		"TryLock":    func() error { _, err := c.TryLock(nilCtx, k); return err },
+		"RLock":      func() error { _, err := c.RLock(nilCtx, k); return err },
+		"TryRLock":   func() error { _, err := c.TryRLock(nilCtx, k); return err },
+		"LockAll":    func() error { _, err := c.LockAll(nilCtx, k); return err },
+		"NewSession": func() error { _, err := c.NewSession(nilCtx); return err },
+		"Do":         func() error { return c.Do(nilCtx, k, func(context.Context) error { return nil }) },
+	} {
+		var err error
+		func() {
+			defer func() {
+				if p := recover(); p != nil {
+					err = fmt.Errorf("panic: %v", p)
+				}
+			}()
+			err = call()
+		}()
+		if err == nil || !strings.Contains(err.Error(), "ctx is nil") {
+			t.Errorf("nil Client: %s(nil ctx) = %v; want an error saying ctx is nil", name, err)
+		}
+	}
+	var s Session
+	if s.Err() != nil || s.PID() != 0 || s.Done() != nil {
+		t.Errorf("zero Session: Err %v, PID %d, Done %v; want nil, 0, nil", s.Err(), s.PID(), s.Done())
+	}
+	var zc Client
+	if st := zc.Stat(); st != (Stat{}) {
+		t.Errorf("zero Client: Stat() = %+v, want the zero Stat", st)
+	}
+	if err := zc.CheckFence(context.Background(), nil, k, 1); err == nil || !strings.Contains(err.Error(), "nil pgx.Tx") {
+		t.Errorf("zero Client: CheckFence with a nil tx = %v; want an error naming the nil pgx.Tx", err)
+	}
+	if err := c.Do(context.Background(), Key{}, nil); err == nil || err.Error() != "pgcoord: do Key{}: fn is nil" {
+		t.Errorf("Do with the zero Key and a nil fn = %v; want pgcoord: do Key{}: fn is nil", err)
+	}
+}

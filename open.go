@@ -35,8 +35,8 @@ func New(pool *pgxpool.Pool, opts ...Option) (*Client, error) {
 // tells, and asking it for a connection would open one on an open pool, so
 // poolClosed reads the channel that pgxpool's Close closes. Should a later
 // pgx name it otherwise, poolClosed reports false and the pool's first use
-// reports the closed pool instead (onPool); TestNewRefusesClosedPool fails
-// then, so the change does not go unseen.
+// reports the closed pool instead (the core's Client.OnPool);
+// TestNewRefusesClosedPool fails then, so the change does not go unseen.
 func poolClosed(pool *pgxpool.Pool) bool {
 	f := reflect.ValueOf(pool).Elem().FieldByName("closeChan")
 	if !f.IsValid() || f.Type() != reflect.TypeFor[chan struct{}]() {
@@ -86,7 +86,7 @@ func openClient(pool *pgxpool.Pool, own bool, opts []Option) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	events := newEventHooks(opts, cfg)
+	events := eventHooksOf(cfg)
 	c := &Client{core: core.NewClient(pool, own, cfg)}
 	c.core.NewHandle = newHandle
 	c.semaphoreRecheck = semaphoreRecheck

@@ -337,7 +337,7 @@ func TestFenceGlanceNoSpuriousDeadlock(t *testing.T) {
 	// The Client's one wait is taken: a Lock of y, which another
 	// connection holds.
 	other := pgtest.Conn(t, dsn)
-	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", y.core.V); err != nil {
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", y.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	waiter := goLock(func() (*Lock, error) { return c.Lock(ctx, y) })
@@ -390,7 +390,7 @@ func TestFenceGlanceNoSpuriousDeadlock(t *testing.T) {
 		if _, err := tx.Exec(ctx, "SET LOCAL lock_timeout = '30ms'"); err != nil {
 			t.Fatal(err)
 		}
-		_, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", x.core.V)
+		_, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", x.coreKey().V)
 		switch core.SqlState(err) {
 		case "55P03":
 		case "40P01":
@@ -409,7 +409,7 @@ func TestFenceGlanceNoSpuriousDeadlock(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", y.core.V); err != nil {
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", y.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	w := receive(t, waiter)
@@ -461,7 +461,7 @@ func TestSemaphoreHeadGrantRowWaitNoSpuriousDeadlock(t *testing.T) {
 		acquired <- err
 	}()
 	pgtest.Eventually(t, testTimeout, "the Acquire to head the queue on the shared backend", func() bool {
-		g := grantedTo(t, dsn, Key{sem.queueKey()})
+		g := grantedTo(t, dsn, keyOf(sem.queueKey()))
 		return len(g) == 1 && g[0] == shared
 	})
 
@@ -619,16 +619,16 @@ func TestQueueHeadAwaitTakesTheOnlyWait(t *testing.T) {
 	}()
 	slot0 := sem.slotKey(0)
 	pgtest.Eventually(t, testTimeout, "the head to wait for slot 0 on the server", func() bool {
-		return waitingOn(t, dsn, Key{slot0}) == 1 && c.Stat().Waits == 1
+		return waitingOn(t, dsn, keyOf(slot0)) == 1 && c.Stat().Waits == 1
 	})
-	heads := grantedTo(t, dsn, Key{sem.queueKey()})
+	heads := grantedTo(t, dsn, keyOf(sem.queueKey()))
 	if len(heads) != 1 {
 		t.Fatalf("pg_locks: queue key held by %v, want one head", heads)
 	}
 	head := heads[0]
 
 	holder := pgtest.Conn(t, dsn)
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k.core.V); err != nil {
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	locked := goLock(func() (*Lock, error) { return c.Lock(ctx, k) })
@@ -638,7 +638,7 @@ func TestQueueHeadAwaitTakesTheOnlyWait(t *testing.T) {
 	if n := waitingOn(t, dsn, k); n != 0 {
 		t.Fatalf("pg_locks: %d backends wait for %v while the head's wait takes the Client's only one", n, k)
 	}
-	waitsWhileHolding(t, dsn, Key{sem.queueKey()})
+	waitsWhileHolding(t, dsn, keyOf(sem.queueKey()))
 
 	zl, err := c.TryLock(ctx, z)
 	if err != nil {
@@ -648,10 +648,10 @@ func TestQueueHeadAwaitTakesTheOnlyWait(t *testing.T) {
 		t.Fatalf("TryLock of %v ran on backend %d, which waits for slot 0", z, head)
 	}
 	heldOnlyBy(t, dsn, z, zl.core.S.PID())
-	waitsWhileHolding(t, dsn, Key{sem.queueKey()})
+	waitsWhileHolding(t, dsn, keyOf(sem.queueKey()))
 	stillWaiting(t, locked)
 
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.core.V); err != nil {
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1)", k.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	r := receive(t, locked)
@@ -668,12 +668,12 @@ func TestQueueHeadAwaitTakesTheOnlyWait(t *testing.T) {
 	if g.err != nil {
 		t.Fatalf("Acquire: %v", g.err)
 	}
-	heldOnlyBy(t, dsn, Key{slot0}, head)
+	heldOnlyBy(t, dsn, keyOf(slot0), head)
 	waitsWhileHolding(t, dsn)
 	mustRelease(t, g.p)
 	mustUnlock(t, r.l)
 	mustUnlock(t, zl)
-	notHeld(t, dsn, Key{sem.queueKey()})
+	notHeld(t, dsn, keyOf(sem.queueKey()))
 }
 
 // Promise (doc.go, "Locks that live as long as a connection"; backends.go):

@@ -309,7 +309,7 @@ func (s *Semaphore) Name() string { return s.name }
 // bigint keys that share the key's upper 48 bits, with the slot number in
 // the low 16 bits; the key with those bits all set is the queue of
 // waiters.
-func (s *Semaphore) Key() Key { return Key{s.key} }
+func (s *Semaphore) Key() Key { return keyOf(s.key) }
 
 // semaphoreKey returns the key of the semaphore called name whose rows are
 // in schema.

@@ -70,8 +70,8 @@ func TestSemaphoreHeadWaitsForSlot(t *testing.T) {
 	if r.p.Slot() != 0 || r.p.l.S.PID() != pid {
 		t.Fatalf("permit: slot %d on backend %d, want slot 0 on the backend that waited, %d", r.p.Slot(), r.p.l.S.PID(), pid)
 	}
-	heldOnlyBy(t, dsn, Key{waiter.slotKey(0)}, pid)
-	notHeld(t, dsn, Key{waiter.queueKey()})
+	heldOnlyBy(t, dsn, keyOf(waiter.slotKey(0)), pid)
+	notHeld(t, dsn, keyOf(waiter.queueKey()))
 	var rowPID int32
 	if err := pool.QueryRow(ctx, "SELECT pid FROM pgcoord.semaphore_holders WHERE name = $1 AND slot = 0", "await").Scan(&rowPID); err != nil {
 		t.Fatal(err)
@@ -80,7 +80,7 @@ func TestSemaphoreHeadWaitsForSlot(t *testing.T) {
 		t.Fatalf("semaphore_holders: slot 0 held by %d, want %d", rowPID, pid)
 	}
 	mustRelease(t, r.p)
-	notHeld(t, dsn, Key{waiter.slotKey(0)})
+	notHeld(t, dsn, keyOf(waiter.slotKey(0)))
 	if err := pool.QueryRow(ctx, "SELECT pid FROM pgcoord.semaphore_holders WHERE name = $1", "await").Scan(&rowPID); err != pgx.ErrNoRows {
 		t.Fatalf("semaphore_holders after the release: %v, want no row", err)
 	}
@@ -340,7 +340,7 @@ func TestSemaphoreHeadBackendHoldsOnlyQueueKey(t *testing.T) {
 				// slot 0 in it, it may hold nothing but the queue key.
 				state := lockState(t, dsn)
 				waits := false
-				for _, h := range state[Key{head.slotKey(0)}] {
+				for _, h := range state[keyOf(head.slotKey(0))] {
 					waits = waits || h.pid == pid && !h.granted
 				}
 				if !waits {
@@ -349,7 +349,7 @@ func TestSemaphoreHeadBackendHoldsOnlyQueueKey(t *testing.T) {
 				var mine []string
 				for k, hs := range state {
 					for _, h := range hs {
-						if h.pid == pid && h.granted && k.core != head.queueKey() {
+						if h.pid == pid && h.granted && k.coreKey() != head.queueKey() {
 							mine = append(mine, k.String())
 						}
 					}
@@ -397,7 +397,7 @@ func TestSemaphoreHeadBackendHoldsOnlyQueueKey(t *testing.T) {
 				t.Fatalf("pg_locks: slots %v (queue used: %v), want slot 0 held by the head's %d", slots, queued, pr.p.l.S.PID())
 			}
 			mustRelease(t, pr.p)
-			notHeld(t, dsn, Key{head.slotKey(0)})
+			notHeld(t, dsn, keyOf(head.slotKey(0)))
 			notHeld(t, dsn, contended)
 		})
 	}
@@ -502,7 +502,7 @@ func TestSemaphoreHeadWaitBackendTerminated(t *testing.T) {
 	pid := awaitSlotWaiter(t, dsn, first)
 	ch2 := goAcquire(ctx, second)
 	pgtest.Eventually(t, testTimeout, "the second to line up", func() bool {
-		return waitingOn(t, dsn, Key{first.queueKey()}) == 1
+		return waitingOn(t, dsn, keyOf(first.queueKey())) == 1
 	})
 	pgtest.Terminate(t, dsn, pid)
 	// Someone heads the queue again and waits for slot 0 on another
@@ -561,7 +561,7 @@ func TestSemaphoreHeadWaitHolderTerminated(t *testing.T) {
 	if r.err != nil {
 		t.Fatal(r.err)
 	}
-	heldOnlyBy(t, dsn, Key{head.slotKey(0)}, r.p.l.S.PID())
+	heldOnlyBy(t, dsn, keyOf(head.slotKey(0)), r.p.l.S.PID())
 	var rowPID int32
 	if err := pool.QueryRow(ctx, "SELECT pid FROM pgcoord.semaphore_holders WHERE name = $1 AND slot = 0", name).Scan(&rowPID); err != nil {
 		t.Fatal(err)
@@ -571,8 +571,8 @@ func TestSemaphoreHeadWaitHolderTerminated(t *testing.T) {
 	}
 	awaitLossOf(t, hp)
 	mustRelease(t, r.p)
-	notHeld(t, dsn, Key{head.slotKey(0)})
-	notHeld(t, dsn, Key{head.queueKey()})
+	notHeld(t, dsn, keyOf(head.slotKey(0)))
+	notHeld(t, dsn, keyOf(head.queueKey()))
 }
 
 // awaitLossOf waits until p reports its loss.
@@ -751,7 +751,7 @@ func TestSemaphoreHeadWaitOtherSchemaRepeatableRead(t *testing.T) {
 		}
 	}
 	mustRelease(t, held)
-	heldOnlyBy(t, dsn, Key{elsewhere.slotKey(0)}, ep.l.S.PID())
+	heldOnlyBy(t, dsn, keyOf(elsewhere.slotKey(0)), ep.l.S.PID())
 	mustRelease(t, ep)
 	var n int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM "await_other".semaphore_holders`).Scan(&n); err != nil {
@@ -817,7 +817,7 @@ func TestSemaphoreHeadWaitLoweredLimitShowsOnePermit(t *testing.T) {
 	}
 	if len(slots) > 1 {
 		t.Errorf("pg_locks: slots %v granted at once to backends %v, of a semaphore of limit 1 whose one permit is slot 1, held by %d (the head's queue key is on %v); read %d times",
-			slots, pids, p1.l.S.PID(), grantedTo(t, dsn, Key{head.queueKey()}), reads)
+			slots, pids, p1.l.S.PID(), grantedTo(t, dsn, keyOf(head.queueKey())), reads)
 	} else {
 		t.Logf("pg_locks read %d times: never more than one slot", reads)
 	}
@@ -862,7 +862,7 @@ func TestSemaphoreHeadWaitLimitRaisedAsPermitPasses(t *testing.T) {
 		awaitSlotWaiter(t, dsn, first)
 		ch2 := goAcquire(ctx, second)
 		pgtest.Eventually(t, testTimeout, "the second to line up", func() bool {
-			return waitingOn(t, dsn, Key{first.queueKey()}) == 1
+			return waitingOn(t, dsn, keyOf(first.queueKey())) == 1
 		})
 		released := make(chan error, 1)
 		if round%2 == 0 {

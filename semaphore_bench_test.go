@@ -77,7 +77,7 @@ func BenchmarkSemaphoreHandoff(b *testing.B) {
 		func(ctx context.Context, side int) error { return held[side].Release(ctx) },
 		func(side int) {
 			awaitBlockedHead(b, dsn, sems[side])
-			awaitWaiter(b, obs, Key{sems[side].slotKey(0)}, true)
+			awaitWaiter(b, obs, keyOf(sems[side].slotKey(0)), true)
 		})
 	b.ReportMetric(float64(waited[len(waited)/2].Nanoseconds())/1e3, "waiter-p50-us")
 	b.ReportMetric(float64(waited[len(waited)*9/10].Nanoseconds())/1e3, "waiter-p90-us")

@@ -89,7 +89,7 @@ func TestSemaphoreTwoQueuesBehindOtherHeadsShareTheOnlyWait(t *testing.T) {
 		ych[i] = goAcquire(ctx, ys[i])
 	}
 	pgtest.Eventually(t, testTimeout, "y to wait on the server for one of the queue keys", func() bool {
-		return waitingOn(t, dsn, Key{ys[0].queueKey()})+waitingOn(t, dsn, Key{ys[1].queueKey()}) == 1
+		return waitingOn(t, dsn, keyOf(ys[0].queueKey()))+waitingOn(t, dsn, keyOf(ys[1].queueKey())) == 1
 	})
 	check := func(what string) {
 		t.Helper()
@@ -133,7 +133,7 @@ func TestSemaphoreTwoQueuesBehindOtherHeadsShareTheOnlyWait(t *testing.T) {
 		if r.err != nil {
 			t.Fatalf("%s: Acquire: %v", what, r.err)
 		}
-		heldOnlyBy(t, dsn, Key{r.p.l.KeyList[0]}, r.p.l.S.PID())
+		heldOnlyBy(t, dsn, keyOf(r.p.l.KeyList[0]), r.p.l.S.PID())
 		t.Logf("%s: the permit reached the head after %v", what, took.Round(time.Millisecond))
 		if took > time.Second {
 			t.Fatalf("broken promise: %s: a free permit reached the head after %v, bound 1 s", what, took)
@@ -151,7 +151,7 @@ func TestSemaphoreTwoQueuesBehindOtherHeadsShareTheOnlyWait(t *testing.T) {
 	awaiting := 0
 	for deadline := time.Now().Add(4 * semaphoreRecheck); time.Now().Before(deadline); {
 		check("y heads both queues")
-		awaiting = max(awaiting, waitingOn(t, dsn, Key{ys[0].slotKey(0)})+waitingOn(t, dsn, Key{ys[1].slotKey(0)}))
+		awaiting = max(awaiting, waitingOn(t, dsn, keyOf(ys[0].slotKey(0)))+waitingOn(t, dsn, keyOf(ys[1].slotKey(0))))
 	}
 	t.Logf("y's heads: at most %d awaited slot 0 on the server at once", awaiting)
 	for i := range names {
@@ -229,7 +229,7 @@ func TestSemaphoreHeadGrantWaitsForRowInFlightWhenABackendIsTerminated(t *testin
 				// the raise then commits and must reach it.
 				pgtest.Eventually(t, testTimeout, "the Acquire to head the queue again on a new backend", func() bool {
 					stillWaitingPermit(t, ch)
-					pids := grantedTo(t, dsn, Key{b.queueKey()})
+					pids := grantedTo(t, dsn, keyOf(b.queueKey()))
 					return len(pids) == 1 && pids[0] != headPID
 				})
 				stillWaitingPermit(t, ch)
@@ -266,7 +266,7 @@ func TestSemaphoreHeadGrantWaitsForRowInFlightWhenABackendIsTerminated(t *testin
 			if took > time.Second {
 				t.Fatalf("broken promise: the permit reached the head %v after it was freed, bound 1 s", took)
 			}
-			heldOnlyBy(t, dsn, Key{r.p.l.KeyList[0]}, r.p.l.S.PID())
+			heldOnlyBy(t, dsn, keyOf(r.p.l.KeyList[0]), r.p.l.S.PID())
 			slots, queued := slotLocks(t, dsn, a)
 			wantSlots := 2
 			if want != nil {

@@ -29,7 +29,7 @@ func TestSemaphoreTryAcquireDoesNotJumpTheQueue(t *testing.T) {
 	awaitHead(t, dsn, head)
 	// The head's first look for a permit, right after it took the queue
 	// key, is over: it waits for a notification.
-	headPID := grantedTo(t, dsn, Key{head.queueKey()})[0]
+	headPID := grantedTo(t, dsn, keyOf(head.queueKey()))[0]
 	idle := pgtest.Conn(t, dsn)
 	pgtest.Eventually(t, testTimeout, "the head's first look to end", func() bool {
 		var done bool

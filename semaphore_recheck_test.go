@@ -37,7 +37,7 @@ func TestSemaphoreHeadGetsPermitOfDeadHolderAfterLongWait(t *testing.T) {
 			waitedFrom := time.Now()
 			long := 4 * head.c.semaphoreRecheck
 			if !pgtest.Poll(testTimeout, func() bool {
-				if len(grantedTo(t, dsn, Key{head.queueKey()})) != 1 {
+				if len(grantedTo(t, dsn, keyOf(head.queueKey()))) != 1 {
 					t.Fatal("the head left the queue while every permit was held")
 				}
 				return time.Since(waitedFrom) > long

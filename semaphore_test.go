@@ -143,7 +143,7 @@ func mustRelease(t testing.TB, p *Permit) {
 func awaitHead(t testing.TB, dsn string, sem *Semaphore) {
 	t.Helper()
 	pgtest.Eventually(t, testTimeout, "an Acquire to head the queue of "+sem.name, func() bool {
-		return len(grantedTo(t, dsn, Key{sem.queueKey()})) == 1
+		return len(grantedTo(t, dsn, keyOf(sem.queueKey()))) == 1
 	})
 }
 
@@ -850,13 +850,13 @@ func TestSemaphoreCleanupAfterFailedGrant(t *testing.T) {
 	b := p.l.S
 	stray := sem.slotKey(2)
 	if err := b.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		_, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", mustInt64(Key{stray}))
+		_, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", mustInt64(keyOf(stray)))
 		return err
 	}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := pool.Exec(ctx, `INSERT INTO pgcoord.semaphore_holders (name, slot, lock_key, pid, identity, since)
-		VALUES ('cleanup', 2, $1, $2, 'stray', now())`, mustInt64(Key{stray}), b.Pid); err != nil {
+		VALUES ('cleanup', 2, $1, $2, 'stray', now())`, mustInt64(keyOf(stray)), b.Pid); err != nil {
 		t.Fatal(err)
 	}
 	if err := b.Grab(ctx); err != nil {
@@ -878,7 +878,7 @@ func TestSemaphoreCleanupAfterFailedGrant(t *testing.T) {
 
 	// A head whose queue key the server no longer holds loses it; a head
 	// whose key is still held keeps it.
-	q, err := sem.c.Lock(ctx, Key{sem.queueKey()})
+	q, err := sem.c.Lock(ctx, keyOf(sem.queueKey()))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -892,7 +892,7 @@ func TestSemaphoreCleanupAfterFailedGrant(t *testing.T) {
 		t.Fatalf("clean-up ended a queue key the server holds: %v", err)
 	}
 	if err := hb.Run(ctx, func(ctx context.Context, conn *pgx.Conn) error {
-		_, err := conn.Exec(ctx, "SELECT pg_advisory_unlock($1)", mustInt64(Key{sem.queueKey()}))
+		_, err := conn.Exec(ctx, "SELECT pg_advisory_unlock($1)", mustInt64(keyOf(sem.queueKey())))
 		return err
 	}); err != nil {
 		t.Fatal(err)
@@ -908,7 +908,7 @@ func TestSemaphoreCleanupAfterFailedGrant(t *testing.T) {
 	if hb.Err() != nil {
 		t.Fatalf("clean-up lost the backend: %v", hb.Err())
 	}
-	l, err := sem.c.TryLock(ctx, Key{sem.queueKey()})
+	l, err := sem.c.TryLock(ctx, keyOf(sem.queueKey()))
 	if err != nil {
 		t.Fatalf("the queue key is still taken in the process or on the server: %v", err)
 	}
@@ -937,7 +937,7 @@ func TestSemaphoreServesInLineOrder(t *testing.T) {
 		// Lined up: the first heads the queue, each later one waits for
 		// the queue key on the server.
 		pgtest.Eventually(t, testTimeout, fmt.Sprintf("waiter %d to line up", i), func() bool {
-			return len(grantedTo(t, dsn, Key{sems[0].queueKey()})) == 1 && waitingOn(t, dsn, Key{sems[0].queueKey()}) == i
+			return len(grantedTo(t, dsn, keyOf(sems[0].queueKey()))) == 1 && waitingOn(t, dsn, keyOf(sems[0].queueKey())) == i
 		})
 	}
 	for i := range sems {

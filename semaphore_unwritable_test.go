@@ -140,7 +140,7 @@ func releaseWhileHoldersLocked(t *testing.T, rows bool) {
 	checkLockKept(t, dsn, lx, pid, "a Release that waited for the locked table")
 	if err == nil {
 		// nil: the slot is free on the server.
-		if got := grantedTo(t, dsn, Key{p.l.KeyList[0]}); len(got) != 0 {
+		if got := grantedTo(t, dsn, keyOf(p.l.KeyList[0])); len(got) != 0 {
 			t.Fatalf("Release returned nil, but pg_locks shows slot %d granted to %v", p.Slot(), got)
 		}
 	}
@@ -183,7 +183,7 @@ func TestSemaphoreTryAcquireWhileHoldersTableLockedKeepsOtherLocks(t *testing.T)
 	checkLockKept(t, dsn, lx, pid, "a TryAcquire whose grant waited for the locked table")
 	if r.err == nil {
 		// A permit is a slot granted to its backend.
-		heldOnlyBy(t, dsn, Key{r.p.l.KeyList[0]}, r.p.l.S.PID())
+		heldOnlyBy(t, dsn, keyOf(r.p.l.KeyList[0]), r.p.l.S.PID())
 	} else if slots, _ := slotLocks(t, dsn, sem); len(slots) != 0 {
 		t.Fatalf("TryAcquire failed (%v), but pg_locks shows slots %v", r.err, slots)
 	}
@@ -413,7 +413,7 @@ func TestSemaphoreReleaseFallbackPassesSlotToHead(t *testing.T) {
 		}
 	}()
 	slot0 := sem.slotKey(0)
-	pgtest.Eventually(t, 10*time.Second, "the head waits for slot 0", func() bool { return waitingOn(t, dsn, Key{slot0}) == 1 })
+	pgtest.Eventually(t, 10*time.Second, "the head waits for slot 0", func() bool { return waitingOn(t, dsn, keyOf(slot0)) == 1 })
 	select {
 	case err := <-released:
 		if err != nil {

@@ -25,6 +25,18 @@ import (
 // which then resumes. Blocking acquires on one Session wait one at a time.
 type Session struct{ core *core.Session }
 
+// engine returns s's session in the lock core: nil for a nil Session, and a
+// zero one for a Session that NewSession did not make, as for a Client.
+func (s *Session) engine() *core.Session {
+	if s == nil {
+		return nil
+	}
+	if s.core == nil {
+		return new(core.Session)
+	}
+	return s.core
+}
+
 // NewSession opens a Session: one dedicated connection for many locks. ctx
 // bounds only the connect. It returns [ErrClosed] after Close, an error
 // wrapping [ErrReadOnly] if the server is a standby,
@@ -32,7 +44,7 @@ type Session struct{ core *core.Session }
 // [ErrTooManyConnections] if the server has no free connection slot, or the
 // connection error.
 func (c *Client) NewSession(ctx context.Context) (*Session, error) {
-	s, err := c.core.NewSession(ctx)
+	s, err := c.engine().NewSession(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -41,16 +53,16 @@ func (c *Client) NewSession(ctx context.Context) (*Session, error) {
 
 // Done returns a channel that is closed when the session ends: by Close,
 // by the Client's Close, or by loss.
-func (s *Session) Done() <-chan struct{} { return s.core.Done() }
+func (s *Session) Done() <-chan struct{} { return s.engine().Done() }
 
 // Err returns nil while the session is open, an error wrapping
 // [ErrLockLost] (and the cause) if it was lost, or [ErrClosed] if it was
 // closed.
-func (s *Session) Err() error { return s.core.Err() }
+func (s *Session) Err() error { return s.engine().Err() }
 
 // PID returns the server process ID of the session's backend, as shown in
 // pg_locks and pg_stat_activity.
-func (s *Session) PID() int32 { return s.core.PID() }
+func (s *Session) PID() int32 { return s.engine().PID() }
 
 // Close ends the session: its locks end with [ErrClosed], a blocking
 // acquire in flight on it returns ErrClosed, and the connection is closed.
@@ -62,16 +74,16 @@ func (s *Session) PID() int32 { return s.core.PID() }
 // notices, at once for a connected idle backend, and within the server
 // bound of the package documentation for a silent network. Closing a closed
 // or lost session returns nil.
-func (s *Session) Close(ctx context.Context) error { return s.core.Close(ctx) }
+func (s *Session) Close(ctx context.Context) error { return s.engine().Close(ctx) }
 
 // Lock is [Client.Lock] on this session's connection.
 func (s *Session) Lock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
-	return lockOf(s.core.Lock(ctx, key.core, coreLockOptions(opts)...))
+	return lockOf(s.engine().Lock(ctx, key.coreKey(), coreLockOptions(opts)...))
 }
 
 // TryLock is [Client.TryLock] on this session's connection.
 func (s *Session) TryLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
-	return lockOf(s.core.TryLock(ctx, key.core, coreLockOptions(opts)...))
+	return lockOf(s.engine().TryLock(ctx, key.coreKey(), coreLockOptions(opts)...))
 }
 
 // RLock is [Client.RLock] on this session's connection, with one
@@ -80,12 +92,12 @@ func (s *Session) TryLock(ctx context.Context, key Key, opts ...LockOption) (*Lo
 // writer elsewhere waits until all of them are released. Readers that must
 // let a waiting writer in take the key through the Client.
 func (s *Session) RLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
-	return lockOf(s.core.RLock(ctx, key.core, coreLockOptions(opts)...))
+	return lockOf(s.engine().RLock(ctx, key.coreKey(), coreLockOptions(opts)...))
 }
 
 // TryRLock is [Client.TryRLock] on this session's connection.
 func (s *Session) TryRLock(ctx context.Context, key Key, opts ...LockOption) (*Lock, error) {
-	return lockOf(s.core.TryRLock(ctx, key.core, coreLockOptions(opts)...))
+	return lockOf(s.engine().TryRLock(ctx, key.coreKey(), coreLockOptions(opts)...))
 }
 
 // LockAll is [Client.LockAll] on this session's connection. The session's
@@ -96,5 +108,5 @@ func (s *Session) TryRLock(ctx context.Context, key Key, opts ...LockOption) (*L
 // session and its other locks live: release some to let the other side go
 // on.
 func (s *Session) LockAll(ctx context.Context, keys ...Key) (*Lock, error) {
-	return lockOf(s.core.LockAll(ctx, coreKeys(keys)...))
+	return lockOf(s.engine().LockAll(ctx, coreKeys(keys)...))
 }

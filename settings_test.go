@@ -227,7 +227,7 @@ func TestSchemasIsolateElectionsAndSemaphores(t *testing.T) {
 	}
 	for _, schema := range schemas {
 		heldOnlyBy(t, dsn, leaders[schema].e.Key(), leaders[schema].lock.S.PID())
-		heldOnlyBy(t, dsn, Key{permits[schema].l.Key()}, permits[schema].l.S.PID())
+		heldOnlyBy(t, dsn, keyOf(permits[schema].l.Key()), permits[schema].l.S.PID())
 		if leaders[schema].Err() != nil || permits[schema].Err() != nil {
 			t.Fatalf("schema %s: leadership %v, permit %v", schema, leaders[schema].Err(), permits[schema].Err())
 		}
@@ -292,14 +292,14 @@ func TestElectionsAndSemaphoresWithExhaustedPool(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Acquire with the pool exhausted: %v", err)
 	}
-	heldOnlyBy(t, dsn, Key{p.l.Key()}, p.l.S.PID())
+	heldOnlyBy(t, dsn, keyOf(p.l.Key()), p.l.S.PID())
 	if _, err := other.Semaphore("starved", 1).TryAcquire(ctx); !errors.Is(err, ErrNoPermit) {
 		t.Fatalf("a second permit: %v, want ErrNoPermit", err)
 	}
 	if err := p.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	notHeld(t, dsn, Key{p.l.Key()})
+	notHeld(t, dsn, keyOf(p.l.Key()))
 
 	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
 	_, err = c.Election("starved").Leader(short)

@@ -68,7 +68,7 @@ func TestTermRecordedAwayWaitsForSynchronousStandby(t *testing.T) {
 	}
 	// The record waits for the transaction on a backend that does not
 	// hold the election's lock.
-	space, key := core.FenceRow(e.Key().core)
+	space, key := core.FenceRow(e.Key().coreKey())
 	if !pgtest.Poll(testTimeout, func() bool {
 		early()
 		var n int

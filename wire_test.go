@@ -76,7 +76,7 @@ func TestQueryRowDirect(t *testing.T) {
 	}
 
 	held := Int64Key(7001)
-	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", held.core.V); err != nil {
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_lock($1)", held.coreKey().V); err != nil {
 		t.Fatal(err)
 	}
 	if ok, err := try(held, s.core.Pid); err != nil || ok {
@@ -94,7 +94,7 @@ func TestQueryRowDirect(t *testing.T) {
 	// A text argument: the wait for a key held elsewhere ends at its
 	// lock_timeout; for a free key the try answers at once.
 	ttw := func(k Key) (bool, error) {
-		sql, _, args := core.TryThenWaitSQL(k.core, false, s.core.Pid)
+		sql, _, args := core.TryThenWaitSQL(k.coreKey(), false, s.core.Pid)
 		args[len(args)-1] = "20"
 		var took bool
 		err := on(func(ctx context.Context, conn *pgx.Conn) error {

@@ -179,9 +179,9 @@ func init() {
 		CheckFence: func(ctx context.Context, tx xactsql.Tx, key Key, fence Term, opts []FenceOption) error {
 			c, err := newFenceConfig(opts)
 			if err != nil {
-				return core.Errorf("check fence %s: %w", key, err)
+				return core.Errorf("check fence %s: %w", core.KeyList([]core.Key{key.coreKey()}), err)
 			}
-			return checkFence(ctx, c, tx, key.core, fence)
+			return checkFence(ctx, c, tx, key.coreKey(), fence)
 		},
 		Subject: func(keys []Key) string { return keysSubject(coreKeys(keys)) },
 	}

@@ -107,15 +107,7 @@ import (
 // authentication, a missing privilege, an unknown or invalid setting: see
 // permanentConnectError) it returns at once. A try fails fast.
 
-// DefaultMaxWaits is how many blocking acquires of one Client wait on the
-// server at once unless WithMaxWaits says otherwise; DefaultSharedBackends
-// is how many backends serve its tries and hold its locks.
-const (
-	DefaultMaxWaits       = 4
-	DefaultSharedBackends = 2
-)
-
-// spreadAbove is how many keys a backend holds before the Client prefers
+// SpreadAbove is how many keys a backend holds before the Client prefers
 // others for new keys. Every statement on a backend costs the server time
 // in proportion to the session locks the backend holds (at the end of each
 // transaction PostgreSQL walks the backend's table of local locks), so

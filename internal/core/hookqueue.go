@@ -11,9 +11,6 @@ import (
 	"time"
 )
 
-// MaxPendingHookEvents bounds the events queued for a Client's hooks.
-const MaxPendingHookEvents = 4096
-
 // The lock events of a Client, as its hooks see them: the root package's
 // Hooks take them converted to its event types, which document them.
 
@@ -72,6 +69,12 @@ type LockHooks struct {
 	// Queue asks for a queue with no lock hook: the Client's elections
 	// and semaphores push their events to it.
 	Queue bool
+	// MaxPending bounds the events that wait in the queue; more are
+	// dropped, and counted.
+	MaxPending int
+	// Events is what the root package keeps with these hooks: those of
+	// the Client's elections and semaphores.
+	Events any
 }
 
 // internalEnded tells q's internalEnded of the end of l.
@@ -107,15 +110,18 @@ func newHookQueue(h LockHooks, logger func() *slog.Logger) *HookQueue {
 // Push queues f, or drops it when the queue is full (counted in dropped)
 // or closed (an event after Close, which no hook is left to take).
 func (q *HookQueue) Push(f func()) {
+	if q == nil {
+		return
+	}
 	q.mu.Lock()
 	if q.closed {
 		q.mu.Unlock()
 		return
 	}
-	if q.queued >= MaxPendingHookEvents {
+	if q.queued >= q.h.MaxPending {
 		q.mu.Unlock()
 		if q.dropped.Add(1) == 1 {
-			q.logger().Warn("pgcoord: hook events dropped: the hooks are slower than the events", "pending", MaxPendingHookEvents)
+			q.logger().Warn("pgcoord: hook events dropped: the hooks are slower than the events", "pending", q.h.MaxPending)
 		}
 		return
 	}

@@ -20,6 +20,12 @@ type Key struct {
 	V    int64 // bigint value, or uint32(a)<<32 | uint32(b) for a pair
 }
 
+// KeyOf returns the key of kind and v, as Kind and V give them.
+func KeyOf(kind uint8, v int64) Key { return Key{kind: keyKind(kind), V: v} }
+
+// Kind returns k's key space: 0 for the zero Key.
+func (k Key) Kind() uint8 { return uint8(k.kind) }
+
 type keyKind uint8
 
 const (
