@@ -212,6 +212,15 @@ func TestLockerTickHold(t *testing.T) {
 	lk := newLocker(t, c, pgcoordgocron.WithTicks(i))
 	ctx := ctxT(t)
 
+	// Lock with half the interval left in the tick's window, so that the
+	// round trip ends inside it: one that ends past it is given back with
+	// ErrTickPassed (TestLockerTickWindowEdges), and a call a few
+	// milliseconds before the window's end would meet that.
+	pgtest.Eventually(t, i, "a tick window with half the interval left", func() bool {
+		now := time.Now()
+		end := time.Unix(0, pgcoordgocron.TickOf(now, i)*int64(i)+int64(i)/2)
+		return end.Sub(now) >= i/2
+	})
 	start := time.Now()
 	gl, err := lk.Lock(ctx, "job")
 	if err != nil {
