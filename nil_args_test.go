@@ -64,6 +64,16 @@ func nilCtxArgs(t *testing.T, m reflect.Method, tx pgx.Tx) []reflect.Value {
 	return args
 }
 
+// errorOrPanic returns call's error, or an error naming the panic it raised.
+func errorOrPanic(call func() error) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("panic: %v", p)
+		}
+	}()
+	return call()
+}
+
 // callNilCtx calls m on recv with a nil ctx and returns the error it
 // reports (through its error result, or the Err of what it delivers), or
 // the panic it raised.
@@ -210,15 +220,7 @@ func TestNilCallbacksRefusedBeforeLocking(t *testing.T) {
 		"Do":  func() error { return c.Do(ctx, k, nil) },
 		"Run": func() error { return c.Election("nil-fn").Run(ctx, nil) },
 	} {
-		var err error
-		func() {
-			defer func() {
-				if p := recover(); p != nil {
-					err = fmt.Errorf("panic: %v", p)
-				}
-			}()
-			err = call()
-		}()
+		err := errorOrPanic(call)
 		if err == nil || !strings.Contains(err.Error(), "fn is nil") || errors.Is(err, context.DeadlineExceeded) {
 			t.Errorf("%s with a nil fn = %v; want an error saying fn is nil", name, err)
 		}
@@ -245,15 +247,7 @@ func TestNilAndZeroReceivers(t *testing.T) {
 		"NewSession": func() error { _, err := c.NewSession(nilCtx); return err },
 		"Do":         func() error { return c.Do(nilCtx, k, func(context.Context) error { return nil }) },
 	} {
-		var err error
-		func() {
-			defer func() {
-				if p := recover(); p != nil {
-					err = fmt.Errorf("panic: %v", p)
-				}
-			}()
-			err = call()
-		}()
+		err := errorOrPanic(call)
 		if err == nil || !strings.Contains(err.Error(), "ctx is nil") {
 			t.Errorf("nil Client: %s(nil ctx) = %v; want an error saying ctx is nil", name, err)
 		}
